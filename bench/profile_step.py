@@ -1,0 +1,73 @@
+"""Where a trainer step's time goes on one GPU: torch.profiler over a few steps of the bench geometry.
+
+Prints the kernels by total CUDA time and the wall time per step; writes a Chrome trace to
+$OUT/step-trace.json. Usage: python bench/profile_step.py [--steps 4] (same geometry flags as step.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import uform as u
+from step import topic_slices  # type: ignore[import-not-found]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--depth", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--columns", type=int, default=1024)
+    parser.add_argument("--segments", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--objective", default="joint")
+    args = parser.parse_args()
+    executor = u.Executor.for_vram([0])
+    trainer = u.Trainer.init_vram(
+        executor,
+        u.TrainerInitVramConfig(
+            depth=args.depth,
+            hidden=args.hidden,
+            objective=u.Objective.parse(args.objective),
+            batch=u.BatchShape(
+                max_rows_per_device=args.rows, max_segments_per_device=args.segments, max_columns_per_row=args.columns
+            ),
+            schedule=u.Schedule(steps=1000),
+            seed=1,
+        ),
+    )
+    n = args.segments
+    items = topic_slices(n, args.rows * args.columns // n - 1)
+    relations = u.Relations(attract=u.Edges(offsets=list(range(n + 1)), ids=[i ^ 1 for i in range(n)]))
+    verbs = trainer.deferred(executor)
+
+    def step(stats: bool) -> object:
+        config = u.TrainerStepConfig(relations=relations, stats=u.TrainerStepStats() if stats else None)
+        return verbs.step([u.Modality.Text] * n, items, config)
+
+    for _ in range(6):
+        step(True).result()
+    torch.cuda.synchronize()
+    for stats in (False, True):
+        t0 = time.perf_counter()
+        futures = [step(stats) for _ in range(10)]
+        for f in futures:
+            f.result()
+        torch.cuda.synchronize()
+        print(f"wall ms/step, stats={stats}: {(time.perf_counter() - t0) / 10 * 1e3:.2f}", flush=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        futures = [step(True) for _ in range(args.steps)]
+        for f in futures:
+            f.result()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+    prof.export_chrome_trace(os.path.join(os.environ.get("OUT", "."), "step-trace.json"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Training-step throughput of uform's trainer beside Hugging Face's BertForMaskedLM, in one run.
+
+Both at the same geometry (default: the seed's, depth 12 x hidden 512, 64 rows x 1024 columns, 256
+segments per device), bf16 autocast, fused AdamW, full steps (forward, loss, backward, update):
+
+  uform_joint   Trainer.deferred(...).step of an Objective.Joint text step (span corruption + sigmoid
+                contrastive over 128 attract pairs, ambient negatives), stats read back every step,
+                two steps in flight; items are 255-byte slices of CPython's pydoc topics, so the 256
+                segments fill the 64 rows exactly.
+  hf_bert       transformers' BertForMaskedLM (SDPA attention) on random ids and labels over every
+                position, as ../shared/bench/anchor_gpu.py measures it.
+
+Prints a table and writes bench-step.json under $OUT (or the current folder). Usage:
+  python bench/step.py [--depth 12 --hidden 512 --rows 64 --columns 1024 --segments 256 --steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def topic_slices(count: int, length: int) -> list[bytes]:
+    import pydoc_data.topics
+
+    text = " ".join(" ".join(v.split()) for v in pydoc_data.topics.topics.values()).encode()
+    return [text[i * length : (i + 1) * length] for i in range(count)]
+
+
+def bench_uform(args: argparse.Namespace) -> dict:
+    import uform as u
+
+    executor = u.Executor.for_vram([0])
+    config = u.TrainerInitVramConfig(
+        depth=args.depth,
+        hidden=args.hidden,
+        objective=u.Objective.Joint,
+        batch=u.BatchShape(
+            max_rows_per_device=args.rows, max_segments_per_device=args.segments, max_columns_per_row=args.columns
+        ),
+        schedule=u.Schedule(steps=10_000),
+        seed=42,
+    )
+    trainer = u.Trainer.init_vram(executor, config)
+    n = args.segments
+    per_item = args.rows * args.columns // n - 1  # prefix + content fill the rows exactly
+    items = topic_slices(n, per_item)
+    relations = u.Relations(attract=u.Edges(offsets=list(range(n + 1)), ids=[i ^ 1 for i in range(n)]))
+    modalities = [u.Modality.Text] * n
+    verbs = trainer.deferred(executor)
+    stats = [u.TrainerStepStats() for _ in range(args.steps + args.warmup)]
+
+    def run(k: int):
+        return verbs.step(modalities, items, u.TrainerStepConfig(relations=relations, stats=stats[k]))
+
+    t0 = time.perf_counter()
+    for k in range(args.warmup):
+        run(k).result()
+    compile_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    pending = []
+    for k in range(args.warmup, args.warmup + args.steps):
+        pending.append(run(k))
+        if len(pending) > 2:
+            pending.pop(0).result()
+    for f in pending:
+        f.result()
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - t0) / args.steps
+    last = stats[-1]
+    positions = args.rows * args.columns
+    return {
+        "ms": seconds * 1e3,
+        "tokens_per_s": positions / seconds,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "warmup_and_compile_s": compile_s,
+        "loss": last.loss,
+        "dropped": last.dropped,
+        "first_loss": stats[0].loss,
+    }
+
+
+def bench_bert(args: argparse.Namespace) -> dict:
+    from transformers import BertConfig, BertForMaskedLM
+
+    heads = args.hidden // 64
+    config = BertConfig(
+        vocab_size=260,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.depth,
+        num_attention_heads=heads,
+        intermediate_size=4 * args.hidden,
+        max_position_embeddings=args.columns,
+        attn_implementation="sdpa",
+    )
+    model = BertForMaskedLM(config).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, 256, (args.rows, args.columns), device="cuda")
+    labels = torch.randint(0, 256, (args.rows, args.columns), device="cuda")
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - t0) / args.steps
+    out = {
+        "ms": seconds * 1e3,
+        "tokens_per_s": args.rows * args.columns / seconds,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--depth", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--columns", type=int, default=1024)
+    parser.add_argument("--segments", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--skip-bert", action="store_true")
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    results = {"geometry": vars(args), "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    results["uform_joint"] = bench_uform(args)
+    print("uform_joint", results["uform_joint"], flush=True)
+    if not args.skip_bert:
+        results["hf_bert"] = bench_bert(args)
+        print("hf_bert", results["hf_bert"], flush=True)
+        results["speedup_vs_bert"] = results["uform_joint"]["tokens_per_s"] / results["hf_bert"]["tokens_per_s"]
+    out = os.path.join(os.environ.get("OUT", "."), "bench-step.json")
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\n{'variant':<14} {'ms/step':>9} {'tokens/s':>12} {'peak GiB':>9}")
+    for name in ("uform_joint", "hf_bert"):
+        if name in results:
+            r = results[name]
+            print(f"{name:<14} {r['ms']:>9.2f} {r['tokens_per_s']:>12,.0f} {r['peak_gib']:>9.2f}")
+    if "speedup_vs_bert" in results:
+        print(f"uform / BERT tokens/s: {results['speedup_vs_bert']:.2f}x")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

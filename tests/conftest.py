@@ -1,0 +1,173 @@
+"""Shared helpers of the trainer's behaviour tests (test_trainer.py, test_resume.py, test_schedule.py).
+
+Every run here is tiny (depth 1, hidden 128, two rows of 64 columns, 8 segments) so the whole set runs in
+seconds on a couple of CPU cores. Comparisons are bitwise: `torch.equal` on weights and optimizer moments,
+`==` on the stats dataclass (exact floats).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import uform
+from uform import (
+    Arena,
+    BatchShape,
+    Edges,
+    Executor,
+    Objective,
+    Relations,
+    Schedule,
+    Trainer,
+    TrainerInitVramConfig,
+    TrainerStepConfig,
+    TrainerStepStats,
+)
+
+torch.set_num_threads(2)
+
+ROWS, COLUMNS, SEGMENTS = 2, 64, 8
+
+# Six short captions that fit one step (two rows of 64 columns, eight segments): three pairs.
+TEXTS = [
+    "a small cat sleeps",
+    "the red bus stops",
+    "rain on a window",
+    "a kitten is napping",
+    "a bus halts in town",
+    "drops on the glass",
+]
+
+
+def make_config(**overrides: Any) -> TrainerInitVramConfig:
+    """A tiny Joint run; keyword arguments replace top-level fields."""
+    fields: dict[str, Any] = dict(
+        depth=1,
+        hidden=128,
+        objective=Objective.Joint,
+        batch=BatchShape(max_rows_per_device=ROWS, max_segments_per_device=SEGMENTS, max_columns_per_row=COLUMNS),
+        schedule=Schedule(steps=10, warmup_steps=2, learning_rate=1e-3),
+        seed=7,
+    )
+    fields.update(overrides)
+    return TrainerInitVramConfig(**fields)
+
+
+def pair_relations(pairs: int, count: int | None = None) -> Relations:
+    """Item i attracts item pairs + i and back, for i < pairs, over `count` items (default 2 * pairs)."""
+    count = 2 * pairs if count is None else count
+    ids = [pairs + i for i in range(pairs)] + list(range(pairs))
+    offsets = [*range(2 * pairs + 1), *([2 * pairs] * (count - 2 * pairs))]
+    return Relations(attract=Edges(offsets=offsets, ids=ids))
+
+
+def overfull_texts(count: int = 12) -> list[str]:
+    """More items than the step has segments for: some are dropped."""
+    return [f"overfull item {i}" for i in range(count)]
+
+
+def step_with(
+    trainer: Trainer,
+    texts: list[str] | None = None,
+    *,
+    relations: Relations | None = None,
+    stats: bool = True,
+    arena: bool = True,
+    **config: Any,
+) -> tuple[TrainerStepStats | None, torch.Tensor | None]:
+    """One blocking step over `texts` (default TEXTS with their pairs); answers (stats, embeddings)."""
+    texts = TEXTS if texts is None else texts
+    if relations is None and texts is TEXTS:
+        relations = pair_relations(3)
+    st = TrainerStepStats() if stats else None
+    out = trainer.on(trainer.executor).step(
+        ["text"] * len(texts),
+        texts,
+        TrainerStepConfig(relations=relations, stats=st, arena=Arena() if arena else None, **config),
+    )
+    return st, out
+
+
+def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every weight and every optimizer moment (and moment step) of a trainer, cloned, by name."""
+    out = {f"weights.{k}": v.detach().clone() for k, v in trainer.network.state_dict().items()}
+    for name, p in trainer.network.named_parameters():
+        state = trainer.optimizer.state.get(p, {})
+        for key, value in state.items():
+            out[f"moments.{key}.{name}"] = torch.as_tensor(value).detach().clone()
+    return out
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Bitwise equality of two snapshots: the same names, dtypes, shapes and values."""
+    assert sorted(a) == sorted(b), set(a) ^ set(b)
+    different = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+    assert not different, f"differ: {different}"
+
+
+def assert_same_output(a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+    if a is None or b is None:
+        assert a is None and b is None
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a, b)
+
+
+def direct_terms(trainer: Trainer, texts: list[str], relations: Relations | None, step: int = 1) -> tuple[Any, dict]:
+    """The batch and `network.losses` of a step, computed directly (outside the trainer's verbs).
+
+    Prepares the host arrays as the trainer's host stage does, and adds the rotary code where the network
+    takes it in the batch; answers (batch, terms).
+    """
+    from uform.data.batch import prepare
+    from uform.model.attention import document_mask
+
+    network = trainer.network
+    batch = prepare(
+        trainer.config,
+        [uform.Modality.Text] * len(texts),
+        [t.encode() for t in texts],
+        bags=None,
+        groups=None,
+        sides=None,
+        relations=relations,
+        step=step,
+    )
+    tensors = batch.host_tensors(False)
+    mask = document_mask(tensors["segments"], "dense")
+    if hasattr(network, "rotary"):
+        tensors["cos"], tensors["sin"] = network.rotary(tensors["positions"], torch.float32)
+    arguments: list[Any] = [tensors, mask]
+    if "positives" in inspect.signature(network.losses).parameters:
+        arguments.append(getattr(batch, "positives", None))
+    return batch, network.losses(*arguments)
+
+
+@pytest.fixture(scope="session")
+def executor() -> Executor:
+    return Executor.cpu()
+
+
+@pytest.fixture
+def make_trainer(executor: Executor) -> Iterator[Callable[..., Trainer]]:
+    """A factory of trainers on the shared CPU executor, closed at the end of the test."""
+    made: list[Trainer] = []
+
+    def make(config: TrainerInitVramConfig | None = None, **overrides: Any) -> Trainer:
+        trainer = Trainer.init_vram(executor, config if config is not None else make_config(**overrides))
+        made.append(trainer)
+        return trainer
+
+    yield make
+    for trainer in made:
+        trainer.close()
+
+
+def stats_dict(stats: TrainerStepStats) -> dict[str, Any]:
+    return dataclasses.asdict(stats)

@@ -1,0 +1,430 @@
+"""Checkpoint files: round trips, format compatibility, progress, atomicity, and refusing anything not intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import pickle
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+
+from uform import checkpoint
+from uform.checkpoint import CheckpointError, Stopped, read_checkpoint, read_metadata, write_checkpoint
+
+INT_VIEW = {
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bit pattern, so NaN payloads and signed zeros compare exactly."""
+    t = t.detach().cpu().contiguous()
+    return t.view(INT_VIEW[t.dtype]) if t.dtype in INT_VIEW else t
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        assert a[name].shape == b[name].shape, name
+        assert torch.equal(bits(a[name]), bits(b[name])), name
+
+
+def sample_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    raw16 = torch.randint(-(2**15), 2**15, (5, 7), generator=g, dtype=torch.int16)  # every bf16/f16 bit pattern
+    return {
+        "f32": torch.tensor([0.0, -0.0, 1.5, float("inf"), float("-inf"), float("nan"), 1e-45]),
+        "f16": raw16.view(torch.float16),
+        "bf16": raw16.flip(0).contiguous().view(torch.bfloat16),
+        "f64": torch.randn(3, 2, generator=g, dtype=torch.float64),
+        "i64": torch.tensor([-(2**63), 2**63 - 1, 0]),
+        "i32": torch.tensor([-(2**31), 2**31 - 1], dtype=torch.int32),
+        "i16": torch.tensor([-(2**15), 2**15 - 1], dtype=torch.int16),
+        "i8": torch.arange(-128, 128, dtype=torch.int8),
+        "u8": torch.arange(256, dtype=torch.uint8).reshape(16, 16),
+        "bool": torch.tensor([[True, False], [False, True]]),
+        "scalar_f32": torch.tensor(3.25),
+        "scalar_bf16": torch.tensor(-2.5, dtype=torch.bfloat16),
+        "scalar_bool": torch.tensor(True),
+        "empty": torch.empty(0),
+        "empty_2d_i64": torch.empty(3, 0, dtype=torch.int64),
+        "transposed": torch.arange(12, dtype=torch.float32).reshape(3, 4).t(),
+        "param": torch.nn.Parameter(torch.ones(2, 2)),
+        "ünï/cödé.name": torch.tensor([1, 2], dtype=torch.int32),
+    }
+
+
+METADATA = {"config": json.dumps({"hidden": 64, "name": "tiny"}), "note": "ünïcödé ✓", "empty": ""}
+
+
+def small_tensors() -> dict[str, torch.Tensor]:
+    return {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.tensor([1, 2, 3], dtype=torch.int8)}
+
+
+@pytest.fixture
+def saved(tmp_path: pathlib.Path) -> pathlib.Path:
+    path = tmp_path / "model.safetensors"
+    write_checkpoint(path, small_tensors(), {"k": "v"})
+    return path
+
+
+def header_span(path: pathlib.Path) -> tuple[int, int]:
+    raw = path.read_bytes()
+    return 8, 8 + int.from_bytes(raw[:8], "little")
+
+
+# --------------------------------------------------------------------------------------------------
+# Round trips and format
+
+
+def test_round_trip_every_dtype_bit_exact(tmp_path):
+    tensors = sample_tensors()
+    path = tmp_path / "ckpt.safetensors"
+    write_checkpoint(path, tensors, METADATA)
+    loaded, metadata = read_checkpoint(path)
+    assert_same(loaded, tensors)
+    assert {k: v for k, v in metadata.items() if k != checkpoint.DIGEST_KEY} == METADATA
+    assert len(metadata[checkpoint.DIGEST_KEY]) == 64
+    assert read_metadata(path) == metadata
+    assert all(t.device.type == "cpu" for t in loaded.values())
+    assert os.listdir(tmp_path) == ["ckpt.safetensors"]
+
+
+def test_every_supported_dtype_is_covered():
+    assert {t.dtype for t in sample_tensors().values()} == set(checkpoint._DTYPE_NAMES)
+
+
+def test_format_compatible_with_safetensors_library(tmp_path):
+    tensors = sample_tensors()
+    path = tmp_path / "ckpt.safetensors"
+    write_checkpoint(path, tensors, METADATA)
+    assert_same(safetensors.torch.load_file(path), tensors)
+    assert_same(safetensors.torch.load(path.read_bytes()), tensors)
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == read_metadata(path)
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    assert n % 8 == 0
+    header = json.loads(raw[8 : 8 + n])
+    for name, info in header.items():
+        if name != "__metadata__":  # every tensor starts aligned to its element size
+            assert info["data_offsets"][0] % checkpoint._ITEMSIZE[info["dtype"]] == 0, name
+
+
+def test_empty_checkpoint_and_deterministic_bytes(tmp_path):
+    write_checkpoint(tmp_path / "empty", {}, {})
+    assert read_checkpoint(tmp_path / "empty")[0] == {}
+    write_checkpoint(tmp_path / "one", sample_tensors(), METADATA)
+    loaded, metadata = read_checkpoint(tmp_path / "one")
+    write_checkpoint(tmp_path / "two", loaded, metadata)  # the stale digest passed back in is recomputed
+    assert (tmp_path / "one").read_bytes() == (tmp_path / "two").read_bytes()
+
+
+def test_digest_covers_names_dtypes_and_metadata(tmp_path):
+    a = {"x": torch.zeros(2, dtype=torch.int16)}
+    write_checkpoint(tmp_path / "a", a, {"m": "1"})
+    digests = {
+        read_metadata(tmp_path / "a")[checkpoint.DIGEST_KEY],
+    }
+    write_checkpoint(tmp_path / "b", {"y": torch.zeros(2, dtype=torch.int16)}, {"m": "1"})
+    write_checkpoint(tmp_path / "c", {"x": torch.zeros(2, dtype=torch.float16)}, {"m": "1"})
+    write_checkpoint(tmp_path / "d", {"x": torch.zeros(1, 2, dtype=torch.int16)}, {"m": "1"})
+    write_checkpoint(tmp_path / "e", a, {"m": "2"})
+    for name in "bcde":
+        digests.add(read_metadata(tmp_path / name)[checkpoint.DIGEST_KEY])
+    assert len(digests) == 5
+
+
+def test_paths_as_bytes_and_pathlike(tmp_path):
+    tensors = small_tensors()
+    as_bytes = os.fsencode(tmp_path / "bytes.safetensors")
+    write_checkpoint(as_bytes, tensors, {"k": "v"})
+    assert_same(read_checkpoint(as_bytes)[0], tensors)
+    assert read_metadata(as_bytes)["k"] == "v"
+    as_path = tmp_path / "path.safetensors"
+    write_checkpoint(as_path, tensors, {"k": "v"})
+    assert_same(read_checkpoint(as_path)[0], tensors)
+    assert read_metadata(as_path)["k"] == "v"
+    assert sorted(os.listdir(tmp_path)) == ["bytes.safetensors", "path.safetensors"]
+
+
+def test_relative_path_in_current_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_checkpoint("rel.safetensors", small_tensors(), {})
+    write_checkpoint(b"relb.safetensors", small_tensors(), {})
+    assert_same(read_checkpoint("rel.safetensors")[0], read_checkpoint(b"relb.safetensors")[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_round_trip(tmp_path):
+    tensors = {k: v.cuda() for k, v in sample_tensors().items()}
+    write_checkpoint(tmp_path / "gpu", tensors, METADATA)
+    loaded, _ = read_checkpoint(tmp_path / "gpu", device="cuda")
+    assert all(t.is_cuda for t in loaded.values())
+    assert_same(loaded, tensors)
+
+
+# --------------------------------------------------------------------------------------------------
+# Progress and stopping
+
+
+@pytest.mark.parametrize(("count", "steps"), [(0, 10), (1, 10), (5, 10), (10, 10), (23, 10), (23, 1), (7, 3)])
+def test_progress_reports(tmp_path, count, steps):
+    tensors = {f"t{i:02d}": torch.full((2,), float(i)) for i in range(count)}
+    calls: list[tuple[int, int]] = []
+    write_checkpoint(tmp_path / "p", tensors, {}, progress=lambda d, t: calls.append((d, t)), progress_steps=steps)
+    assert 1 <= len(calls) <= steps
+    assert calls[-1] == (count, count)
+    assert all(t == count for _, t in calls)
+    assert [d for d, _ in calls] == sorted({d for d, _ in calls})
+    assert len(calls) == min(steps, max(count, 1))
+
+    calls.clear()
+    read_checkpoint(tmp_path / "p", progress=lambda d, t: calls.append((d, t)) or True, progress_steps=steps)
+    assert 1 <= len(calls) <= steps and calls[-1] == (count, count)
+    assert [d for d, _ in calls] == sorted({d for d, _ in calls})
+
+
+def test_progress_steps_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="progress_steps"):
+        write_checkpoint(tmp_path / "x", {}, {}, progress_steps=0)
+    assert os.listdir(tmp_path) == []
+
+
+def stop_at(which: str):
+    def progress(done: int, total: int) -> bool | None:
+        if which == "first" or done == total:
+            return False
+        return None
+
+    return progress
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_stopped_write_leaves_earlier_file_untouched(saved, which):
+    before = saved.read_bytes()
+    tensors = {f"t{i}": torch.randn(4) for i in range(5)}
+    with pytest.raises(Stopped):
+        write_checkpoint(saved, tensors, {"new": "yes"}, progress=stop_at(which))
+    assert saved.read_bytes() == before
+    assert os.listdir(saved.parent) == [saved.name]
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_stopped_write_leaves_no_file(tmp_path, which):
+    with pytest.raises(Stopped):
+        write_checkpoint(tmp_path / "new", small_tensors(), {}, progress=stop_at(which))
+    assert os.listdir(tmp_path) == []
+
+
+def test_write_unsupported_dtype_after_good_ones(saved):
+    before = saved.read_bytes()
+    tensors = {**small_tensors(), "z_complex": torch.zeros(2, dtype=torch.complex64)}
+    with pytest.raises(TypeError, match="z_complex"):
+        write_checkpoint(saved, tensors, {})
+    assert saved.read_bytes() == before
+    assert os.listdir(saved.parent) == [saved.name]
+
+
+def test_write_failing_midway_leaves_nothing(saved, monkeypatch):
+    before = saved.read_bytes()
+    real = checkpoint._raw_bytes
+    seen = []
+
+    def flaky(t):
+        seen.append(t)
+        if len(seen) == 3:
+            raise RuntimeError("device lost")
+        return real(t)
+
+    monkeypatch.setattr(checkpoint, "_raw_bytes", flaky)
+    with pytest.raises(RuntimeError, match="device lost"):
+        write_checkpoint(saved, {f"t{i}": torch.randn(3) for i in range(5)}, {})
+    assert len(seen) == 3
+    assert saved.read_bytes() == before
+    assert os.listdir(saved.parent) == [saved.name]
+
+
+def test_callback_raising_leaves_nothing(saved):
+    before = saved.read_bytes()
+
+    def boom(done, total):
+        if done >= 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_checkpoint(saved, {f"t{i}": torch.randn(3) for i in range(5)}, {}, progress=boom)
+    assert saved.read_bytes() == before
+    assert os.listdir(saved.parent) == [saved.name]
+
+
+def test_bad_inputs_refused_before_writing(tmp_path):
+    with pytest.raises(TypeError, match="metadata"):
+        write_checkpoint(tmp_path / "x", small_tensors(), {"k": 1})
+    with pytest.raises(TypeError, match="'n'"):
+        write_checkpoint(tmp_path / "x", {"n": [1, 2]}, {})
+    with pytest.raises(ValueError, match="__metadata__"):
+        write_checkpoint(tmp_path / "x", {"__metadata__": torch.zeros(1)}, {})
+    assert os.listdir(tmp_path) == []
+
+
+def test_missing_parent_folder(tmp_path):
+    missing = tmp_path / "no" / "such"
+    with pytest.raises(FileNotFoundError) as info:
+        write_checkpoint(missing / "c.safetensors", small_tensors(), {})
+    assert str(missing) in str(info.value)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_stopped_read(saved, which):
+    with pytest.raises(Stopped):
+        read_checkpoint(saved, progress=stop_at(which))
+
+
+# --------------------------------------------------------------------------------------------------
+# Refusing files that are not whole, intact uform checkpoints
+
+
+def refused(path: pathlib.Path, match: str | None = None) -> CheckpointError:
+    with pytest.raises(CheckpointError) as info:
+        read_checkpoint(path)
+    message = str(info.value)
+    assert str(path) in message
+    if match is not None:
+        assert match in message, message
+    return info.value
+
+
+def test_truncated_file_refused_everywhere(saved, tmp_path):
+    raw = saved.read_bytes()
+    _, end = header_span(saved)
+    cuts = [0, 1, 7, 8, 9, end // 2, end - 1, end, end + 1, len(raw) - 5, len(raw) - 1]
+    for cut in cuts:
+        bad = tmp_path / f"cut{cut}.safetensors"
+        bad.write_bytes(raw[:cut])
+        refused(bad)
+        with pytest.raises(CheckpointError):
+            read_metadata(bad)
+    padded = tmp_path / "padded.safetensors"
+    padded.write_bytes(raw + b"\0")
+    refused(padded, "trailing")
+
+
+def test_every_data_bit_flip_is_a_digest_mismatch(saved, tmp_path):
+    raw = saved.read_bytes()
+    _, start = header_span(saved)
+    bad = tmp_path / "flip.safetensors"
+    for at in range(start, len(raw)):
+        for bit in (0, 3, 7):
+            flipped = bytearray(raw)
+            flipped[at] ^= 1 << bit
+            bad.write_bytes(flipped)
+            refused(bad, "corrupted: digest mismatch")
+
+
+def test_every_header_bit_flip_is_refused(saved, tmp_path):
+    raw = saved.read_bytes()
+    _, end = header_span(saved)
+    bad = tmp_path / "flip.safetensors"
+    for at in range(end):
+        for bit in range(8):
+            flipped = bytearray(raw)
+            flipped[at] ^= 1 << bit
+            bad.write_bytes(flipped)
+            refused(bad)
+
+
+def test_consistent_header_edits_are_digest_mismatches(saved, tmp_path):
+    raw = saved.read_bytes()
+    start, end = header_span(saved)
+    header = raw[start:end]
+    for old, new in [(b'"I8"', b'"U8"'), (b'"k":"v"', b'"k":"w"'), (b'"a":', b'"c":')]:
+        assert old in header
+        bad = tmp_path / "edited.safetensors"
+        bad.write_bytes(raw[:start] + header.replace(old, new) + raw[end:])
+        refused(bad, "digest mismatch")
+
+
+def test_torch_save_files_refused_without_unpickling(tmp_path):
+    sentinel = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.mkdir, (str(sentinel),))
+
+    for name, save in [
+        ("zip.pt", lambda p: torch.save({"w": torch.ones(3), "x": Evil()}, p)),
+        ("legacy.pt", lambda p: torch.save({"w": Evil()}, p, _use_new_zipfile_serialization=False)),
+        ("raw.pkl", lambda p: p.write_bytes(pickle.dumps(Evil()))),
+    ]:
+        path = tmp_path / name
+        save(path)
+        refused(path)
+        with pytest.raises(CheckpointError):
+            read_metadata(path)
+    assert not sentinel.exists()
+
+
+def test_other_files_refused(tmp_path):
+    cases = {
+        "text.txt": b"hello, this is just a text file with a few lines\nand some more\n" * 4,
+        "empty.bin": b"",
+        "json_only": (2).to_bytes(8, "little") + b"[]",
+        "not_json": (4).to_bytes(8, "little") + b"{abc",
+        "huge_header": (2**40).to_bytes(8, "little") + b"{}",
+        "random.bin": bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(1)).tolist()),
+    }
+    for name, content in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        refused(path)
+
+
+def test_plain_safetensors_file_is_not_a_uform_checkpoint(tmp_path):
+    for name, metadata in [("bare.safetensors", None), ("meta.safetensors", {"format": "pt"})]:
+        path = tmp_path / name
+        safetensors.torch.save_file(small_tensors(), path, metadata=metadata)
+        refused(path, "not a uform checkpoint")
+        with pytest.raises(CheckpointError, match="not a uform checkpoint"):
+            read_metadata(path)
+
+
+def test_overlapping_and_gapped_offsets_refused(saved, tmp_path):
+    raw = saved.read_bytes()
+    start, end = header_span(saved)
+    header = json.loads(raw[start:end])
+    data = raw[end:]
+
+    def write(name: str, h: dict, payload: bytes) -> pathlib.Path:
+        text = json.dumps(h).encode()
+        text += b" " * (-len(text) % 8)
+        path = tmp_path / name
+        path.write_bytes(len(text).to_bytes(8, "little") + text + payload)
+        return path
+
+    overlap = json.loads(json.dumps(header))
+    overlap["b"]["data_offsets"] = [20, 23]  # a spans [0, 24)
+    refused(write("overlap", overlap, data[:24]), "overlaps")
+    gap = json.loads(json.dumps(header))
+    gap["b"]["data_offsets"] = [25, 28]
+    refused(write("gap", gap, data + b"\0"), "gap")
+    wrong = json.loads(json.dumps(header))
+    wrong["b"]["shape"] = [4]
+    refused(write("wrong", wrong, data), "needs")
+
+
+def test_missing_file_is_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        read_checkpoint(tmp_path / "absent.safetensors")
+    with pytest.raises(FileNotFoundError):
+        read_metadata(tmp_path / "absent.safetensors")

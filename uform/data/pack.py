@@ -1,0 +1,166 @@
+"""Packing: a step's items become segments laid into at most R rows of C positions.
+
+Shape legend: N items, R rows (`max_rows_per_device`), C columns (`max_columns_per_row`), S segment slots
+(`max_segments_per_device`, the pooling axis).
+
+Packing is two stages so that every modality shares one planner:
+
+1. `plan` decides, from each item's length in positions (prefix + content) and its bag, where its
+   segment lands: a row, a first column and a slot. Integers only. A segment longer than a row is cut
+   at the row's width and counted in `truncated`; a segment for which the step has no room (rows,
+   segments or bags) is dropped whole and counted in `dropped`. Bags are visited in a keyed shuffled
+   order (the seed's "shuffle"), so that which items an overfull step drops is fair and reproducible;
+   the items of a bag are visited one after another, in the caller's order, and each lands first-fit
+   in the lowest row with room. Slots are numbered in (row, column) order, so segment ids grow along
+   every row.
+2. `fill_text` writes a text segment's token ids and its positions; the media modalities write their
+   own units into the same layout.
+
+Positions restart in every segment and are axial, `[..., 3]` = (time, row, column): text and audio
+carry
+their 1-D position on all three axes (so axial rotary embedding reduces to plain 1-D rotary for them,
+as in Qwen2-VL's M-RoPE), images (0, row, column) and video (time, row, column), all offset by the
+prefix length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import vocab
+
+NO_SEGMENT = -1
+"""The segment id of padding positions: they attend only to the padding of their own row."""
+
+
+@dataclass
+class Layout:
+    """Where each item's segment landed; -1 marks a dropped item."""
+
+    row: np.ndarray
+    """[N] int64: the row of each item's segment."""
+    column: np.ndarray
+    """[N] int64: its first column."""
+    length: np.ndarray
+    """[N] int64: the positions it occupies (prefix + kept content); zero when dropped."""
+    slot: np.ndarray
+    """[N] int64: its segment slot, the index of its pooled embedding."""
+    truncated: np.ndarray
+    """[N] bool: cut at the row's width."""
+    item_of_slot: np.ndarray
+    """[S] int64: the item each slot holds, -1 for an empty slot."""
+
+    @property
+    def placed(self) -> np.ndarray:
+        """[N] bool: items that landed."""
+        return self.slot >= 0
+
+    @property
+    def dropped(self) -> int:
+        return int((self.slot < 0).sum())
+
+
+def plan(
+    lengths: np.ndarray,
+    bags: np.ndarray,
+    *,
+    rows: int,
+    columns: int,
+    segments: int,
+    max_bags: int,
+    rng: np.random.Generator,
+) -> Layout:
+    """Lays out N segments of `lengths` positions (prefix + content) into `rows` x `columns`.
+
+    `bags` [N] gives each item's routing unit (items sharing one land on this device together); at most
+    `max_bags` distinct bags are taken when it is positive, the rest dropped whole.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    count = len(lengths)
+    kept = np.minimum(lengths, columns)
+    truncated = lengths > columns
+    row = np.full(count, -1, dtype=np.int64)
+    column = np.full(count, -1, dtype=np.int64)
+
+    # Bags in a keyed shuffled order, each bag's items in the caller's order.
+    unique, _first, inverse = np.unique(np.asarray(bags, dtype=np.int64), return_index=True, return_inverse=True)
+    order = rng.permutation(len(unique))
+    members: list[list[int]] = [[] for _ in unique]
+    for item in range(count):
+        members[inverse[item]].append(item)
+
+    free = np.full(rows, columns, dtype=np.int64)  # positions left at the end of each row
+    used_segments = 0
+    used_bags = 0
+    for bag in order:
+        if max_bags > 0 and used_bags >= max_bags:
+            break
+        took_any = False
+        for item in members[bag]:
+            need = kept[item]
+            if used_segments >= segments:
+                break
+            fits = np.flatnonzero(free >= need)
+            if len(fits) == 0:
+                continue
+            r = int(fits[0])
+            row[item] = r
+            column[item] = columns - free[r]
+            free[r] -= need
+            used_segments += 1
+            took_any = True
+        used_bags += took_any
+
+    placed = row >= 0
+    slot = np.full(count, -1, dtype=np.int64)
+    placed_items = np.flatnonzero(placed)
+    by_position = placed_items[np.lexsort((column[placed_items], row[placed_items]))]
+    slot[by_position] = np.arange(len(by_position))
+    item_of_slot = np.full(segments, -1, dtype=np.int64)
+    item_of_slot[: len(by_position)] = by_position
+    return Layout(
+        row=row,
+        column=column,
+        length=np.where(placed, kept, 0),
+        slot=slot,
+        truncated=truncated & placed,
+        item_of_slot=item_of_slot,
+    )
+
+
+@dataclass
+class Rows:
+    """The packed input of one device's step, before corruption."""
+
+    tokens: np.ndarray
+    """[R, C] int64 token ids (bytes, specials, PAD)."""
+    positions: np.ndarray
+    """[R, C, 3] int64 axial positions, restarting in every segment."""
+    segments: np.ndarray
+    """[R, C] int64 segment slot of every position, NO_SEGMENT for padding."""
+    content: np.ndarray
+    """[R, C] bool: positions holding content (not prefix, not padding)."""
+
+    @classmethod
+    def empty(cls, rows: int, columns: int) -> Rows:
+        return cls(
+            tokens=np.full((rows, columns), vocab.PAD, dtype=np.int64),
+            positions=np.zeros((rows, columns, 3), dtype=np.int64),
+            segments=np.full((rows, columns), NO_SEGMENT, dtype=np.int64),
+            content=np.zeros((rows, columns), dtype=bool),
+        )
+
+
+def fill_text(rows: Rows, layout: Layout, item: int, prefix: list[int], content: bytes | memoryview) -> None:
+    """Writes a placed text item: prefix ids, then its bytes cut to the segment's kept length."""
+    r, c0, n = int(layout.row[item]), int(layout.column[item]), int(layout.length[item])
+    p = len(prefix)
+    body = np.frombuffer(content, dtype=np.uint8, count=max(0, min(len(content), n - p)))
+    span = slice(c0, c0 + n)
+    rows.tokens[r, c0 : c0 + p] = prefix
+    rows.tokens[r, c0 + p : c0 + n] = body
+    rows.positions[r, span, :] = np.arange(n, dtype=np.int64)[:, None]
+    rows.segments[r, span] = layout.slot[item]
+    rows.content[r, c0 + p : c0 + n] = True

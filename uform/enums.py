@@ -1,0 +1,130 @@
+"""The seed's enumerations, with its member names and integer values.
+
+`Modality`, `Objective` and `Negatives` parse from and print as lower-case words, as the seed's
+`FromStr` / `Display` do; `PairLossForm`, `LateInteractionSide` and `Scalar` parse too, for the CLI.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class _Worded(enum.IntEnum):
+    """An integer enum that prints as its lower-case name and parses from it."""
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, word: object, field: str | None = None) -> _Worded:
+        """Answers the member named by `word` (any case), or by a member / its integer value."""
+        field = field or cls.__name__
+        if isinstance(word, cls):
+            return word
+        if isinstance(word, bool):
+            raise TypeError(f"{field}: expected a {cls.__name__} or its word, got a bool")
+        if isinstance(word, enum.Enum):
+            # Another enum's member is an int too: refuse it rather than reinterpret its value.
+            raise TypeError(f"{field}: expected a {cls.__name__} or its word, got a {type(word).__name__}")
+        if isinstance(word, int):
+            try:
+                return cls(word)
+            except ValueError:
+                raise ValueError(f"{field}: {word} is not a {cls.__name__} value; one of {cls.words()}") from None
+        if isinstance(word, str):
+            for member in cls:
+                if member.name.lower() == word.strip().lower():
+                    return member
+            raise ValueError(f"{field}: unknown word {word!r}; expected one of {cls.words()}")
+        raise TypeError(f"{field}: expected a {cls.__name__} or its word, got {type(word).__name__}")
+
+    @classmethod
+    def words(cls) -> list[str]:
+        return [m.name.lower() for m in cls]
+
+
+class Modality(_Worded):
+    """What the bytes of one training item hold."""
+
+    Text = 0
+    """UTF-8 text, a byte per token."""
+    Image = 1
+    """A JPEG, PNG or WebP file."""
+    Video = 2
+    """An MP4 or WebM file."""
+    Audio = 3
+    """A WAV, FLAC, MP3 or Opus file."""
+
+
+class Objective(_Worded):
+    """Which losses a step relaxes, one enumerator per combination the engine trains."""
+
+    Masked = 0
+    """Masked reconstruction alone, as the Base pretrains."""
+    Contrastive = 1
+    """The pairwise contrastive loss alone, as the Embedder trains."""
+    Joint = 2
+    """Both, joined at the final-norm states."""
+
+
+class Negatives(_Worded):
+    """Which pairs the contrastive loss pushes apart."""
+
+    Ambient = 0
+    """Repel edges, and every pair no edge names, at the ambient repulsion weight."""
+    Named = 1
+    """Repel edges alone."""
+
+
+class PairLossForm(_Worded):
+    """How a contrastive term turns a row of scores into forces."""
+
+    Derived = 0
+    """The term's own form: sigmoid for pooled vertices, ranked for token vectors."""
+    Balanced = 1
+    """The sigmoid cross-entropy of every cell, its attract and repel halves normalized apart."""
+    Ranked = 2
+    """The sigmoid cross-entropy of every positive's score over every negative's, where the bias cancels."""
+    Sigmoid = 3
+    """SigLIP's sigmoid cross-entropy of every cell, each repel weighed like an attract."""
+
+
+class LateInteractionSide(_Worded):
+    """Which side of a late-interaction score an item takes."""
+
+    # The seed's first member is `None`, a keyword in Python: it is spelled `None_` here and parses
+    # from the word "none".
+    None_ = 0
+    """The item takes no part in late interaction."""
+    Query = 1
+    """The item's tokens score the documents it attracts and repels."""
+    Document = 2
+    """The item's tokens are scored by the queries naming it."""
+    QueryAndDocument = 3
+    """The item plays both sides."""
+
+    def __str__(self) -> str:
+        return "none" if self is LateInteractionSide.None_ else self.name.lower()
+
+    @classmethod
+    def words(cls) -> list[str]:
+        return [str(m) for m in cls]
+
+    @classmethod
+    def parse(cls, word: object, field: str | None = None) -> LateInteractionSide:
+        if isinstance(word, str) and word.strip().lower() == "none":
+            return cls.None_
+        return super().parse(word, field)  # type: ignore[return-value]
+
+
+class Scalar(_Worded):
+    """The scalar type embeddings land as in an `Arena`."""
+
+    F32 = 0
+    """IEEE single precision."""
+    F16 = 1
+    """IEEE half precision."""
+    BF16 = 2
+    """bfloat16."""
+    I8 = 3
+    """Signed bytes: each L2-normalised value times 127, rounded (UForm's search-engine format)."""

@@ -1,0 +1,1 @@
+"""The training losses, as pure functions over tensors."""

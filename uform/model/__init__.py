@@ -1,0 +1,1 @@
+"""The tower and its heads."""

@@ -1,0 +1,111 @@
+"""Document-masked bidirectional attention: a position attends only within its own segment.
+
+Shape legend: R rows, C columns, H heads, K head width.
+
+Two paths compute the same function (tests/test_attention.py holds them to each other, outputs and
+gradients):
+
+- `flex`: FlexAttention (Dong et al. 2024, `torch.nn.attention.flex_attention`) with a block mask built
+  from the segment ids, so the kernel skips every (query block, key block) tile whose segments cannot
+  meet. This is the CUDA path, under `torch.compile`.
+- `dense`: scaled dot-product attention with an explicit [R, 1, C, C] boolean mask; the CPU reference.
+
+Padding positions carry the segment id NO_SEGMENT and attend to the padding of their own row, so no
+query row is ever fully masked (no NaN) and padding never reaches a segment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:  # FlexAttention ships with torch >= 2.5
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # pragma: no cover
+    BlockMask = Any  # type: ignore[misc,assignment]
+    flex_attention = None  # type: ignore[assignment]
+
+
+@dataclass
+class DocumentMask:
+    """Which keys each query may see, in the form its attention path reads."""
+
+    kind: str
+    """"flex" or "dense"."""
+    block: Any = None
+    """The FlexAttention BlockMask (flex)."""
+    dense: Tensor | None = None
+    """[R, 1, C, C] bool (dense)."""
+
+
+BLOCK = 128
+"""FlexAttention's tile side: the block mask marks (query tile, key tile) pairs."""
+
+
+def block_tables(segments: np.ndarray, block: int = BLOCK) -> dict[str, np.ndarray]:
+    """The block-sparse tables of the document mask, computed on the host from segment ids [R, C].
+
+    Segment ids never decrease along a row (slots are numbered in row, column order and padding carries
+    the largest id), so every tile holds a contiguous run of ids [first, last], and two tiles share a
+    segment exactly when their runs overlap. A pair of tiles is *full* when both hold one and the same
+    segment (no mask needed inside), *partial* when their runs overlap otherwise, and skipped when they
+    do not overlap. Answers FlexAttention's (kv_num_blocks [R, 1, Q], kv_indices [R, 1, Q, K]) for the
+    partial and the full pairs, Q = K = C / block tiles.
+    """
+    first = segments[:, ::block]  # [R, T]
+    last = segments[:, block - 1 :: block]  # [R, T]
+    overlap = (first[:, :, None] <= last[:, None, :]) & (first[:, None, :] <= last[:, :, None])  # [R, Tq, Tk]
+    single = first == last  # [R, T]
+    full = single[:, :, None] & single[:, None, :] & (first[:, :, None] == first[:, None, :])
+    partial = overlap & ~full
+    out = {}
+    for name, chosen in (("", partial), ("full_", full)):
+        # Stable argsort of "not chosen" lists each query tile's chosen key tiles first, in ascending order.
+        order = np.argsort(~chosen, axis=2, kind="stable").astype(np.int32)  # [R, Tq, Tk]
+        out[f"{name}kv_num_blocks"] = chosen.sum(axis=2).astype(np.int32)[:, None]  # [R, 1, Tq]
+        out[f"{name}kv_indices"] = order[:, None]  # [R, 1, Tq, Tk]
+    return out
+
+
+def document_mask(segments: Tensor, kind: str, tables: dict[str, Tensor] | None = None) -> DocumentMask:
+    """The mask of segment ids [R, C] for the `kind` attention path.
+
+    For "flex", `tables` are `block_tables` already on the device (made on the host, off the critical
+    path); without them they are computed here.
+    """
+    if kind == "dense":
+        same = segments[:, None, :, None] == segments[:, None, None, :]  # [R, 1, C, C]
+        return DocumentMask(kind, dense=same)
+    if kind != "flex":
+        raise ValueError(f"attention: unknown path {kind!r}; expected 'flex' or 'dense'")
+    if tables is None:
+        tables = {k: torch.from_numpy(v).to(segments.device) for k, v in block_tables(segments.cpu().numpy()).items()}
+
+    def same_segment(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        return segments[b, q] == segments[b, k]
+
+    block = BlockMask.from_kv_blocks(
+        tables["kv_num_blocks"],
+        tables["kv_indices"],
+        tables["full_kv_num_blocks"],
+        tables["full_kv_indices"],
+        BLOCK_SIZE=BLOCK,
+        mask_mod=same_segment,
+    )
+    return DocumentMask(kind, block=block)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
+    """q, k, v [R, H, C, K] -> [R, H, C, K]."""
+    if mask.kind == "flex":
+        return flex_attention(q, k, v, block_mask=mask.block)  # type: ignore[misc, return-value]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense)
+
+
+def compiled_flex_available(device: torch.device) -> bool:
+    return flex_attention is not None and device.type == "cuda"

@@ -1,0 +1,117 @@
+"""The whole network of a run: embeddings, tower, heads per modality and objective, and its losses.
+
+Shape legend: R rows, C columns, S segment slots, D hidden, P covered positions, G temperature groups.
+
+`Network.losses` is the function one device's step differentiates: from one forward of the (corrupted)
+rows it reads both the masked text head and the pooled embeddings off the same final-norm states, which
+is what `Objective.Joint` means. It answers every term as a sum with its count, so the caller (or, on
+several devices, the world) divides once by global counts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import TrainerInitVramConfig
+from ..enums import Objective, PairLossForm
+from ..losses.contrastive import contrastive_term
+from ..losses.masked import masked_text_sum
+from .attention import DocumentMask
+from .embed import TokenEmbedding
+from .heads import MaskedTextHead, PooledHead, Temperatures
+from .tower import Tower
+
+
+class Network(nn.Module):
+    def __init__(self, config: TrainerInitVramConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden
+        self.embed = TokenEmbedding(hidden)
+        self.tower = Tower(config.depth, hidden)
+        self.pooled = PooledHead(hidden)
+        self.text_head = MaskedTextHead(hidden)
+        c = config.contrastive
+        self.temperatures = Temperatures(c.temperature_groups, c.inverse_temperature, c.bias)
+
+    @torch.no_grad()
+    def initialize(self, seed: int) -> None:
+        """Keyed initialisation: the same seed gives the same weights on any device.
+
+        Matrices N(0, 0.02) (BERT), the projections writing into the residual stream scaled by
+        1 / sqrt(2 depth) (GPT-2), the pooled projection N(0, 1 / D) so pooled vectors keep their scale;
+        norms one, biases zero, temperatures as configured.
+        """
+        generator = torch.Generator().manual_seed(seed)
+        scale = self.tower.residual_scale()
+        for name, p in self.named_parameters():
+            if name.startswith("temperatures."):
+                continue
+            if p.ndim == 1:
+                p.copy_(torch.ones_like(p) if "norm" in name else torch.zeros_like(p))
+                continue
+            std = 0.02
+            if name.endswith(("out.weight", "down.weight")):
+                std *= scale
+            elif name.startswith("pooled."):
+                std = 1.0 / math.sqrt(p.shape[1])
+            p.copy_(torch.randn(p.shape, generator=generator) * std)
+
+    def rotary(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The rotary code (cos, sin) [R, 1, C, K/2] of axial positions [R, C, 3], in `dtype`."""
+        cos, sin = self.tower.rotary(positions)
+        return cos.to(dtype), sin.to(dtype)
+
+    def states(self, tokens: Tensor, positions: Tensor, mask: DocumentMask) -> Tensor:
+        """Final-norm states [R, C, D] of token ids [R, C] at axial positions [R, C, 3]."""
+        cos, sin = self.rotary(positions, torch.get_autocast_dtype(tokens.device.type) if torch.is_autocast_enabled(tokens.device.type) else torch.float32)
+        return self.tower(self.embed(tokens), cos, sin, mask)
+
+    def losses(self, batch: dict[str, Tensor], mask: DocumentMask, positives: int | None = None) -> dict[str, Tensor]:
+        """Every term of the objective, as (sum, count) pairs, plus the scored embeddings [S, D].
+
+        `batch` holds the prepared tensors and the rotary code ("cos", "sin"); `positives` bounds the
+        positives per row for the ranked form (see `losses.contrastive.pair_loss`).
+        """
+        config = self.config
+        states = self.tower(self.embed(batch["tokens"]), batch["cos"], batch["sin"], mask)  # [R, C, D]
+        zero = states.new_zeros((), dtype=torch.float32)
+        out: dict[str, Tensor] = {}
+        if config.objective != Objective.Contrastive:
+            flat = states.reshape(-1, states.shape[-1])  # [R*C, D]
+            logits = self.text_head(flat[batch["target_index"]])  # [P, 256]
+            out["masked_text_sum"], out["masked_text_count"] = masked_text_sum(
+                logits, batch["targets"], batch["target_weight"]
+            )
+        else:
+            out["masked_text_sum"], out["masked_text_count"] = zero, zero
+        pooled = self.pooled(states, batch["segments"], batch["counts"]).float()  # [S, D]
+        if config.objective != Objective.Masked:
+            c = config.contrastive
+            out["contrastive_sum"], out["contrastive_anchors"] = contrastive_term(
+                pooled,
+                batch["slot_valid"],
+                batch["slot_group"],
+                self.temperatures.log_inverse_temperature,
+                self.temperatures.bias,
+                batch["z"],
+                batch["w"],
+                list(c.matryoshka_dimensions),
+                c.pair_loss,
+                positives=positives if c.pair_loss == PairLossForm.Ranked else None,
+            )
+        else:
+            out["contrastive_sum"], out["contrastive_anchors"] = zero, zero
+        out["embeddings"] = F.normalize(pooled.detach(), dim=-1)
+        return out
+
+    def total(self, terms: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The per-term means and the weighted total the step minimises (DESIGN.md section 3)."""
+        text = terms["masked_text_sum"] / terms["masked_text_count"].clamp_min(1)
+        contrastive = terms["contrastive_sum"] / terms["contrastive_anchors"].clamp_min(1)
+        loss = contrastive + self.config.masking.text_weight * text
+        return {"loss": loss, "masked_text_loss": text, "contrastive_loss": contrastive}

@@ -1,0 +1,437 @@
+"""The trainer: one run's network, optimizer and step counter on its executor, and its verbs.
+
+A step goes: check every argument (nothing changes if one is refused) -> prepare the host arrays
+(`data/batch.py`: pack, corrupt, pair) -> copy them to the device -> forward and losses (compiled on
+CUDA, with FlexAttention document masks and bf16 autocast) -> backward -> AdamW at the scheduled rate ->
+stats and the arena. The blocking and the deferred receivers queue onto one worker thread per trainer,
+so steps and saves apply in the order they were called.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .arena import Arena
+from .checkpoint import read_checkpoint, read_metadata, write_checkpoint
+from .config import (
+    TrainerInitVramConfig,
+    TrainerSaveConfig,
+    TrainerStepConfig,
+    TrainerStepStats,
+    from_dict,
+    resolve,
+    to_dict,
+    to_json,
+)
+from .data.batch import Batch, prepare
+from .data.items import parse_contents, parse_modalities, parse_sides, per_item_integers
+from .enums import LateInteractionSide, Modality, Objective, Scalar
+from .executor import Executor
+from .model.attention import block_tables, compiled_flex_available, document_mask
+from .model.network import Network
+from .optim import build_optimizer, learning_rate
+from .relations import check_relations
+
+FORMAT = "uform.trainer.1"
+
+
+@dataclass
+class _Checked:
+    """A step's arguments after every check, owned by the trainer (copies of the caller's buffers)."""
+
+    modalities: list[Modality]
+    contents: list[bytes | memoryview]
+    bags: np.ndarray | None
+    groups: np.ndarray | None
+    sides: list[LateInteractionSide] | None
+    relations: Any
+    arena: Arena | None
+    scalar: Scalar
+    stats: TrainerStepStats | None
+
+
+class Trainer:
+    """A training run on one executor; make it with `Trainer.init_vram`."""
+
+    def __init__(self, executor: Executor, config: TrainerInitVramConfig, *, _token: object = None) -> None:
+        if _token is not _PRIVATE:
+            raise TypeError("Trainer: make one with Trainer.init_vram(executor, config)")
+        self.executor = executor
+        self.config = config
+        self.device = executor.device
+        self.network = Network(config)
+        self.optimizer: torch.optim.AdamW
+        self._step_count = 0
+        self._dropped = 0
+        # Two stages, one thread each: the host stage packs and corrupts step n + 1 while the device stage
+        # runs step n, so the GPU never waits on Python (the draws are keyed by the step number, which is
+        # fixed when the step is called, so preparing ahead changes nothing).
+        self._queue = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uform-device")
+        self._host = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uform-host")
+        self._completion = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uform-completion")
+        self._lock = threading.Lock()
+        self._next_step = 1
+        cuda = self.device.type == "cuda"
+        self.attention = "flex" if compiled_flex_available(self.device) else "dense"
+        self._losses: Callable[..., dict[str, torch.Tensor]] = self.network.losses
+        if cuda:
+            self._losses = torch.compile(self.network.losses, dynamic=False)
+
+    # ---- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def init_vram(cls, executor: Executor, config: TrainerInitVramConfig) -> Trainer:
+        """Builds the run on `executor`, from `config.seed` or resumed from `config.resume`."""
+        if not isinstance(executor, Executor):
+            raise TypeError(f"executor: expected an Executor, got {type(executor).__name__}")
+        if not isinstance(config, TrainerInitVramConfig):
+            raise TypeError(f"config: expected a TrainerInitVramConfig, got {type(config).__name__}")
+        if config.mesh is not None:
+            raise ValueError("mesh: this release trains one process alone; leave mesh None")
+        stored = None
+        if config.resume is not None:
+            stored = read_metadata(config.resume)
+            if stored.get("uform.format") != FORMAT:
+                raise ValueError(f"resume: {os.fsdecode(config.resume)} is not a uform trainer checkpoint")
+            if config.depth == 0 and config.hidden == 0:  # resume alone: the stored run's config
+                config = dataclasses.replace(
+                    from_dict(json.loads(stored["uform.config"])),
+                    resume=config.resume,
+                    progress=config.progress,
+                    progress_steps=config.progress_steps,
+                )
+        resolved = resolve(config)
+        _refuse_unbuilt(resolved)
+        if stored is not None:
+            _same_run(resolved, from_dict(json.loads(stored["uform.config"])))
+        trainer = cls(executor, resolved, _token=_PRIVATE)
+        trainer.network.initialize(resolved.seed)
+        trainer.network.to(trainer.device)
+        trainer.optimizer = build_optimizer(trainer.network, trainer.device)
+        if stored is not None:
+            trainer._resume(resolved)
+        return trainer
+
+    def _resume(self, config: TrainerInitVramConfig) -> None:
+        tensors, metadata = read_checkpoint(config.resume, config.progress, config.progress_steps, self.device)
+        weights = {k.removeprefix("weights."): v for k, v in tensors.items() if k.startswith("weights.")}
+        missing = set(self.network.state_dict()) - set(weights)
+        if missing:
+            raise ValueError(f"resume: the checkpoint lacks weights {sorted(missing)[:3]}")
+        self.network.load_state_dict(weights, strict=True)
+        fused = self.device.type == "cuda"
+        for name, p in self.network.named_parameters():
+            if f"moments.exp_avg.{name}" in tensors:
+                step = tensors[f"moments.step.{name}"]
+                self.optimizer.state[p] = {
+                    "step": step.to(self.device if fused else "cpu", torch.float32),
+                    "exp_avg": tensors[f"moments.exp_avg.{name}"].clone(),
+                    "exp_avg_sq": tensors[f"moments.exp_avg_sq.{name}"].clone(),
+                }
+        self._step_count = int(metadata["uform.step"])
+        self._next_step = self._step_count + 1
+        self._dropped = int(metadata.get("uform.dropped", "0"))
+
+    # ---- receivers ---------------------------------------------------------------------------------
+
+    def on(self, executor: Executor) -> On:
+        """The receiver whose verbs block until done."""
+        self._check_executor(executor)
+        return On(self)
+
+    def deferred(self, executor: Executor) -> Deferred:
+        """The receiver whose verbs answer a `concurrent.futures.Future` at once."""
+        self._check_executor(executor)
+        return Deferred(self)
+
+    def step(self, modalities: Any, contents: Any, config: TrainerStepConfig | None = None) -> torch.Tensor | None:
+        """One optimizer step on the trainer's own executor, blocking; see `On.step`."""
+        return On(self).step(modalities, contents, config)
+
+    def save(self, config: Any) -> None:
+        """Writes a checkpoint on the trainer's own executor, blocking; see `On.save`."""
+        On(self).save(config)
+
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps applied so far, across resumes."""
+        return self._step_count
+
+    def close(self) -> None:
+        """Waits for queued calls and stops the trainer's threads."""
+        self._queue.shutdown(wait=True)
+        self._host.shutdown(wait=True)
+        self._completion.shutdown(wait=True)
+
+    def _submit_step(self, checked: _Checked) -> Future:
+        with self._lock:
+            step = self._next_step
+            self._next_step += 1
+            host = self._host.submit(self._prepare, checked, step)
+            done: Future = Future()
+            done.set_running_or_notify_cancel()  # a queued step is not cancelled: its draws are numbered
+            self._queue.submit(self._device_stage, checked, host, step, done)
+            return done
+
+    def _check_executor(self, executor: Executor) -> None:
+        if executor is not self.executor:
+            raise ValueError(f"executor: this trainer runs on {self.executor}, not {executor}")
+
+    # ---- checks ------------------------------------------------------------------------------------
+
+    def _check_step(self, modalities: Any, contents: Any, config: TrainerStepConfig | None, copy_buffers: bool) -> _Checked:
+        config = TrainerStepConfig() if config is None else config
+        if not isinstance(config, TrainerStepConfig):
+            raise TypeError(f"config: expected a TrainerStepConfig, got {type(config).__name__}")
+        mods = parse_modalities(modalities)
+        items = parse_contents(contents, len(mods))
+        for i, m in enumerate(mods):
+            if m != Modality.Text:
+                raise ValueError(
+                    f"modalities[{i}]: {m} items are out of this run (its batch.{m}.patch_side / chunk_samples is zero)"
+                )
+        n = len(mods)
+        if n == 0:
+            raise ValueError("modalities: a step needs at least one item")
+        r = self.config
+        bags = per_item_integers(config.bags, n, "bags", below=2**32)
+        groups = per_item_integers(config.temperature_groups, n, "temperature_groups", r.contrastive.temperature_groups)
+        sides = parse_sides(config.sides, n)
+        if r.objective != Objective.Masked:
+            check_relations(config.relations, n, r.contrastive.max_edges_per_device)
+        if config.arena is not None and not isinstance(config.arena, Arena):
+            raise TypeError(f"arena: expected an Arena, got {type(config.arena).__name__}")
+        if config.stats is not None and not isinstance(config.stats, TrainerStepStats):
+            raise TypeError(f"stats: expected a TrainerStepStats, got {type(config.stats).__name__}")
+        scalar = Scalar.parse(config.outputs_scalar, "outputs_scalar")
+        relations = config.relations
+        if copy_buffers:
+            items = [bytes(c) for c in items]
+            relations = copy.deepcopy(relations)
+        return _Checked(mods, items, bags, groups, sides, relations, config.arena, scalar, config.stats)  # type: ignore[arg-type]
+
+    # ---- the work ----------------------------------------------------------------------------------
+
+    def _prepare(self, checked: _Checked, step: int) -> tuple[Batch, dict[str, torch.Tensor]]:
+        """The host stage: pack, corrupt and pair, then page-locked tensors for the copy."""
+        batch = prepare(
+            self.config,
+            checked.modalities,
+            checked.contents,
+            bags=checked.bags,
+            groups=checked.groups,
+            sides=checked.sides,
+            relations=checked.relations,
+            step=step,
+        )
+        pin = self.device.type == "cuda"
+        host = batch.host_tensors(pin)
+        if self.attention == "flex":
+            for name, table in block_tables(batch.segments).items():
+                t = torch.from_numpy(table)
+                host[f"block.{name}"] = t.pin_memory() if pin else t
+        return batch, host
+
+    def _device_stage(self, checked: _Checked, host: Future, step: int, done: Future) -> None:
+        """Copy, forward, backward, update; the readback is left to the completion thread, so this
+        thread goes on to launch the next step while the device still runs this one."""
+        try:
+            finish = self._apply_step(checked, host, step)
+        except BaseException as error:
+            with self._lock:  # the step was not taken: the numbers of later calls move back by one
+                self._next_step -= 1
+            done.set_exception(error)
+            return
+        self._completion.submit(_complete, finish, done)
+
+    def _apply_step(self, checked: _Checked, host: Future, step: int) -> Callable[[], torch.Tensor | None]:
+        r = self.config
+        if step != self._step_count + 1:  # an earlier queued step failed: its successors' draws move up
+            host.cancel()
+            step = self._step_count + 1
+            batch, tensors = self._prepare(checked, step)
+        else:
+            batch, tensors = host.result()
+        cuda = self.device.type == "cuda"
+        tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
+        tables = {k.removeprefix("block."): v for k, v in tensors.items() if k.startswith("block.")}
+        mask = document_mask(tensors["segments"], self.attention, tables or None)
+        tensors["cos"], tensors["sin"] = self.network.rotary(tensors["positions"], torch.bfloat16 if cuda else torch.float32)
+        rate = learning_rate(r.schedule, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = rate
+        self.network.train()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
+            terms = self._losses(tensors, mask, batch.positives)
+        totals = self.network.total(terms)
+        totals["loss"].backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step_count = step
+        self._dropped += batch.dropped
+
+        # Everything the caller reads lands in host buffers through asynchronous copies; `finish` waits
+        # for them on the completion thread.
+        readback: dict[str, torch.Tensor] = {}
+        if checked.stats is not None:
+            readback["stats"] = torch.stack([totals[k].detach().float() for k in _STAT_TERMS])
+            dropped, self._dropped = self._dropped, 0
+        if checked.arena is not None:
+            slot = torch.from_numpy(batch.layout.slot).to(self.device, non_blocking=True)
+            present = slot >= 0
+            readback["arena"] = terms["embeddings"].float()[slot.clamp_min(0)] * present.unsqueeze(1)
+        host_copies = {k: _to_host(v) for k, v in readback.items()}
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+
+        def finish() -> torch.Tensor | None:
+            if event is not None:
+                event.synchronize()
+            if checked.stats is not None:
+                stats = checked.stats
+                for f in dataclasses.fields(TrainerStepStats):
+                    setattr(stats, f.name, 0 if f.type == "int" else 0.0)
+                for name, value in zip(_STAT_TERMS, host_copies["stats"].tolist(), strict=True):
+                    setattr(stats, name, float(value))
+                stats.step = step
+                stats.learning_rate = rate
+                stats.truncated = batch.truncated
+                stats.dropped = dropped
+            if checked.arena is None:
+                return None
+            return checked.arena.land(host_copies["arena"], torch.from_numpy(batch.layout.slot >= 0), checked.scalar)
+
+        return finish
+
+    def _run_save(self, config: TrainerSaveConfig) -> None:
+        names = dict(self.network.named_parameters())
+        tensors: dict[str, torch.Tensor] = {f"weights.{k}": v.detach() for k, v in self.network.state_dict().items()}
+        for name, p in names.items():
+            state = self.optimizer.state.get(p)
+            if state:
+                tensors[f"moments.step.{name}"] = torch.as_tensor(state["step"]).float().reshape(())
+                tensors[f"moments.exp_avg.{name}"] = state["exp_avg"]
+                tensors[f"moments.exp_avg_sq.{name}"] = state["exp_avg_sq"]
+        metadata = {
+            "uform.format": FORMAT,
+            "uform.config": to_json(self.config),
+            "uform.step": str(self._step_count),
+            "uform.dropped": str(self._dropped),
+            "uform.rng": json.dumps({"draws": "pcg64 keyed by (seed, step, stream)", "seed": self.config.seed}),
+        }
+        write_checkpoint(config.path, tensors, metadata, config.progress, config.progress_steps or 10)
+
+
+_STAT_TERMS = ("loss", "contrastive_loss", "masked_text_loss")
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """An asynchronous copy into page-locked host memory (a plain reference on the CPU)."""
+    if tensor.device.type == "cpu":
+        return tensor.detach()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor.detach(), non_blocking=True)
+    return host
+
+
+def _complete(finish: Callable[[], Any], done: Future) -> None:
+    try:
+        done.set_result(finish())
+    except BaseException as error:
+        done.set_exception(error)
+
+
+class On:
+    """Blocking verbs of a trainer."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def step(self, modalities: Any, contents: Any, config: TrainerStepConfig | None = None) -> torch.Tensor | None:
+        """Applies one optimizer step over the items; answers the arena's embeddings when one is named."""
+        t = self.trainer
+        checked = t._check_step(modalities, contents, config, copy_buffers=False)
+        return t._submit_step(checked).result()
+
+    def save(self, config: Any) -> None:
+        """Writes the checkpoint; `config` is a path or a `TrainerSaveConfig`."""
+        t = self.trainer
+        return t._queue.submit(t._run_save, _save_config(config)).result()
+
+
+class Deferred:
+    """Verbs that check their arguments, copy them, and answer a `Future` of the blocking verb's answer."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def step(self, modalities: Any, contents: Any, config: TrainerStepConfig | None = None) -> Future:
+        t = self.trainer
+        checked = t._check_step(modalities, contents, config, copy_buffers=True)
+        return t._submit_step(checked)
+
+    def save(self, config: Any) -> Future:
+        t = self.trainer
+        return t._queue.submit(t._run_save, _save_config(config))
+
+
+def _save_config(config: Any) -> TrainerSaveConfig:
+    if isinstance(config, TrainerSaveConfig):
+        saved = config
+    elif isinstance(config, (str, bytes, os.PathLike)):
+        saved = TrainerSaveConfig(path=config)
+    else:
+        raise TypeError(f"path: expected a str, bytes, os.PathLike or TrainerSaveConfig, got {type(config).__name__}")
+    if not isinstance(saved.path, (str, bytes, os.PathLike)):
+        raise TypeError(f"path: expected a str, bytes or os.PathLike, got {type(saved.path).__name__}")
+    if saved.progress_steps < 0:
+        raise ValueError(f"progress_steps: must not be negative, got {saved.progress_steps}")
+    return saved
+
+
+def _refuse_unbuilt(config: TrainerInitVramConfig) -> None:
+    """Parts of the seed this release does not train yet are refused, never silently ignored."""
+    b = config.batch
+    for name, value in (
+        ("batch.image.patch_side", b.image.patch_side),
+        ("batch.video.patch_side", b.video.patch_side),
+        ("batch.audio.chunk_samples", b.audio.chunk_samples),
+    ):
+        if value:
+            raise ValueError(f"{name}: media modalities are not trained by this release yet; leave it zero")
+    if config.late_interaction.weight > 0:
+        raise ValueError("late_interaction.weight: late interaction is not trained by this release yet; leave it zero")
+    if config.choices.weight > 0:
+        raise ValueError("choices.weight: calibrated choices are not trained by this release yet; leave it zero")
+
+
+_RESUMABLE = {"progress_steps", "schedule"}
+
+
+def _same_run(config: TrainerInitVramConfig, stored: TrainerInitVramConfig) -> None:
+    """A resume continues the stored run: every field but the schedule and progress must agree."""
+    mine, theirs = to_dict(config), to_dict(stored)
+    for key in sorted(set(mine) | set(theirs)):
+        if key in _RESUMABLE:
+            continue
+        if mine.get(key) != theirs.get(key):
+            raise ValueError(
+                f"{key}: the checkpoint's run has {theirs.get(key)!r}, this config {mine.get(key)!r}; "
+                "a resume must keep the run's geometry, objective and seed"
+            )
+
+
+_PRIVATE = object()
