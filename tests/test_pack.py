@@ -45,7 +45,9 @@ def random_case(rng: np.random.Generator) -> dict:
     }
 
 
-def check_layout(layout: Layout, lengths: np.ndarray, bags: np.ndarray, rows: int, columns: int, segments: int, max_bags: int) -> None:
+def check_layout(
+    layout: Layout, lengths: np.ndarray, bags: np.ndarray, rows: int, columns: int, segments: int, max_bags: int
+) -> None:
     n = len(lengths)
     placed = layout.placed
     # Placed and dropped are one partition of the items; a dropped item has no place at all.
@@ -139,10 +141,14 @@ def test_plan_invariants(seed: int) -> None:
     rng = np.random.default_rng(seed)
     case = random_case(rng)
     kwargs = {k: case[k] for k in ("rows", "columns", "segments")}
-    layout = plan(case["lengths"], case["bags"], max_bags=case["max_bags"], rng=np.random.default_rng(seed + 1), **kwargs)
+    layout = plan(
+        case["lengths"], case["bags"], max_bags=case["max_bags"], rng=np.random.default_rng(seed + 1), **kwargs
+    )
     check_layout(layout, case["lengths"], case["bags"], max_bags=case["max_bags"], **kwargs)
     # Same generator key, same layout.
-    again = plan(case["lengths"], case["bags"], max_bags=case["max_bags"], rng=np.random.default_rng(seed + 1), **kwargs)
+    again = plan(
+        case["lengths"], case["bags"], max_bags=case["max_bags"], rng=np.random.default_rng(seed + 1), **kwargs
+    )
     for name in ("row", "column", "length", "slot", "truncated", "item_of_slot"):
         assert np.array_equal(getattr(layout, name), getattr(again, name))
 
@@ -156,9 +162,12 @@ def test_plan_invariants(seed: int) -> None:
 def test_plan_loose_capacity_places_everything() -> None:
     rng = np.random.default_rng(7)
     lengths = rng.integers(1, 10, size=12)
-    layout = plan(lengths, np.arange(12), rows=4, columns=64, segments=12, max_bags=0, rng=rng)
+    layout = plan(lengths, np.arange(12), rows=4, columns=128, segments=12, max_bags=0, rng=rng)
+    check_layout(layout, lengths, np.arange(12), 4, 128, 12, 0)
     assert layout.dropped == 0 and not layout.truncated.any()
     assert np.array_equal(layout.length, lengths)
+    # First fit in the lowest row with room: everything lands in row 0 while it has room.
+    assert np.all(layout.row == 0) and layout.item_of_slot[:12].tolist() == np.argsort(layout.column).tolist()
 
 
 def test_plan_long_segment_cut_and_counted() -> None:
@@ -173,25 +182,47 @@ def test_plan_long_segment_cut_and_counted() -> None:
 def test_plan_no_room_drops_whole() -> None:
     # One row of 8: a 6 and a 5 cannot both land; whichever comes second is dropped whole (not cut to 2).
     for seed in range(10):
-        layout = plan(np.array([6, 5]), np.arange(2), rows=1, columns=8, segments=4, max_bags=0, rng=np.random.default_rng(seed))
+        layout = plan(
+            np.array([6, 5]), np.arange(2), rows=1, columns=8, segments=4, max_bags=0, rng=np.random.default_rng(seed)
+        )
         assert layout.dropped == 1
         assert sorted(layout.length.tolist()) == [0, int(layout.length.max())]
         assert not layout.truncated.any()
     # A truncated item that finds no empty row is dropped, and then not counted as truncated.
-    layout = plan(np.array([3, 30]), np.zeros(2, dtype=np.int64), rows=1, columns=8, segments=4, max_bags=0, rng=np.random.default_rng(0))
+    layout = plan(
+        np.array([3, 30]),
+        np.zeros(2, dtype=np.int64),
+        rows=1,
+        columns=8,
+        segments=4,
+        max_bags=0,
+        rng=np.random.default_rng(0),
+    )
     assert layout.placed.tolist() == [True, False] and not layout.truncated.any()
 
 
 def test_plan_segment_cap() -> None:
-    layout = plan(np.ones(10, dtype=np.int64), np.arange(10), rows=2, columns=64, segments=3, max_bags=0, rng=np.random.default_rng(0))
+    layout = plan(
+        np.ones(10, dtype=np.int64),
+        np.arange(10),
+        rows=2,
+        columns=64,
+        segments=3,
+        max_bags=0,
+        rng=np.random.default_rng(0),
+    )
     assert layout.placed.sum() == 3 and layout.dropped == 7
-    assert layout.item_of_slot.tolist() == np.flatnonzero(layout.placed)[np.argsort(layout.column[layout.placed])].tolist()
+    assert (
+        layout.item_of_slot.tolist() == np.flatnonzero(layout.placed)[np.argsort(layout.column[layout.placed])].tolist()
+    )
 
 
 def test_plan_bag_cap_drops_whole_bags() -> None:
     bags = np.repeat(np.arange(6), 3)  # six bags of three small items
     for seed in range(20):
-        layout = plan(np.full(18, 2), bags, rows=4, columns=32, segments=64, max_bags=2, rng=np.random.default_rng(seed))
+        layout = plan(
+            np.full(18, 2), bags, rows=4, columns=32, segments=64, max_bags=2, rng=np.random.default_rng(seed)
+        )
         taken = np.unique(bags[layout.placed])
         assert len(taken) == 2
         # Taken bags are whole (there is room), the others dropped entirely.
@@ -203,7 +234,9 @@ def test_plan_shuffle_is_keyed() -> None:
     lengths = np.full(20, 4)
     chosen = []
     for seed in range(40):
-        layout = plan(lengths, np.arange(20), rows=1, columns=64, segments=5, max_bags=0, rng=np.random.default_rng(seed))
+        layout = plan(
+            lengths, np.arange(20), rows=1, columns=64, segments=5, max_bags=0, rng=np.random.default_rng(seed)
+        )
         chosen.append(tuple(np.flatnonzero(layout.placed)))
     assert len(set(chosen)) > 30
     hits = np.bincount(np.concatenate(chosen), minlength=20)
@@ -227,7 +260,9 @@ def test_fill_text_from_tape_views() -> None:
 # prepare, with a resolved config
 
 
-def make_config(rows: int, columns: int, segments: int, bags: int, *, late: bool = False, seed: int = 5) -> TrainerInitVramConfig:
+def make_config(
+    rows: int, columns: int, segments: int, bags: int, *, late: bool = False, seed: int = 5
+) -> TrainerInitVramConfig:
     return resolve(
         TrainerInitVramConfig(
             depth=1,
@@ -299,7 +334,13 @@ def check_batch(config: TrainerInitVramConfig, batch, contents: list, bags: np.n
     segments_with_s = np.where(clean.segments == NO_SEGMENT, S, clean.segments)
     assert np.array_equal(batch.segments, segments_with_s)
     assert np.array_equal(batch.positions, clean.positions)
-    check_rows(Rows(tokens=clean.tokens, positions=batch.positions, segments=batch.segments, content=clean.content), layout, prefixes, contents, padding=S)
+    check_rows(
+        Rows(tokens=clean.tokens, positions=batch.positions, segments=batch.segments, content=clean.content),
+        layout,
+        prefixes,
+        contents,
+        padding=S,
+    )
     assert np.array_equal(batch.counts, np.bincount(segments_with_s.reshape(-1), minlength=S + 1)[:S])
     assert np.array_equal(batch.slot_valid, np.isin(np.arange(S), layout.slot[layout.placed]))
 
@@ -376,18 +417,25 @@ def test_prepare_step_changes_shuffle_and_corruption() -> None:
     assert not np.array_equal(a.target_index, b.target_index) or not np.array_equal(a.tokens, b.tokens)
     # A different seed also changes the draws.
     other = run_prepare(make_config(2, 32, 6, 0, seed=12), contents, None, None, step=1)
-    assert not np.array_equal(first.layout.placed, other.layout.placed) or not np.array_equal(first.tokens, other.tokens)
+    assert not np.array_equal(first.layout.placed, other.layout.placed) or not np.array_equal(
+        first.tokens, other.tokens
+    )
 
 
 def test_prepare_truncates_and_drops() -> None:
     config = make_config(2, 16, 8, 0)
-    contents = [b"x" * 40, b"y" * 15, b"z" * 3]  # 41 (cut), 16 (exactly a row), 4
-    batch = run_prepare(config, contents, None, None, step=1)
-    check_batch(config, batch, contents, None, None)
-    # Two rows of 16: the cut item and the full one take a row each, the third has no room.
-    assert batch.truncated == 1 and batch.dropped == 1
-    assert batch.layout.placed.tolist() == [True, True, False]
-    assert batch.layout.length[0] == 16
+    contents = [b"x" * 40, b"y" * 15, b"z" * 14]  # 41 (cut to 16), 16 (exactly a row), 15
+    outcomes = set()
+    for step in range(1, 13):
+        batch = run_prepare(config, contents, None, None, step=step)
+        check_batch(config, batch, contents, None, None)
+        # Each needs a row of its own and there are two: the shuffle decides which one is dropped whole.
+        assert batch.dropped == 1
+        assert batch.truncated == int(batch.layout.placed[0])
+        if batch.layout.placed[0]:
+            assert batch.layout.length[0] == 16 and batch.counts[batch.layout.slot[0]] == 16
+        outcomes.add(tuple(batch.layout.placed.tolist()))
+    assert len(outcomes) == 3
 
 
 def test_prepare_bags_capped() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -22,7 +23,7 @@ def test_warmup_is_linear_from_zero_to_the_peak() -> None:
         assert learning_rate(s, k) == pytest.approx(PEAK * k / 10, rel=1e-12)
     assert learning_rate(s, 10) == PEAK
     rates = [learning_rate(s, k) for k in range(1, 11)]
-    assert all(a < b for a, b in zip(rates, rates[1:], strict=False))
+    assert all(a < b for a, b in itertools.pairwise(rates))
 
 
 def test_cosine_from_the_peak_to_the_floor() -> None:
@@ -32,7 +33,7 @@ def test_cosine_from_the_peak_to_the_floor() -> None:
     quarter = FLOOR + (PEAK - FLOOR) * 0.5 * (1 + math.cos(math.pi / 4))
     assert learning_rate(s, 35) == pytest.approx(quarter, rel=1e-12)
     rates = [learning_rate(s, k) for k in range(10, 111)]
-    assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(rates))
     assert all(FLOOR <= r <= PEAK for r in rates)
 
 
@@ -51,7 +52,7 @@ def test_no_warmup_starts_the_cosine_at_once() -> None:
     assert learning_rate(s, 1) == pytest.approx(first, rel=1e-12)
     assert learning_rate(s, 50) == pytest.approx(FLOOR + (PEAK - FLOOR) / 2, rel=1e-12)
     rates = [learning_rate(s, k) for k in range(1, 101)]
-    assert all(a > b for a, b in zip(rates, rates[1:], strict=False))
+    assert all(a > b for a, b in itertools.pairwise(rates))
     assert max(rates) <= PEAK
 
 

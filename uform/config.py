@@ -421,6 +421,9 @@ def _check_types(config: TrainerInitVramConfig) -> None:
             raise TypeError(f"contrastive.matryoshka_dimensions[{i}]: expected an int, got {type(w).__name__}")
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _check_numbers(obj: Any, prefix: str = "") -> None:
     """Every int field holds an int (not a bool) and every float field a real number."""
     for f in dataclasses.fields(obj):
@@ -434,8 +437,8 @@ def _check_numbers(obj: Any, prefix: str = "") -> None:
         elif f.type in ("float", float):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
-            if not math.isfinite(value):
-                raise ValueError(f"{name}: must be finite, got {value}")
+            if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+                raise ValueError(f"{name}: must be finite in float32 (|x| <= 3.4e38), got {value}")
 
 
 def _need(ok: bool, message: str) -> None:
@@ -454,8 +457,14 @@ def check(r: TrainerInitVramConfig) -> None:
         _need(getattr(b, name) > 0, f"batch.{name}: must be positive, got {getattr(b, name)}")
     for name in ("max_bags_per_device", "max_choices_per_item"):
         _need(getattr(b, name) >= 0, f"batch.{name}: must not be negative, got {getattr(b, name)}")
-    _need(b.max_columns_per_row >= 4, f"batch.max_columns_per_row: must hold a prefix and content (>= 4), got {b.max_columns_per_row}")
-    _need(b.max_choices_per_item <= 256, f"batch.max_choices_per_item: at most 256 legal bytes, got {b.max_choices_per_item}")
+    _need(
+        b.max_columns_per_row >= 4,
+        f"batch.max_columns_per_row: must hold a prefix and content (>= 4), got {b.max_columns_per_row}",
+    )
+    _need(
+        b.max_choices_per_item <= 256,
+        f"batch.max_choices_per_item: at most 256 legal bytes, got {b.max_choices_per_item}",
+    )
     for name, value in (
         ("batch.image.patch_side", b.image.patch_side),
         ("batch.video.patch_side", b.video.patch_side),
@@ -472,7 +481,10 @@ def check(r: TrainerInitVramConfig) -> None:
         _need(value > 0, f"{name}: must be positive, got {value}")
 
     m = r.masking
-    _need(0 < m.token_mask_probability <= 1, f"masking.token_mask_probability: must lie in (0, 1], got {m.token_mask_probability}")
+    _need(
+        0 < m.token_mask_probability <= 1,
+        f"masking.token_mask_probability: must lie in (0, 1], got {m.token_mask_probability}",
+    )
     _need(m.token_mean_span >= 1, f"masking.token_mean_span: must be at least 1 byte, got {m.token_mean_span}")
     for name in ("replace_fraction", "random_fraction"):
         value = getattr(m, name)
@@ -491,19 +503,38 @@ def check(r: TrainerInitVramConfig) -> None:
     widths = list(c.matryoshka_dimensions)
     _need(len(widths) <= 8, f"contrastive.matryoshka_dimensions: at most 8 widths, got {len(widths)}")
     for i, w in enumerate(widths):
-        _need(w > 0 and w % 8 == 0, f"contrastive.matryoshka_dimensions[{i}]: must be a positive multiple of 8, got {w}")
+        _need(
+            w > 0 and w % 8 == 0, f"contrastive.matryoshka_dimensions[{i}]: must be a positive multiple of 8, got {w}"
+        )
         _need(w <= r.hidden, f"contrastive.matryoshka_dimensions[{i}]: {w} is wider than hidden {r.hidden}")
-        _need(i == 0 or w > widths[i - 1], f"contrastive.matryoshka_dimensions: must be strictly ascending, got {widths}")
+        _need(
+            i == 0 or w > widths[i - 1], f"contrastive.matryoshka_dimensions: must be strictly ascending, got {widths}"
+        )
     _need(c.temperature_groups > 0, f"contrastive.temperature_groups: must be positive, got {c.temperature_groups}")
     _need(c.inverse_temperature > 0, f"contrastive.inverse_temperature: must be positive, got {c.inverse_temperature}")
-    _need(c.ambient_repulsion_weight > 0, f"contrastive.ambient_repulsion_weight: must be positive, got {c.ambient_repulsion_weight}")
-    _need(c.max_edges_per_device > 0, f"contrastive.max_edges_per_device: must be positive, got {c.max_edges_per_device}")
+    _need(
+        c.ambient_repulsion_weight > 0,
+        f"contrastive.ambient_repulsion_weight: must be positive, got {c.ambient_repulsion_weight}",
+    )
+    _need(
+        c.max_edges_per_device > 0, f"contrastive.max_edges_per_device: must be positive, got {c.max_edges_per_device}"
+    )
 
     li = r.late_interaction
     _need(li.weight >= 0, f"late_interaction.weight: must not be negative, got {li.weight}")
-    _need(li.width > 0 and li.width % 8 == 0, f"late_interaction.width: must be a positive multiple of 8, got {li.width}")
-    _need(li.inverse_temperature > 0, f"late_interaction.inverse_temperature: must be positive, got {li.inverse_temperature}")
-    for name in ("max_query_span", "max_query_tokens_per_device", "max_documents_per_device", "max_document_tokens_per_device"):
+    _need(
+        li.width > 0 and li.width % 8 == 0, f"late_interaction.width: must be a positive multiple of 8, got {li.width}"
+    )
+    _need(
+        li.inverse_temperature > 0,
+        f"late_interaction.inverse_temperature: must be positive, got {li.inverse_temperature}",
+    )
+    for name in (
+        "max_query_span",
+        "max_query_tokens_per_device",
+        "max_documents_per_device",
+        "max_document_tokens_per_device",
+    ):
         _need(getattr(li, name) > 0, f"late_interaction.{name}: must be positive, got {getattr(li, name)}")
 
     _need(r.choices.weight >= 0, f"choices.weight: must not be negative, got {r.choices.weight}")
@@ -519,7 +550,9 @@ def check(r: TrainerInitVramConfig) -> None:
         s.min_learning_rate <= s.learning_rate,
         f"schedule.min_learning_rate: {s.min_learning_rate} exceeds schedule.learning_rate {s.learning_rate}",
     )
-    _need(0 <= s.warmup_steps <= s.steps, f"schedule.warmup_steps: must lie in [0, steps={s.steps}], got {s.warmup_steps}")
+    _need(
+        0 <= s.warmup_steps <= s.steps, f"schedule.warmup_steps: must lie in [0, steps={s.steps}], got {s.warmup_steps}"
+    )
     _need(r.progress_steps > 0, f"progress_steps: must be positive, got {r.progress_steps}")
 
 

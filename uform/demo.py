@@ -110,7 +110,9 @@ def _bar(out: TextIO, done: int, total: int, loss: float, rate: float, width: in
 
 
 def _line(label: str, metrics: dict[str, float]) -> str:
-    return f"{label}: recall@1 {metrics['recall@1']:.3f}  recall@10 {metrics['recall@10']:.3f}  mrr {metrics['mrr']:.3f}"
+    return (
+        f"{label}: recall@1 {metrics['recall@1']:.3f}  recall@10 {metrics['recall@10']:.3f}  mrr {metrics['mrr']:.3f}"
+    )
 
 
 def run_demo(
@@ -125,6 +127,7 @@ def run_demo(
     learning_rate: float = DEFAULTS["learning_rate"],
     objective: Objective = Objective.Contrastive,
     max_pairs: int | None = None,
+    cloze: float = 0.5,
     executor: Executor | None = None,
     progress: bool = True,
     out: TextIO | None = None,
@@ -187,6 +190,7 @@ def run_demo(
             attract=Edges(offsets=list(range(2 * per_step + 1)), ids=[i ^ 1 for i in range(2 * per_step)])
         )
         rng = np.random.default_rng([seed, 0xBA7C])
+        sentences = {int(i): [pairs[i][0], *_SENTENCE_END.split(pairs[i][1])] for i in train}
         order: list[int] = []
         stats = TrainerStepStats()
         step_config = TrainerStepConfig(relations=attract, stats=stats)
@@ -197,7 +201,12 @@ def run_demo(
             while len(order) < per_step:
                 order.extend(train[rng.permutation(len(train))].tolist())
             chosen, order = order[:per_step], order[per_step:]
-            contents = [text.encode() for i in chosen for text in pairs[i]]
+            contents = []
+            for i in chosen:
+                parts = sentences[i]
+                k = int(rng.integers(1, len(parts))) if len(parts) > 1 and rng.random() < cloze else 0
+                contents.append(parts[k].encode())
+                contents.append(" ".join(parts[:k] + parts[k + 1 :]).encode())
             on.step([Modality.Text] * len(contents), contents, step_config)
             dropped += stats.dropped
             if progress and (step == steps or step % max(1, steps // 100) == 0):

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Self
 
 
 class _Worded(enum.IntEnum):
@@ -16,7 +17,7 @@ class _Worded(enum.IntEnum):
         return self.name.lower()
 
     @classmethod
-    def parse(cls, word: object, field: str | None = None) -> _Worded:
+    def parse(cls, word: object, field: str | None = None) -> Self:
         """Answers the member named by `word` (any case), or by a member / its integer value."""
         field = field or cls.__name__
         if isinstance(word, cls):
@@ -111,10 +112,10 @@ class LateInteractionSide(_Worded):
         return [str(m) for m in cls]
 
     @classmethod
-    def parse(cls, word: object, field: str | None = None) -> LateInteractionSide:
+    def parse(cls, word: object, field: str | None = None) -> Self:
         if isinstance(word, str) and word.strip().lower() == "none":
             return cls.None_
-        return super().parse(word, field)  # type: ignore[return-value]
+        return super().parse(word, field)
 
 
 class Scalar(_Worded):

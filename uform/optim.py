@@ -45,7 +45,8 @@ def decays(name: str, parameter: nn.Parameter) -> bool:
 
 
 def build_optimizer(network: nn.Module, device: torch.device) -> torch.optim.AdamW:
-    decayed, plain = [], []
+    decayed: list[nn.Parameter] = []
+    plain: list[nn.Parameter] = []
     for name, p in network.named_parameters():
         (decayed if decays(name, p) else plain).append(p)
     groups = [{"params": decayed, "weight_decay": WEIGHT_DECAY}, {"params": plain, "weight_decay": 0.0}]

@@ -163,7 +163,10 @@ def _check_edges(edges: Any, name: str, count: int, max_edges: int, read_weights
             weights.size in (0, ids.size),
             f"{name}.weights: must be empty or as long as ids ({ids.size}), got {weights.size}",
         )
-        _need(bool(np.isfinite(weights).all()), f"{name}.weights: must be finite")
+        _need(
+            bool((np.abs(weights) <= np.finfo(np.float32).max).all()),
+            f"{name}.weights: must be finite in float32 (|w| < 3.4e38)",
+        )
         _need(
             bool((weights >= 0).all()),
             f"{name}.weights: must not be negative, got {weights.min() if weights.size else 0}",

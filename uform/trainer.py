@@ -104,13 +104,8 @@ class Trainer:
             stored = read_metadata(config.resume)
             if stored.get("uform.format") != FORMAT:
                 raise ValueError(f"resume: {os.fsdecode(config.resume)} is not a uform trainer checkpoint")
-            if config.depth == 0 and config.hidden == 0:  # resume alone: the stored run's config
-                config = dataclasses.replace(
-                    from_dict(json.loads(stored["uform.config"])),
-                    resume=config.resume,
-                    progress=config.progress,
-                    progress_steps=config.progress_steps,
-                )
+            if config.depth == 0 and config.hidden == 0:  # resume alone: the stored run's config,
+                config = _over_stored(config, from_dict(json.loads(stored["uform.config"])))  # and what was set
         resolved = resolve(config)
         _refuse_unbuilt(resolved)
         if stored is not None:
@@ -190,7 +185,9 @@ class Trainer:
 
     # ---- checks ------------------------------------------------------------------------------------
 
-    def _check_step(self, modalities: Any, contents: Any, config: TrainerStepConfig | None, copy_buffers: bool) -> _Checked:
+    def _check_step(
+        self, modalities: Any, contents: Any, config: TrainerStepConfig | None, copy_buffers: bool
+    ) -> _Checked:
         config = TrainerStepConfig() if config is None else config
         if not isinstance(config, TrainerStepConfig):
             raise TypeError(f"config: expected a TrainerStepConfig, got {type(config).__name__}")
@@ -267,7 +264,9 @@ class Trainer:
         tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
         tables = {k.removeprefix("block."): v for k, v in tensors.items() if k.startswith("block.")}
         mask = document_mask(tensors["segments"], self.attention, tables or None)
-        tensors["cos"], tensors["sin"] = self.network.rotary(tensors["positions"], torch.bfloat16 if cuda else torch.float32)
+        tensors["cos"], tensors["sin"] = self.network.rotary(
+            tensors["positions"], torch.bfloat16 if cuda else torch.float32
+        )
         rate = learning_rate(r.schedule, step)
         for group in self.optimizer.param_groups:
             group["lr"] = rate
@@ -419,19 +418,37 @@ def _refuse_unbuilt(config: TrainerInitVramConfig) -> None:
 
 
 _RESUMABLE = {"progress_steps", "schedule"}
+_NOT_STORED = {"resume", "mesh", "progress", "progress_steps"}
+
+
+def _over_stored(given: TrainerInitVramConfig, stored: TrainerInitVramConfig) -> TrainerInitVramConfig:
+    """The stored run's config with every field the caller set (left non-default) laid over it; `_same_run`
+    then refuses whatever of that contradicts the stored run."""
+    default = TrainerInitVramConfig()
+    changes = {
+        f.name: getattr(given, f.name)
+        for f in dataclasses.fields(TrainerInitVramConfig)
+        if f.name in _NOT_STORED or getattr(given, f.name) != getattr(default, f.name)
+    }
+    return dataclasses.replace(stored, **changes)
 
 
 def _same_run(config: TrainerInitVramConfig, stored: TrainerInitVramConfig) -> None:
     """A resume continues the stored run: every field but the schedule and progress must agree."""
-    mine, theirs = to_dict(config), to_dict(stored)
-    for key in sorted(set(mine) | set(theirs)):
-        if key in _RESUMABLE:
-            continue
-        if mine.get(key) != theirs.get(key):
+
+    def compare(mine: Any, theirs: Any, name: str) -> None:
+        if isinstance(mine, dict) and isinstance(theirs, dict):
+            for key in sorted(set(mine) | set(theirs)):
+                if not name and key in _RESUMABLE:
+                    continue
+                compare(mine.get(key), theirs.get(key), f"{name}.{key}" if name else key)
+        elif mine != theirs:
             raise ValueError(
-                f"{key}: the checkpoint's run has {theirs.get(key)!r}, this config {mine.get(key)!r}; "
+                f"{name}: the checkpoint's run has {theirs!r}, this config {mine!r}; "
                 "a resume must keep the run's geometry, objective and seed"
             )
+
+    compare(to_dict(config), to_dict(stored), "")
 
 
 _PRIVATE = object()

@@ -9,6 +9,7 @@ step sees the same shapes every time. Every draw comes from a generator keyed by
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,7 +87,7 @@ class Batch:
 def prepare(
     config: TrainerInitVramConfig,
     modalities: list[Modality],
-    contents: list[bytes | memoryview],
+    contents: Sequence[bytes | memoryview],
     *,
     bags: np.ndarray | None,
     groups: np.ndarray | None,
@@ -115,8 +116,8 @@ def prepare(
     )
     rows = Rows.empty(R, C)
     spans: list[tuple[int, int, int]] = []
-    for i in np.flatnonzero(layout.placed):
-        fill_text(rows, layout, int(i), prefixes[i], contents[i])
+    for i in np.flatnonzero(layout.placed).tolist():
+        fill_text(rows, layout, i, prefixes[i], contents[i])
         p = len(prefixes[i])
         spans.append((int(layout.row[i]), int(layout.column[i]) + p, int(layout.length[i]) - p))
 

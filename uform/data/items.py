@@ -40,7 +40,7 @@ def tape_items(data: Any, offsets: Any, field: str) -> list[memoryview]:
         raise ValueError(f"{field}: a tape's offsets must be non-decreasing")
     if offsets[-1] != len(data):
         raise ValueError(f"{field}: a tape's offsets must end at len(data) = {len(data)}, got {offsets[-1]}")
-    view = memoryview(np.ascontiguousarray(data))
+    view = memoryview(np.ascontiguousarray(data))  # type: ignore[arg-type]
     return [view[int(a) : int(b)] for a, b in itertools.pairwise(offsets)]
 
 
@@ -64,8 +64,15 @@ def parse_contents(contents: Any, count: int) -> list[bytes | memoryview]:
         for i, c in enumerate(contents):
             if isinstance(c, str):
                 items.append(c.encode("utf-8"))
-            elif isinstance(c, (bytes, bytearray, memoryview, np.ndarray)):
-                items.append(memoryview(c).cast("B") if not isinstance(c, bytes) else c)
+            elif isinstance(c, bytes):
+                items.append(c)
+            elif isinstance(c, np.ndarray):
+                if c.dtype != np.uint8 or c.ndim != 1:
+                    raise TypeError(f"contents[{i}]: an array item must be 1-D uint8, got {c.dtype} of {c.ndim} dims")
+                items.append(memoryview(np.ascontiguousarray(c)))  # type: ignore[arg-type]
+            elif isinstance(c, (bytearray, memoryview)):
+                view = memoryview(c)
+                items.append(view.cast("B") if view.c_contiguous else view.tobytes())
             else:
                 raise TypeError(f"contents[{i}]: expected bytes-like or str, got {type(c).__name__}")
     if len(items) != count:

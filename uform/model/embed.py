@@ -32,6 +32,9 @@ class TokenEmbedding(nn.Module):
 class AxialRotary(nn.Module):
     """Answers (cos, sin) [R, 1, C, F] for positions [R, C, 3]; `rotate` applies them to [R, H, C, K]."""
 
+    inverse_frequency: Tensor
+    axis: Tensor
+
     def __init__(self, head_width: int, base: float = 10000.0) -> None:
         super().__init__()
         frequencies = head_width // 2
@@ -39,9 +42,7 @@ class AxialRotary(nn.Module):
         # Sections (time, row, column) in the ratio 1 : 1.5 : 1.5, the highest frequencies to time.
         time = frequencies // 4
         row = (frequencies - time) // 2
-        axis = torch.cat(
-            [torch.zeros(time), torch.ones(row), torch.full((frequencies - time - row,), 2.0)]
-        ).long()
+        axis = torch.cat([torch.zeros(time), torch.ones(row), torch.full((frequencies - time - row,), 2.0)]).long()
         self.register_buffer("inverse_frequency", inverse.float(), persistent=False)
         self.register_buffer("axis", axis, persistent=False)
 

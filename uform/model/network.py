@@ -68,7 +68,12 @@ class Network(nn.Module):
 
     def states(self, tokens: Tensor, positions: Tensor, mask: DocumentMask) -> Tensor:
         """Final-norm states [R, C, D] of token ids [R, C] at axial positions [R, C, 3]."""
-        cos, sin = self.rotary(positions, torch.get_autocast_dtype(tokens.device.type) if torch.is_autocast_enabled(tokens.device.type) else torch.float32)
+        cos, sin = self.rotary(
+            positions,
+            torch.get_autocast_dtype(tokens.device.type)
+            if torch.is_autocast_enabled(tokens.device.type)
+            else torch.float32,
+        )
         return self.tower(self.embed(tokens), cos, sin, mask)
 
     def losses(self, batch: dict[str, Tensor], mask: DocumentMask, positives: int | None = None) -> dict[str, Tensor]:

@@ -1,0 +1,303 @@
+"""Document-masked attention: `block_tables` against FlexAttention's own `create_block_mask`, and the flex and
+dense paths against each other (outputs and gradients), down to a whole `Network.losses`.
+
+FlexAttention runs eagerly on CPU (an unfused reference that reads only the mask_mod, not the block tables),
+but torch refuses its backward on CPU ("FlexAttention does not support backward on CPU"); gradient checks
+of the flex path therefore run where a CUDA device is present and are skipped on CPU with that reason.
+The block tables, which only the compiled CUDA kernel reads, are pinned exactly against create_block_mask.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from uform.config import BatchShape, Masking, TrainerInitVramConfig, resolve
+from uform.config import Schedule as ScheduleConfig
+from uform.data.batch import prepare
+from uform.enums import Modality, Objective
+from uform.model.attention import BLOCK, attend, block_tables, document_mask
+from uform.model.network import Network
+
+flex_attention_module = pytest.importorskip("torch.nn.attention.flex_attention")
+create_block_mask = flex_attention_module.create_block_mask
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+def flex_backward_refusal(device: str) -> str | None:
+    """Why this torch cannot differentiate FlexAttention on `device`, or None when it can."""
+    x = torch.zeros(1, 1, BLOCK, 64, device=device, requires_grad=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            flex_attention_module.flex_attention(x, x, x).sum().backward()
+    except NotImplementedError as error:
+        return f"torch {torch.__version__} refuses FlexAttention's backward on {device}: {error}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Layouts as prepare builds them: slot ids in (row, column) order, padding = S at the end of every row
+
+
+def random_layout(rng: np.random.Generator, rows: int, columns: int) -> np.ndarray:
+    segments = np.empty((rows, columns), dtype=np.int64)
+    slot = 0
+    row_ends = []
+    for r in range(rows):
+        kind = rng.integers(0, 5)
+        if kind == 0:
+            end = 0  # all padding
+        elif kind == 1:
+            end = columns  # no padding
+        else:
+            end = int(rng.integers(1, columns))
+        c = 0
+        while c < end:
+            style = rng.integers(0, 3)
+            if style == 0:
+                n = int(rng.integers(1, 8))  # tiny
+            elif style == 1:
+                n = int(rng.integers(1, BLOCK + 1))
+            else:
+                n = int(rng.integers(BLOCK, 3 * BLOCK))  # spans tiles
+            n = min(n, end - c)
+            segments[r, c : c + n] = slot
+            slot += 1
+            c += n
+        row_ends.append(end)
+    capacity = slot + int(rng.integers(0, 4))
+    for r, end in enumerate(row_ends):
+        segments[r, end:] = capacity  # padding carries S, the largest id
+    return segments
+
+
+def layouts() -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    out = [random_layout(rng, int(rng.integers(1, 4)), BLOCK * int(rng.integers(1, 6))) for _ in range(40)]
+    # Edge cases: one segment per row, one per tile with boundaries on tile edges, every position its own.
+    out.append(np.array([[0] * 256, [1] * 256]))
+    out.append(np.repeat(np.arange(4), BLOCK)[None, :])
+    out.append(np.arange(256)[None, :])
+    out.append(np.array([[0] * 127 + [1] * 2 + [2] * 127]))
+    out.append(np.full((2, 384), 5))
+    return out
+
+
+LAYOUTS = layouts()
+
+
+def same_segment_mod(segments: torch.Tensor):
+    def mask_mod(b, h, q, k):
+        return segments[b, q] == segments[b, k]
+
+    return mask_mod
+
+
+@pytest.mark.parametrize("index", range(len(LAYOUTS)))
+def test_block_tables_match_create_block_mask(index: int) -> None:
+    seg = LAYOUTS[index]
+    rows, columns = seg.shape
+    tables = block_tables(seg)
+    reference = create_block_mask(same_segment_mod(torch.from_numpy(seg)), rows, None, columns, columns, device="cpu")
+    tiles = columns // BLOCK
+    for name, num, idx in (
+        ("partial", reference.kv_num_blocks, reference.kv_indices),
+        ("full", reference.full_kv_num_blocks, reference.full_kv_indices),
+    ):
+        prefix = "" if name == "partial" else "full_"
+        ours_num, ours_idx = tables[f"{prefix}kv_num_blocks"], tables[f"{prefix}kv_indices"]
+        assert ours_num.shape == (rows, 1, tiles) and ours_idx.shape == (rows, 1, tiles, tiles)
+        assert ours_num.dtype == np.int32 and ours_idx.dtype == np.int32
+        assert np.array_equal(ours_num, num.numpy()), name
+        for r in range(rows):
+            for t in range(tiles):
+                n = int(ours_num[r, 0, t])
+                assert sorted(ours_idx[r, 0, t, :n].tolist()) == sorted(idx[r, 0, t, :n].tolist()), (name, r, t)
+
+
+@pytest.mark.parametrize("index", range(len(LAYOUTS)))
+def test_block_tables_semantics(index: int) -> None:
+    """From the dense mask: a full tile is all True, a partial one mixed, a skipped one all False."""
+    seg = LAYOUTS[index]
+    rows, columns = seg.shape
+    tiles = columns // BLOCK
+    tables = block_tables(seg)
+    dense = seg[:, :, None] == seg[:, None, :]
+    for r in range(rows):
+        for qt in range(tiles):
+            partial = set(tables["kv_indices"][r, 0, qt, : tables["kv_num_blocks"][r, 0, qt]].tolist())
+            full = set(tables["full_kv_indices"][r, 0, qt, : tables["full_kv_num_blocks"][r, 0, qt]].tolist())
+            assert not partial & full
+            for kt in range(tiles):
+                tile = dense[r, qt * BLOCK : (qt + 1) * BLOCK, kt * BLOCK : (kt + 1) * BLOCK]
+                if kt in full:
+                    assert tile.all()
+                elif kt in partial:
+                    assert tile.any() and not tile.all()
+                else:
+                    assert not tile.any()
+
+
+def test_dense_mask_is_same_segment() -> None:
+    seg = torch.from_numpy(LAYOUTS[0])
+    mask = document_mask(seg, "dense")
+    assert mask.kind == "dense" and mask.dense is not None and mask.dense.dtype == torch.bool
+    assert torch.equal(mask.dense[:, 0], seg[:, :, None] == seg[:, None, :])
+    with pytest.raises(ValueError, match="flex"):
+        document_mask(seg, "sparse")
+
+
+# --------------------------------------------------------------------------------------------------
+# attend: flex vs dense
+
+
+def attention_case(seed: int, device: str, rows: int = 2, heads: int = 2, columns: int = 256, width: int = 64):
+    rng = np.random.default_rng(seed)
+    seg = torch.from_numpy(random_layout(rng, rows, columns)).to(device)
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(rows, heads, columns, width, generator=generator).to(device) for _ in range(3))
+    return seg, q, k, v
+
+
+def flex_masks(seg: torch.Tensor) -> list:
+    """The flex mask as document_mask computes it, and from host tables carried to the device (the trainer's way)."""
+    carried = {k: torch.from_numpy(v).to(seg.device) for k, v in block_tables(seg.cpu().numpy()).items()}
+    return [document_mask(seg, "flex"), document_mask(seg, "flex", carried)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(3))
+def test_attend_forward_flex_equals_dense(seed: int, device: str) -> None:
+    seg, q, k, v = attention_case(seed, device)
+    dense = attend(q, k, v, document_mask(seg, "dense"))
+    for mask in flex_masks(seg):
+        assert mask.kind == "flex"
+        flex = attend(q, k, v, mask)
+        torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+    # No NaN anywhere (padding attends to padding), and a segment never sees another one: changing every other
+    # segment's keys and values leaves a position's output as it was.
+    assert torch.isfinite(dense).all()
+    s = seg[0, 0]
+    other = (seg != s)[:, None, :, None]
+    k2, v2 = torch.where(other, k + 1.0, k), torch.where(other, -v, v)
+    dense2 = attend(q, k2, v2, document_mask(seg, "dense"))
+    mine = (seg == s)[:, None, :, None].expand_as(dense)
+    torch.testing.assert_close(dense2[mine], dense[mine])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(2))
+def test_attend_gradients_flex_equal_dense(seed: int, device: str) -> None:
+    refusal = flex_backward_refusal(device)
+    if refusal:
+        pytest.skip(refusal)
+    seg, q, k, v = attention_case(seed, device)
+    upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 9)).to(device)
+
+    def grads(mask):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = attend(*leaves, mask)
+        (out * upstream).sum().backward()
+        return out.detach(), [t.grad for t in leaves]
+
+    dense_out, dense_grads = grads(document_mask(seg, "dense"))
+    for mask in flex_masks(seg):
+        flex_out, flex_grads = grads(mask)
+        torch.testing.assert_close(flex_out, dense_out, atol=1e-5, rtol=1e-5)
+        for a, b in zip(flex_grads, dense_grads, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled FlexAttention kernel needs CUDA here")
+def test_attend_compiled_flex_equals_dense_cuda() -> None:
+    """The production path: FlexAttention compiled, reading the block tables (skipping tiles), with gradients."""
+    seg, q, k, v = attention_case(5, "cuda", rows=3, heads=2, columns=512)
+    compiled = torch.compile(attend)
+    upstream = torch.randn_like(q)
+
+    def grads(fn, mask):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves, mask)
+        (out * upstream).sum().backward()
+        return [out.detach()] + [t.grad for t in leaves]
+
+    expected = grads(attend, document_mask(seg, "dense"))
+    for mask in flex_masks(seg):
+        for a, b in zip(grads(compiled, mask), expected, strict=True):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------------
+# A whole Network under both paths
+
+
+def network_case(device: str):
+    config = resolve(
+        TrainerInitVramConfig(
+            depth=2,
+            hidden=128,
+            batch=BatchShape(max_rows_per_device=2, max_segments_per_device=8, max_columns_per_row=256),
+            objective=Objective.Joint,
+            masking=Masking(token_mask_probability=0.3),
+            schedule=ScheduleConfig(steps=10),
+            seed=3,
+        )
+    )
+    rng = np.random.default_rng(3)
+    # Lengths chosen so that segments straddle tile boundaries and one row ends in padding.
+    contents = [rng.integers(0, 256, size=n, dtype=np.uint8).tobytes() for n in (150, 40, 63, 200, 9)]
+    batch = prepare(
+        config, [Modality.Text] * len(contents), contents, bags=None, groups=None, sides=None, relations=None, step=1
+    )
+    assert batch.dropped == 0 and (batch.segments == 8).any()
+    network = Network(config)
+    network.initialize(config.seed)
+    network.to(device)
+    tensors = {k: t.to(device) for k, t in batch.host_tensors(pin=False).items()}
+    tensors["cos"], tensors["sin"] = network.rotary(tensors["positions"], torch.float32)  # as the trainer does
+    return network, tensors
+
+
+def network_terms(network: Network, tensors: dict, kind: str, backward: bool):
+    network.zero_grad(set_to_none=True)
+    terms = network.losses(tensors, document_mask(tensors["segments"], kind))
+    totals = network.total(terms)
+    if backward:
+        totals["loss"].backward()
+    grads = {name: p.grad.detach().clone() for name, p in network.named_parameters() if p.grad is not None}
+    values = {k: v.detach() for k, v in {**terms, **totals}.items()}
+    return values, grads
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_network_losses_flex_equal_dense(device: str) -> None:
+    network, tensors = network_case(device)
+    with torch.no_grad():
+        dense, _ = network_terms(network, tensors, "dense", backward=False)
+        flex, _ = network_terms(network, tensors, "flex", backward=False)
+    assert float(dense["masked_text_count"]) > 0 and float(dense["contrastive_anchors"]) > 0
+    assert set(flex) == set(dense)
+    for name in dense:
+        torch.testing.assert_close(flex[name], dense[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_network_gradients_flex_equal_dense(device: str) -> None:
+    refusal = flex_backward_refusal(device)
+    if refusal:
+        pytest.skip(refusal)
+    network, tensors = network_case(device)
+    dense, dense_grads = network_terms(network, tensors, "dense", backward=True)
+    flex, flex_grads = network_terms(network, tensors, "flex", backward=True)
+    for name in ("loss", "masked_text_loss", "contrastive_loss"):
+        torch.testing.assert_close(flex[name], dense[name], atol=1e-5, rtol=1e-5, msg=name)
+    assert set(flex_grads) == set(dense_grads) and len(dense_grads) == len(list(network.parameters()))
+    for name, g in dense_grads.items():
+        torch.testing.assert_close(flex_grads[name], g, atol=1e-5, rtol=1e-4, msg=name)

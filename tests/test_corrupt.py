@@ -1,0 +1,169 @@
+"""Text span corruption (DESIGN.md section 3, masked text): exact coverage, the MASK / random / kept split."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from uform import vocab
+from uform.config import Masking
+from uform.data.corrupt import corrupt_text, cover_spans
+from uform.enums import Modality
+
+
+def runs(mask: np.ndarray) -> np.ndarray:
+    """Lengths of the maximal runs of True in a 1-D bool mask."""
+    edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
+    return np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# cover_spans
+
+
+@pytest.mark.parametrize("mean_span", [1.0, 3.0, 16.0, 100.0])
+def test_cover_spans_exact_count(mean_span: float) -> None:
+    rng = np.random.default_rng(int(mean_span))
+    for length in [*range(0, 40), 63, 64, 65, 200, 1000]:
+        counts = {0, length, length // 2, 1 if length else 0, max(length - 1, 0), int(rng.integers(0, length + 1))}
+        for count in sorted(counts):
+            covered = cover_spans(length, count, mean_span, rng)
+            assert covered.dtype == bool and covered.shape == (length,)
+            assert int(covered.sum()) == count, (length, count)
+
+
+def test_cover_spans_deterministic() -> None:
+    a = cover_spans(500, 120, 8.0, np.random.default_rng(42))
+    b = cover_spans(500, 120, 8.0, np.random.default_rng(42))
+    c = cover_spans(500, 120, 8.0, np.random.default_rng(43))
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+@pytest.mark.parametrize("mean_span", [3.0, 16.0])
+def test_cover_spans_mean_span(mean_span: float) -> None:
+    """Runs of covered positions in long segments average about token_mean_span (SpanBERT's geometric spans).
+
+    At 10 % coverage neighbouring spans rarely merge or overlap, so the mean run is close to the mean span.
+    """
+    rng = np.random.default_rng(2024)
+    lengths = np.concatenate([runs(cover_spans(8192, 819, mean_span, rng)) for _ in range(8)])
+    assert len(lengths) > 200
+    assert 0.8 * mean_span <= lengths.mean() <= 1.3 * mean_span, lengths.mean()
+    if mean_span > 1:
+        assert lengths.min() == 1 and lengths.max() > 2 * mean_span  # spread, not a fixed span
+
+
+def test_cover_spans_mean_one_is_scattered() -> None:
+    covered = cover_spans(10_000, 1000, 1.0, np.random.default_rng(1))
+    assert runs(covered).mean() < 1.2
+
+
+# --------------------------------------------------------------------------------------------------
+# corrupt_text
+
+
+def random_spans(rng: np.random.Generator, rows: int, columns: int) -> list[tuple[int, int, int]]:
+    """Disjoint (row, first column, length) spans, as content parts of packed segments (gaps between)."""
+    spans = []
+    for r in range(rows):
+        c = 0
+        while c < columns:
+            c += int(rng.integers(0, 3))  # a prefix or padding
+            n = int(rng.integers(0, columns - c + 1)) if c < columns else 0
+            if rng.random() < 0.3:
+                n = min(n, int(rng.integers(0, 4)))
+            if c + n > columns:
+                break
+            spans.append((r, c, n))
+            c += n
+            if rng.random() < 0.2:
+                break
+    return spans
+
+
+MASKINGS = [
+    (0.15, 3.0, 0.8, 0.1),
+    (0.5, 1.0, 0.8, 0.1),
+    (1.0, 16.0, 0.8, 0.1),
+    (0.3, 4.0, 1.0, 0.0),
+    (0.3, 4.0, 0.0, 1.0),
+    (0.3, 4.0, 0.0, 0.0),
+    (0.45, 2.0, 0.5, 0.5),
+    (0.07, 8.0, 0.33, 0.33),
+]
+
+
+@pytest.mark.parametrize("probability, mean_span, replace, random", MASKINGS)
+@pytest.mark.parametrize("seed", range(12))
+def test_corrupt_text_invariants(
+    probability: float, mean_span: float, replace: float, random: float, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    rows, columns = int(rng.integers(1, 5)), int(rng.integers(4, 200))
+    tokens = rng.integers(0, 256, size=(rows, columns)).astype(np.int64)
+    spans = random_spans(rng, rows, columns)
+    inside = np.zeros((rows, columns), dtype=bool)
+    for r, c0, n in spans:
+        inside[r, c0 : c0 + n] = True
+    tokens[~inside] = rng.choice([vocab.PAD, vocab.MODALITY_MARKER[Modality.Text]], size=int((~inside).sum()))
+    masking = Masking(
+        token_mask_probability=probability, token_mean_span=mean_span, replace_fraction=replace, random_fraction=random
+    )
+    before = tokens.copy()
+    inputs, covered = corrupt_text(tokens, spans, masking, np.random.default_rng(seed + 100))
+    assert np.array_equal(tokens, before), "corrupt_text must not write into its input"
+    assert inputs.shape == tokens.shape and covered.shape == tokens.shape and covered.dtype == bool
+
+    # Exactly round(p * n) covered positions in each span, none outside the spans.
+    assert not np.any(covered & ~inside)
+    for r, c0, n in spans:
+        assert int(covered[r, c0 : c0 + n].sum()) == round(probability * n), (r, c0, n)
+
+    # Uncovered positions keep their token; covered ones show MASK or a byte.
+    assert np.array_equal(inputs[~covered], tokens[~covered])
+    shown = inputs[covered]
+    total = len(shown)
+    assert np.all((shown == vocab.MASK) | ((shown >= 0) & (shown < vocab.BYTES)))
+    # The original text never holds MASK, so MASK counts the replaced share exactly; a random byte may equal the
+    # original (and a kept byte always does), so changed bytes bound the random share from below.
+    n_mask = int((shown == vocab.MASK).sum())
+    assert n_mask == round(replace * total)
+    n_changed = int(((shown != vocab.MASK) & (shown != tokens[covered])).sum())
+    assert n_changed <= min(round(random * total), total - n_mask)
+
+
+def test_corrupt_text_split_statistics() -> None:
+    """On a big step the random share shows up: about (255/256) of round(random * P) bytes change."""
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, 256, size=(8, 2048)).astype(np.int64)
+    spans = [(r, 0, 2048) for r in range(8)]
+    masking = Masking(token_mask_probability=0.15, token_mean_span=16.0, replace_fraction=0.8, random_fraction=0.1)
+    inputs, covered = corrupt_text(tokens, spans, masking, np.random.default_rng(0))
+    total = int(covered.sum())
+    assert total == 8 * round(0.15 * 2048)
+    changed = int(((inputs != vocab.MASK) & (inputs != tokens)).sum())
+    expected = round(0.1 * total) * 255 / 256
+    assert abs(changed - expected) < 5 * np.sqrt(expected / 256) + 2
+    assert int((inputs == vocab.MASK).sum()) == round(0.8 * total)
+
+
+def test_corrupt_text_deterministic() -> None:
+    rng = np.random.default_rng(9)
+    tokens = rng.integers(0, 256, size=(3, 300)).astype(np.int64)
+    spans = [(0, 1, 299), (1, 1, 100), (1, 102, 150), (2, 2, 10)]
+    masking = Masking(token_mask_probability=0.2, token_mean_span=5.0, replace_fraction=0.8, random_fraction=0.1)
+    a = corrupt_text(tokens, spans, masking, np.random.default_rng(77))
+    b = corrupt_text(tokens, spans, masking, np.random.default_rng(77))
+    c = corrupt_text(tokens, spans, masking, np.random.default_rng(78))
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    assert not np.array_equal(a[1], c[1])
+
+
+def test_corrupt_text_no_spans() -> None:
+    tokens = np.full((2, 8), vocab.PAD, dtype=np.int64)
+    masking = Masking(token_mask_probability=0.15, token_mean_span=16.0, replace_fraction=0.8, random_fraction=0.1)
+    inputs, covered = corrupt_text(tokens, [], masking, np.random.default_rng(0))
+    assert not covered.any() and np.array_equal(inputs, tokens)
+    inputs, covered = corrupt_text(tokens, [(0, 1, 0), (1, 0, 3)], masking, np.random.default_rng(0))
+    assert not covered.any()  # round(0.15 * 3) == 0
