@@ -11,10 +11,10 @@ import os
 import time
 
 import torch
+from step import topic_slices  # type: ignore[import-not-found]
 from torch.profiler import ProfilerActivity, profile
 
 import uform as u
-from step import topic_slices  # type: ignore[import-not-found]
 
 
 def main() -> None:

@@ -126,8 +126,6 @@ def bench_bert(args: argparse.Namespace) -> dict:
         "tokens_per_s": args.rows * args.columns / seconds,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
-    del model, optimizer
-    torch.cuda.empty_cache()
     return out
 
 

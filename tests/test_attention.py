@@ -90,7 +90,29 @@ def layouts() -> list[np.ndarray]:
     return out
 
 
+def ragged_layouts() -> list[np.ndarray]:
+    """Rows whose width C is not a multiple of the tile: the last tile is cut short."""
+    rng = np.random.default_rng(1)
+    out = [random_layout(rng, int(rng.integers(1, 4)), int(rng.integers(4, 5 * BLOCK))) for _ in range(12)]
+    out.append(np.zeros((1, 200), dtype=np.int64))
+    out.append(np.array([[0] * 130 + [1] * 70]))
+    out.append(np.zeros((2, 100), dtype=np.int64))
+    return out
+
+
 LAYOUTS = layouts()
+RAGGED = ragged_layouts()
+MONOTONE = LAYOUTS + RAGGED
+
+
+def other_ids(seed: int) -> np.ndarray:
+    """Ids that do not grow along a row: padding at NO_SEGMENT (-1), or shuffled segment ids."""
+    rng = np.random.default_rng(100 + seed)
+    seg = random_layout(rng, 2, BLOCK * int(rng.integers(1, 5)))
+    if seed % 2 == 0:
+        return np.where(seg == seg.max(), -1, seg)
+    ids = np.unique(seg)
+    return rng.permutation(ids)[np.searchsorted(ids, seg)]
 
 
 def same_segment_mod(segments: torch.Tensor):
@@ -100,13 +122,20 @@ def same_segment_mod(segments: torch.Tensor):
     return mask_mod
 
 
-@pytest.mark.parametrize("index", range(len(LAYOUTS)))
+def tile_sets(tables: dict[str, np.ndarray], r: int, t: int) -> tuple[set[int], set[int]]:
+    """(partial, full) key tiles of query tile t in row r."""
+    partial = tables["kv_indices"][r, 0, t, : tables["kv_num_blocks"][r, 0, t]]
+    full = tables["full_kv_indices"][r, 0, t, : tables["full_kv_num_blocks"][r, 0, t]]
+    return set(partial.tolist()), set(full.tolist())
+
+
+@pytest.mark.parametrize("index", range(len(MONOTONE)))
 def test_block_tables_match_create_block_mask(index: int) -> None:
-    seg = LAYOUTS[index]
+    seg = MONOTONE[index]
     rows, columns = seg.shape
     tables = block_tables(seg)
     reference = create_block_mask(same_segment_mod(torch.from_numpy(seg)), rows, None, columns, columns, device="cpu")
-    tiles = columns // BLOCK
+    tiles = -(-columns // BLOCK)
     for name, num, idx in (
         ("partial", reference.kv_num_blocks, reference.kv_indices),
         ("full", reference.full_kv_num_blocks, reference.full_kv_indices),
@@ -122,27 +151,52 @@ def test_block_tables_match_create_block_mask(index: int) -> None:
                 assert sorted(ours_idx[r, 0, t, :n].tolist()) == sorted(idx[r, 0, t, :n].tolist()), (name, r, t)
 
 
-@pytest.mark.parametrize("index", range(len(LAYOUTS)))
-def test_block_tables_semantics(index: int) -> None:
-    """From the dense mask: a full tile is all True, a partial one mixed, a skipped one all False."""
-    seg = LAYOUTS[index]
+def test_block_tables_have_c_order_strides() -> None:
+    """Every table has plain C-order strides, the head axis of size 1 included: the compiled CUDA kernel reads
+    the wrong blocks from a table whose size-1 axis has stride 0 (as `x[:, None]` makes), values unchanged."""
+    for seg in (LAYOUTS[0], RAGGED[0], np.zeros((3, 512), dtype=np.int64)):
+        for name, table in block_tables(seg).items():
+            t = torch.from_numpy(table)
+            assert t.stride() == torch.empty(t.shape).stride(), name
+            for carried in (t.to("cpu", copy=True), t.contiguous()):
+                assert carried.stride() == torch.empty(t.shape).stride(), name
+        mask = document_mask(torch.from_numpy(seg), "flex").block
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            table = getattr(mask, name)
+            assert table.stride() == torch.empty(table.shape).stride(), name
+
+
+def check_tile_classes(seg: np.ndarray, exact: bool) -> None:
+    """From the dense mask: a full tile pair is whole and all True, a skipped one all False; with `exact`
+    (ids growing along rows) a partial one holds some True and is not a whole all-True tile."""
     rows, columns = seg.shape
-    tiles = columns // BLOCK
+    tiles = -(-columns // BLOCK)
     tables = block_tables(seg)
     dense = seg[:, :, None] == seg[:, None, :]
     for r in range(rows):
         for qt in range(tiles):
-            partial = set(tables["kv_indices"][r, 0, qt, : tables["kv_num_blocks"][r, 0, qt]].tolist())
-            full = set(tables["full_kv_indices"][r, 0, qt, : tables["full_kv_num_blocks"][r, 0, qt]].tolist())
+            partial, full = tile_sets(tables, r, qt)
             assert not partial & full
             for kt in range(tiles):
                 tile = dense[r, qt * BLOCK : (qt + 1) * BLOCK, kt * BLOCK : (kt + 1) * BLOCK]
                 if kt in full:
-                    assert tile.all()
+                    assert tile.shape == (BLOCK, BLOCK) and tile.all()
                 elif kt in partial:
-                    assert tile.any() and not tile.all()
+                    if exact:
+                        assert tile.any() and not (tile.shape == (BLOCK, BLOCK) and tile.all())
                 else:
-                    assert not tile.any()
+                    assert not tile.any(), (r, qt, kt)
+
+
+@pytest.mark.parametrize("index", range(len(MONOTONE)))
+def test_block_tables_semantics(index: int) -> None:
+    check_tile_classes(MONOTONE[index], exact=True)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_tables_stay_correct_for_other_ids(seed: int) -> None:
+    """Padding at NO_SEGMENT or unordered ids: never a skipped tile that holds a visible pair."""
+    check_tile_classes(other_ids(seed), exact=False)
 
 
 def test_dense_mask_is_same_segment() -> None:
@@ -158,9 +212,15 @@ def test_dense_mask_is_same_segment() -> None:
 # attend: flex vs dense
 
 
-def attention_case(seed: int, device: str, rows: int = 2, heads: int = 2, columns: int = 256, width: int = 64):
+def attention_case(
+    seed: int, device: str, rows: int = 2, heads: int = 2, columns: int = 256, width: int = 64, padding: str = "S"
+):
+    """Random q, k, v and a layout; `padding` "S" as prepare builds it, or "NO_SEGMENT" (-1)."""
     rng = np.random.default_rng(seed)
-    seg = torch.from_numpy(random_layout(rng, rows, columns)).to(device)
+    layout = random_layout(rng, rows, columns)
+    if padding == "NO_SEGMENT":
+        layout = np.where(layout == layout.max(), -1, layout)
+    seg = torch.from_numpy(layout).to(device)
     generator = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(rows, heads, columns, width, generator=generator).to(device) for _ in range(3))
     return seg, q, k, v
@@ -172,10 +232,19 @@ def flex_masks(seg: torch.Tensor) -> list:
     return [document_mask(seg, "flex"), document_mask(seg, "flex", carried)]
 
 
+FORWARD_CASES = [
+    (0, 256, "S"),
+    (1, 256, "S"),
+    (2, 384, "S"),
+    (3, 200, "S"),  # C not a multiple of the tile
+    (4, 256, "NO_SEGMENT"),
+]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("seed", range(3))
-def test_attend_forward_flex_equals_dense(seed: int, device: str) -> None:
-    seg, q, k, v = attention_case(seed, device)
+@pytest.mark.parametrize("seed, columns, padding", FORWARD_CASES)
+def test_attend_forward_flex_equals_dense(seed: int, columns: int, padding: str, device: str) -> None:
+    seg, q, k, v = attention_case(seed, device, columns=columns, padding=padding)
     dense = attend(q, k, v, document_mask(seg, "dense"))
     for mask in flex_masks(seg):
         assert mask.kind == "flex"
@@ -193,12 +262,12 @@ def test_attend_forward_flex_equals_dense(seed: int, device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("seed", range(2))
-def test_attend_gradients_flex_equal_dense(seed: int, device: str) -> None:
+@pytest.mark.parametrize("seed, columns, padding", FORWARD_CASES)
+def test_attend_gradients_flex_equal_dense(seed: int, columns: int, padding: str, device: str) -> None:
     refusal = flex_backward_refusal(device)
     if refusal:
         pytest.skip(refusal)
-    seg, q, k, v = attention_case(seed, device)
+    seg, q, k, v = attention_case(seed, device, columns=columns, padding=padding)
     upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 9)).to(device)
 
     def grads(mask):
@@ -216,9 +285,10 @@ def test_attend_gradients_flex_equal_dense(seed: int, device: str) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled FlexAttention kernel needs CUDA here")
-def test_attend_compiled_flex_equals_dense_cuda() -> None:
+@pytest.mark.parametrize("columns, padding", [(512, "S"), (200, "S"), (256, "NO_SEGMENT")])
+def test_attend_compiled_flex_equals_dense_cuda(columns: int, padding: str) -> None:
     """The production path: FlexAttention compiled, reading the block tables (skipping tiles), with gradients."""
-    seg, q, k, v = attention_case(5, "cuda", rows=3, heads=2, columns=512)
+    seg, q, k, v = attention_case(5, "cuda", rows=3, heads=2, columns=columns, padding=padding)
     compiled = torch.compile(attend)
     upstream = torch.randn_like(q)
 
@@ -265,9 +335,10 @@ def network_case(device: str):
     return network, tensors
 
 
-def network_terms(network: Network, tensors: dict, kind: str, backward: bool):
+def network_terms(network: Network, tensors: dict, kind: str, backward: bool, compiled: bool = False):
     network.zero_grad(set_to_none=True)
-    terms = network.losses(tensors, document_mask(tensors["segments"], kind))
+    losses = torch.compile(network.losses, dynamic=False) if compiled else network.losses
+    terms = losses(tensors, document_mask(tensors["segments"], kind))
     totals = network.total(terms)
     if backward:
         totals["loss"].backward()
@@ -288,14 +359,22 @@ def test_network_losses_flex_equal_dense(device: str) -> None:
         torch.testing.assert_close(flex[name], dense[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_network_gradients_flex_equal_dense(device: str) -> None:
+NETWORK_GRADIENT_CASES = [
+    ("cpu", False),
+    pytest.param("cuda", False, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+    pytest.param("cuda", True, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+]
+
+
+@pytest.mark.parametrize("device, compiled", NETWORK_GRADIENT_CASES)
+def test_network_gradients_flex_equal_dense(device: str, compiled: bool) -> None:
+    """Loss terms and every parameter's gradient; `compiled` runs `losses` under torch.compile, as the trainer."""
     refusal = flex_backward_refusal(device)
     if refusal:
         pytest.skip(refusal)
     network, tensors = network_case(device)
     dense, dense_grads = network_terms(network, tensors, "dense", backward=True)
-    flex, flex_grads = network_terms(network, tensors, "flex", backward=True)
+    flex, flex_grads = network_terms(network, tensors, "flex", backward=True, compiled=compiled)
     for name in ("loss", "masked_text_loss", "contrastive_loss"):
         torch.testing.assert_close(flex[name], dense[name], atol=1e-5, rtol=1e-5, msg=name)
     assert set(flex_grads) == set(dense_grads) and len(dense_grads) == len(list(network.parameters()))

@@ -212,9 +212,7 @@ def test_plan_segment_cap() -> None:
         rng=np.random.default_rng(0),
     )
     assert layout.placed.sum() == 3 and layout.dropped == 7
-    assert (
-        layout.item_of_slot.tolist() == np.flatnonzero(layout.placed)[np.argsort(layout.column[layout.placed])].tolist()
-    )
+    check_layout(layout, np.ones(10, dtype=np.int64), np.arange(10), 2, 64, 3, 0)
 
 
 def test_plan_bag_cap_drops_whole_bags() -> None:

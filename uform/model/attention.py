@@ -51,24 +51,34 @@ def block_tables(segments: np.ndarray, block: int = BLOCK) -> dict[str, np.ndarr
     """The block-sparse tables of the document mask, computed on the host from segment ids [R, C].
 
     Segment ids never decrease along a row (slots are numbered in row, column order and padding carries
-    the largest id), so every tile holds a contiguous run of ids [first, last], and two tiles share a
-    segment exactly when their runs overlap. A pair of tiles is *full* when both hold one and the same
-    segment (no mask needed inside), *partial* when their runs overlap otherwise, and skipped when they
-    do not overlap. Answers FlexAttention's (kv_num_blocks [R, 1, Q], kv_indices [R, 1, Q, K]) for the
-    partial and the full pairs, Q = K = C / block tiles.
+    the largest id), so every tile holds a contiguous run of ids [lowest, highest], and two tiles share a
+    segment exactly when their runs overlap (for any other ids, such as padding at NO_SEGMENT, overlapping
+    ranges are still a superset of sharing, so the tables stay correct, only less sparse). A pair of
+    tiles is *full* when both are whole tiles holding one and the same segment (no mask needed inside),
+    *partial* when their ranges overlap otherwise, and skipped when they do not overlap. Answers
+    FlexAttention's (kv_num_blocks [R, 1, Q], kv_indices [R, 1, Q, K]) for the partial and the full
+    pairs, Q = K = ceil(C / block) tiles; a last tile cut short by C is never full, as in
+    `create_block_mask`.
     """
-    first = segments[:, ::block]  # [R, T]
-    last = segments[:, block - 1 :: block]  # [R, T]
-    overlap = (first[:, :, None] <= last[:, None, :]) & (first[:, None, :] <= last[:, :, None])  # [R, Tq, Tk]
-    single = first == last  # [R, T]
-    full = single[:, :, None] & single[:, None, :] & (first[:, :, None] == first[:, None, :])
+    columns = segments.shape[1]
+    starts = np.arange(0, columns, block)
+    lowest = np.minimum.reduceat(segments, starts, axis=1)  # [R, T]
+    highest = np.maximum.reduceat(segments, starts, axis=1)  # [R, T]
+    whole = np.minimum(starts + block, columns) - starts == block  # [T]
+    overlap = (lowest[:, :, None] <= highest[:, None, :]) & (lowest[:, None, :] <= highest[:, :, None])  # [R, Tq, Tk]
+    single = (lowest == highest) & whole  # [R, T]
+    full = single[:, :, None] & single[:, None, :] & (lowest[:, :, None] == lowest[:, None, :])
     partial = overlap & ~full
+    rows, tiles = lowest.shape
     out = {}
     for name, chosen in (("", partial), ("full_", full)):
         # Stable argsort of "not chosen" lists each query tile's chosen key tiles first, in ascending order.
         order = np.argsort(~chosen, axis=2, kind="stable").astype(np.int32)  # [R, Tq, Tk]
-        out[f"{name}kv_num_blocks"] = chosen.sum(axis=2).astype(np.int32)[:, None]  # [R, 1, Tq]
-        out[f"{name}kv_indices"] = order[:, None]  # [R, 1, Tq, Tk]
+        # reshape, not [:, None]: the head axis must carry a real C-order stride. A zero stride (what
+        # [:, None] gives, and what torch.from_numpy, .contiguous() and .to() keep) makes the compiled
+        # CUDA FlexAttention kernel read the wrong blocks, silently.
+        out[f"{name}kv_num_blocks"] = chosen.sum(axis=2).astype(np.int32).reshape(rows, 1, tiles)  # [R, 1, Tq]
+        out[f"{name}kv_indices"] = order.reshape(rows, 1, tiles, tiles)  # [R, 1, Tq, Tk]
     return out
 
 
@@ -96,6 +106,7 @@ def document_mask(segments: Tensor, kind: str, tables: dict[str, Tensor] | None 
         tables["full_kv_indices"],
         BLOCK_SIZE=BLOCK,
         mask_mod=same_segment,
+        seq_lengths=(segments.shape[1], segments.shape[1]),
     )
     return DocumentMask(kind, block=block)
 
