@@ -177,11 +177,15 @@ def _is_zero(value) -> bool:
 # 1. Structs: names, order, defaults, keyword-only
 
 
+# Fields this implementation adds after the seed's own, each by an issue that asks for it.
+ADDED_FIELDS = {"TrainerStepStats": ["skipped"]}
+
+
 @pytest.mark.parametrize("name", list(SEED_FIELDS))
 def test_struct_has_the_seeds_fields_in_order(name):
     kind = _struct(name)
     assert dataclasses.is_dataclass(kind)
-    assert [f.name for f in dataclasses.fields(kind)] == SEED_FIELDS[name]
+    assert [f.name for f in dataclasses.fields(kind)] == SEED_FIELDS[name] + ADDED_FIELDS.get(name, [])
 
 
 @pytest.mark.parametrize("name", list(SEED_FIELDS))

@@ -402,17 +402,17 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ),
     ("batch of a wrong type", {"batch": {"max_rows_per_device": 2}}, TypeError, "batch"),
     (
-        "images not built",
+        "image channels out of range",
         {
             "batch": BatchShape(
                 max_rows_per_device=2,
                 max_segments_per_device=8,
                 max_columns_per_row=64,
-                image=ImageShape(patch_side=16),
+                image=ImageShape(patch_side=16, channels=2),
             )
         },
         ValueError,
-        "batch.image.patch_side",
+        "batch.image.channels",
     ),
     (
         "late interaction not built",

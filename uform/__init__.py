@@ -4,28 +4,78 @@ calibrated-choice objectives, on one GPU or many, and served from the checkpoint
 The names follow the Rust API page of UForm 4's trainer (see docs/); `DESIGN.md` fixes the Python shape.
 """
 
-from .arena import Arena
-from .checkpoint import CheckpointError, Stopped
-from .config import (
-    AudioShape,
-    BatchShape,
-    Choices,
-    Contrastive,
-    ImageShape,
-    LateInteraction,
-    Masking,
-    Schedule,
-    TrainerInitVramConfig,
-    TrainerSaveConfig,
-    TrainerStepConfig,
-    TrainerStepStats,
-    VideoShape,
-    resolve,
-)
-from .enums import LateInteractionSide, Modality, Negatives, Objective, PairLossForm, Scalar
-from .executor import Executor
-from .relations import Edges, Relations
-from .trainer import Trainer
+from typing import TYPE_CHECKING, Any
+
+# Names resolve lazily (PEP 562), so that a media decoding worker process, which imports
+# `uform.media`, does not pay for importing torch.
+_WHERE = {
+    "Arena": "arena",
+    "CheckpointError": "checkpoint",
+    "Stopped": "checkpoint",
+    "AudioShape": "config",
+    "BatchShape": "config",
+    "Choices": "config",
+    "Contrastive": "config",
+    "ImageShape": "config",
+    "LateInteraction": "config",
+    "Masking": "config",
+    "Schedule": "config",
+    "TrainerInitVramConfig": "config",
+    "TrainerSaveConfig": "config",
+    "TrainerStepConfig": "config",
+    "TrainerStepStats": "config",
+    "VideoShape": "config",
+    "resolve": "config",
+    "LateInteractionSide": "enums",
+    "Modality": "enums",
+    "Negatives": "enums",
+    "Objective": "enums",
+    "PairLossForm": "enums",
+    "Scalar": "enums",
+    "Executor": "executor",
+    "Edges": "relations",
+    "Relations": "relations",
+    "Trainer": "trainer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'uform' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
+
+if TYPE_CHECKING:
+    from .arena import Arena
+    from .checkpoint import CheckpointError, Stopped
+    from .config import (
+        AudioShape,
+        BatchShape,
+        Choices,
+        Contrastive,
+        ImageShape,
+        LateInteraction,
+        Masking,
+        Schedule,
+        TrainerInitVramConfig,
+        TrainerSaveConfig,
+        TrainerStepConfig,
+        TrainerStepStats,
+        VideoShape,
+        resolve,
+    )
+    from .enums import LateInteractionSide, Modality, Negatives, Objective, PairLossForm, Scalar
+    from .executor import Executor
+    from .relations import Edges, Relations
+    from .trainer import Trainer
 
 __version__ = "4.0.0rc1"
 

@@ -254,6 +254,9 @@ class TrainerStepStats:
     dropped: int = 0
     """Segments dropped whole because the batch had no room for them, since the last step that read
     its stats."""
+    skipped: int = 0
+    """Media items skipped because they could not be decoded or broke a limit, since the last step that
+    read its stats (a field this implementation adds to the seed's)."""
 
 
 @dataclass(kw_only=True)

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import threading
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,10 +35,14 @@ from .config import (
     to_dict,
     to_json,
 )
-from .data.batch import Batch, prepare
+from .data.batch import MEDIA_KINDS, Batch, media_features, prepare
 from .data.items import parse_contents, parse_modalities, parse_sides, per_item_integers
 from .enums import LateInteractionSide, Modality, Objective, Scalar
 from .executor import Executor
+from .media.decode import MediaPolicy, decode_item
+from .media.limits import MediaError
+from .media.pool import DecodePool
+from .media.units import Units
 from .model.attention import block_tables, compiled_flex_available, document_mask
 from .model.network import Network
 from .optim import build_optimizer, learning_rate
@@ -74,6 +79,9 @@ class Trainer:
         self.optimizer: torch.optim.AdamW
         self._step_count = 0
         self._dropped = 0
+        self._skipped = 0
+        self.media = MediaPolicy()
+        self._decoders: DecodePool | None = None
         # Two stages, one thread each: the host stage packs and corrupts step n + 1 while the device stage
         # runs step n, so the GPU never waits on Python (the draws are keyed by the step number, which is
         # fixed when the step is called, so preparing ahead changes nothing).
@@ -91,8 +99,17 @@ class Trainer:
     # ---- construction --------------------------------------------------------------------------
 
     @classmethod
-    def init_vram(cls, executor: Executor, config: TrainerInitVramConfig) -> Trainer:
-        """Builds the run on `executor`, from `config.seed` or resumed from `config.resume`."""
+    def init_vram(
+        cls, executor: Executor, config: TrainerInitVramConfig, *, media: MediaPolicy | None = None
+    ) -> Trainer:
+        """Builds the run on `executor`, from `config.seed` or resumed from `config.resume`.
+
+        `media` bounds and reports the media items of every step (limits, strictness, decoding workers);
+        the default skips a broken item with a warning and counts it in `TrainerStepStats.skipped`.
+        """
+        media = MediaPolicy() if media is None else media
+        if not isinstance(media, MediaPolicy):
+            raise TypeError(f"media: expected a MediaPolicy, got {type(media).__name__}")
         if not isinstance(executor, Executor):
             raise TypeError(f"executor: expected an Executor, got {type(executor).__name__}")
         if not isinstance(config, TrainerInitVramConfig):
@@ -111,6 +128,7 @@ class Trainer:
         if stored is not None:
             _same_run(resolved, from_dict(json.loads(stored["uform.config"])))
         trainer = cls(executor, resolved, _token=_PRIVATE)
+        trainer.media = media
         trainer.network.initialize(resolved.seed)
         trainer.network.to(trainer.device)
         trainer.optimizer = build_optimizer(trainer.network, trainer.device)
@@ -137,6 +155,7 @@ class Trainer:
         self._step_count = int(metadata["uform.step"])
         self._next_step = self._step_count + 1
         self._dropped = int(metadata.get("uform.dropped", "0"))
+        self._skipped = int(metadata.get("uform.skipped", "0"))
 
     # ---- receivers ---------------------------------------------------------------------------------
 
@@ -168,6 +187,8 @@ class Trainer:
         self._queue.shutdown(wait=True)
         self._host.shutdown(wait=True)
         self._completion.shutdown(wait=True)
+        if self._decoders is not None:
+            self._decoders.close()
 
     def _submit_step(self, checked: _Checked) -> Future:
         with self._lock:
@@ -193,10 +214,12 @@ class Trainer:
             raise TypeError(f"config: expected a TrainerStepConfig, got {type(config).__name__}")
         mods = parse_modalities(modalities)
         items = parse_contents(contents, len(mods))
+        live = media_features(self.config)
         for i, m in enumerate(mods):
-            if m != Modality.Text:
+            if m != Modality.Text and MEDIA_KINDS[m] not in live:
+                slice_field = "chunk_samples" if m == Modality.Audio else "patch_side"
                 raise ValueError(
-                    f"modalities[{i}]: {m} items are out of this run (its batch.{m}.patch_side / chunk_samples is zero)"
+                    f"modalities[{i}]: {m} items are out of this run (its batch.{m}.{slice_field} is zero)"
                 )
         n = len(mods)
         if n == 0:
@@ -222,6 +245,7 @@ class Trainer:
 
     def _prepare(self, checked: _Checked, step: int) -> tuple[Batch, dict[str, torch.Tensor]]:
         """The host stage: pack, corrupt and pair, then page-locked tensors for the copy."""
+        units, skipped = self._decode(checked)
         batch = prepare(
             self.config,
             checked.modalities,
@@ -231,6 +255,8 @@ class Trainer:
             sides=checked.sides,
             relations=checked.relations,
             step=step,
+            units=units,
+            skipped=skipped,
         )
         pin = self.device.type == "cuda"
         host = batch.host_tensors(pin)
@@ -239,6 +265,38 @@ class Trainer:
                 t = torch.from_numpy(table)
                 host[f"block.{name}"] = t.pin_memory() if pin else t
         return batch, host
+
+    def _decode(self, checked: _Checked) -> tuple[dict[int, Units], np.ndarray | None]:
+        """Decodes the step's media items in the worker pool; answers the units of those that decoded and
+        the mask of those that did not (or raises `MediaError` for the first of them when strict)."""
+        items = [i for i, m in enumerate(checked.modalities) if m != Modality.Text]
+        if not items:
+            return {}, None
+        if self._decoders is None:
+            self._decoders = DecodePool(self.media.workers, self.media.limits.timeout_seconds)
+        b = self.config.batch
+        late = self.config.late_interaction.weight > 0
+        max_units = b.max_columns_per_row - (2 if late else 1)
+        geometry = {"image": vars(b.image), "video": vars(b.video), "audio": vars(b.audio)}
+        jobs: list[tuple[tuple, dict]] = []
+        for i in items:
+            kind = MEDIA_KINDS[checked.modalities[i]]
+            jobs.append(((kind, bytes(checked.contents[i]), dict(geometry[kind]), max_units, self.media.limits), {}))
+        outcomes = self._decoders.map(decode_item, jobs)
+        units: dict[int, Units] = {}
+        skipped = np.zeros(len(checked.modalities), dtype=bool)
+        for i, outcome in zip(items, outcomes, strict=True):
+            if outcome.error is None:
+                units[i] = outcome.value  # type: ignore[assignment]
+                continue
+            reason = outcome.error.removeprefix("MediaError: ")
+            if self.media.strict:
+                raise MediaError(reason, item=i)
+            skipped[i] = True
+            warnings.warn(
+                f"uform: skipped contents[{i}] ({checked.modalities[i]}): {reason}", MediaWarning, stacklevel=2
+            )
+        return units, skipped
 
     def _device_stage(self, checked: _Checked, host: Future, step: int, done: Future) -> None:
         """Copy, forward, backward, update; the readback is left to the completion thread, so this
@@ -262,6 +320,10 @@ class Trainer:
             batch, tensors = host.result()
         cuda = self.device.type == "cuda"
         tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
+        if cuda:  # media unit counts vary by step: one dynamic-size graph instead of one per count
+            for name in tensors:
+                if name.split(".")[0] in MEDIA_KINDS.values():
+                    torch._dynamo.mark_dynamic(tensors[name], 0)
         tables = {k.removeprefix("block."): v for k, v in tensors.items() if k.startswith("block.")}
         mask = document_mask(tensors["segments"], self.attention, tables or None)
         tensors["cos"], tensors["sin"] = self.network.rotary(
@@ -279,13 +341,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._step_count = step
         self._dropped += batch.dropped
+        self._skipped += batch.skipped
 
         # Everything the caller reads lands in host buffers through asynchronous copies; `finish` waits
         # for them on the completion thread.
         readback: dict[str, torch.Tensor] = {}
         if checked.stats is not None:
-            readback["stats"] = torch.stack([totals[k].detach().float() for k in _STAT_TERMS])
+            zero = totals["loss"].new_zeros(())
+            readback["stats"] = torch.stack([totals.get(k, zero).detach().float() for k in _STAT_TERMS])
             dropped, self._dropped = self._dropped, 0
+            skipped, self._skipped = self._skipped, 0
         if checked.arena is not None:
             slot = torch.from_numpy(batch.layout.slot).to(self.device, non_blocking=True)
             present = slot >= 0
@@ -309,6 +374,7 @@ class Trainer:
                 stats.learning_rate = rate
                 stats.truncated = batch.truncated
                 stats.dropped = dropped
+                stats.skipped = skipped
             if checked.arena is None:
                 return None
             return checked.arena.land(host_copies["arena"], torch.from_numpy(batch.layout.slot >= 0), checked.scalar)
@@ -329,12 +395,24 @@ class Trainer:
             "uform.config": to_json(self.config),
             "uform.step": str(self._step_count),
             "uform.dropped": str(self._dropped),
+            "uform.skipped": str(self._skipped),
             "uform.rng": json.dumps({"draws": "pcg64 keyed by (seed, step, stream)", "seed": self.config.seed}),
         }
         write_checkpoint(config.path, tensors, metadata, config.progress, config.progress_steps or 10)
 
 
-_STAT_TERMS = ("loss", "contrastive_loss", "masked_text_loss")
+_STAT_TERMS = (
+    "loss",
+    "contrastive_loss",
+    "masked_text_loss",
+    "masked_image_loss",
+    "masked_video_loss",
+    "masked_audio_loss",
+)
+
+
+class MediaWarning(UserWarning):
+    """A media item of a step was skipped: it could not be decoded or broke a limit."""
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -403,14 +481,6 @@ def _save_config(config: Any) -> TrainerSaveConfig:
 
 def _refuse_unbuilt(config: TrainerInitVramConfig) -> None:
     """Parts of the seed this release does not train yet are refused, never silently ignored."""
-    b = config.batch
-    for name, value in (
-        ("batch.image.patch_side", b.image.patch_side),
-        ("batch.video.patch_side", b.video.patch_side),
-        ("batch.audio.chunk_samples", b.audio.chunk_samples),
-    ):
-        if value:
-            raise ValueError(f"{name}: media modalities are not trained by this release yet; leave it zero")
     if config.late_interaction.weight > 0:
         raise ValueError("late_interaction.weight: late interaction is not trained by this release yet; leave it zero")
     if config.choices.weight > 0:

@@ -1,15 +1,18 @@
 """One device's step, prepared on the host: packed rows, corruption, targets and pair matrices.
 
-Shape legend: N items, R rows, C columns, S segment slots, P covered-position capacity.
+Shape legend: N items, R rows, C columns, S segment slots, P covered-position capacity, U units of one
+media modality in the step, F values per unit.
 
-Every array has a shape fixed by the run's capacities (never by the step's content), so the compiled
-step sees the same shapes every time. Every draw comes from a generator keyed by (seed, step, stream).
+Every array but the media units has a shape fixed by the run's capacities (never by the step's content),
+so the compiled step sees the same shapes every time; the media arrays' first axis U varies and is
+compiled as a dynamic size (padded to at least two units, so it never hits the sizes 0 and 1 that
+torch.compile specialises). Every draw comes from a generator keyed by (seed, step, stream).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,12 +21,46 @@ import torch
 from .. import vocab
 from ..config import TrainerInitVramConfig
 from ..enums import LateInteractionSide, Modality, Objective
+from ..media.units import Units
 from ..relations import pair_targets
 from .corrupt import corrupt_text
-from .pack import Layout, Rows, fill_text, plan
+from .pack import Layout, Rows, fill_text, fill_units, plan
 
 PACK_STREAM = 1
 CORRUPT_STREAM = 2
+MEDIA_STREAM = 3
+
+MEDIA_KINDS = {Modality.Image: "image", Modality.Video: "video", Modality.Audio: "audio"}
+
+
+def media_features(config: TrainerInitVramConfig) -> dict[str, int]:
+    """F of every live media modality (a zero patch_side or chunk_samples leaves it out of the run)."""
+    b = config.batch
+    out = {}
+    if b.image.patch_side:
+        out["image"] = b.image.patch_side**2 * b.image.channels
+    if b.video.patch_side:
+        out["video"] = b.video.tube_frames * b.video.patch_side**2 * b.video.channels
+    if b.audio.chunk_samples:
+        out["audio"] = b.audio.chunk_samples
+    return out
+
+
+def mask_units(kind: str, units: Units, ratio: float, rng: np.random.Generator) -> np.ndarray:
+    """[N] bool: round(ratio * N) units of an image or audio item; for video round(ratio * rows * columns)
+    spatial positions masked in every tube-time of the clip (VideoMAE's tube masking, Tong et al. 2022)."""
+    n = len(units)
+    masked = np.zeros(n, dtype=bool)
+    if kind == "video":
+        _times, rows, columns = units.grid
+        plane = rows * columns
+        chosen = rng.choice(plane, size=round(ratio * plane), replace=False)
+        spatial = np.zeros(plane, dtype=bool)
+        spatial[chosen] = True
+        masked[:] = np.tile(spatial, n // plane)
+    else:
+        masked[rng.choice(n, size=round(ratio * n), replace=False)] = True
+    return masked
 
 
 def keyed_rng(seed: int, step: int, stream: int) -> np.random.Generator:
@@ -56,10 +93,13 @@ class Batch:
     z: np.ndarray  # [S, S] float32 +1 / -1 / 0
     w: np.ndarray  # [S, S] float32
     layout: Layout = field(repr=False)
+    media: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    """Per live media modality: values [U, F], index [U] (flat positions), masked [U] bool, valid [U]."""
     positives: int = 1
     """A power of two at least the most positives any slot's row holds (the ranked form's static bound)."""
     truncated: int = 0
     dropped: int = 0
+    skipped: int = 0
 
     TENSORS = (
         "tokens",
@@ -77,9 +117,12 @@ class Batch:
 
     def host_tensors(self, pin: bool) -> dict[str, torch.Tensor]:
         """The arrays as host tensors, page-locked when `pin` (so the copy to a GPU runs asynchronously)."""
+        arrays = {name: getattr(self, name) for name in self.TENSORS}
+        for kind, parts in self.media.items():
+            arrays.update({f"{kind}.{part}": array for part, array in parts.items()})
         out = {}
-        for name in self.TENSORS:
-            t = torch.from_numpy(np.ascontiguousarray(getattr(self, name)))
+        for name, array in arrays.items():
+            t = torch.from_numpy(np.ascontiguousarray(array))
             out[name] = t.pin_memory() if pin else t
         return out
 
@@ -94,8 +137,14 @@ def prepare(
     sides: list[LateInteractionSide] | None,
     relations: object,
     step: int,
+    units: Mapping[int, Units] | None = None,
+    skipped: np.ndarray | None = None,
 ) -> Batch:
-    """Packs, corrupts and pairs one step's items for one device. Inputs were checked by the caller."""
+    """Packs, corrupts and pairs one step's items for one device. Inputs were checked by the caller.
+
+    `units` holds the decoded units of every media item that decoded; `skipped` [N] marks the media
+    items that did not (they take no room, score no pair, and are counted apart from `dropped`).
+    """
     b = config.batch
     R, C, S = b.max_rows_per_device, b.max_columns_per_row, b.max_segments_per_device
     n = len(contents)
@@ -104,10 +153,15 @@ def prepare(
         vocab.prefix(m, (sides[i] if sides is not None else LateInteractionSide.None_) if late else None)
         for i, m in enumerate(modalities)
     ]
-    lengths = np.array([len(p) + len(c) for p, c in zip(prefixes, contents, strict=True)], dtype=np.int64)
+    units = units or {}
+    lengths = np.array(
+        [len(p) + len(units.get(i, c)) for i, (p, c) in enumerate(zip(prefixes, contents, strict=True))],
+        dtype=np.int64,
+    )
     layout = plan(
         lengths,
         bags if bags is not None else np.arange(n),
+        skip=skipped,
         rows=R,
         columns=C,
         segments=S,
@@ -116,10 +170,24 @@ def prepare(
     )
     rows = Rows.empty(R, C)
     spans: list[tuple[int, int, int]] = []
+    features = media_features(config)
+    gathered: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {kind: [] for kind in features}
+    masking = config.objective != Objective.Contrastive
+    media_rng = keyed_rng(config.seed, step, MEDIA_STREAM)
+    truncated = layout.truncated.copy()
     for i in np.flatnonzero(layout.placed).tolist():
-        fill_text(rows, layout, i, prefixes[i], contents[i])
         p = len(prefixes[i])
-        spans.append((int(layout.row[i]), int(layout.column[i]) + p, int(layout.length[i]) - p))
+        if modalities[i] == Modality.Text:
+            fill_text(rows, layout, i, prefixes[i], contents[i])
+            spans.append((int(layout.row[i]), int(layout.column[i]) + p, int(layout.length[i]) - p))
+            continue
+        kind, item = MEDIA_KINDS[modalities[i]], units[i]
+        index = fill_units(rows, layout, i, prefixes[i], vocab.MODALITY_MARKER[modalities[i]], item.positions)
+        ratio = getattr(config.masking, f"{kind}_mask_ratio")
+        masked = mask_units(kind, item, ratio, media_rng) if masking else np.zeros(len(item), dtype=bool)
+        gathered[kind].append((item.values, index, masked))
+        truncated[i] |= item.truncated
+    media = {kind: _stack_units(gathered[kind], f) for kind, f in features.items()}
 
     capacity = covered_capacity(config)
     target_index = np.zeros(capacity, dtype=np.int64)
@@ -164,6 +232,27 @@ def prepare(
         z=z,
         w=w,
         layout=layout,
-        truncated=int(layout.truncated.sum()),
+        media=media,
+        truncated=int(truncated.sum()),
         dropped=layout.dropped,
+        skipped=0 if skipped is None else int(np.asarray(skipped).sum()),
     )
+
+
+def _stack_units(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], features: int) -> dict[str, np.ndarray]:
+    """One modality's units of the step, padded with inert units (valid 0, never masked) to at least two."""
+    count = sum(len(index) for _, index, _ in parts)
+    padded = max(2, count)
+    dtype = parts[0][0].dtype if parts else np.uint8
+    values = np.zeros((padded, features), dtype=dtype)
+    index = np.zeros(padded, dtype=np.int64)
+    masked = np.zeros(padded, dtype=bool)
+    valid = np.zeros(padded, dtype=np.float32)
+    at = 0
+    for v, i, m in parts:
+        values[at : at + len(i)] = v
+        index[at : at + len(i)] = i
+        masked[at : at + len(i)] = m
+        at += len(i)
+    valid[:count] = 1.0
+    return {"values": values, "index": index, "masked": masked, "valid": valid}

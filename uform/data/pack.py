@@ -57,15 +57,22 @@ class Layout:
         """[N] bool: items that landed."""
         return self.slot >= 0
 
+    skipped: np.ndarray | None = None
+    """[N] bool: items left out before packing (media that failed to decode); not counted as dropped."""
+
     @property
     def dropped(self) -> int:
-        return int((self.slot < 0).sum())
+        lost = self.slot < 0
+        if self.skipped is not None:
+            lost &= ~self.skipped
+        return int(lost.sum())
 
 
 def plan(
     lengths: np.ndarray,
     bags: np.ndarray,
     *,
+    skip: np.ndarray | None = None,
     rows: int,
     columns: int,
     segments: int,
@@ -75,7 +82,8 @@ def plan(
     """Lays out N segments of `lengths` positions (prefix + content) into `rows` x `columns`.
 
     `bags` [N] gives each item's routing unit (items sharing one land on this device together); at most
-    `max_bags` distinct bags are taken when it is positive, the rest dropped whole.
+    `max_bags` distinct bags are taken when it is positive, the rest dropped whole. Items marked in
+    `skip` [N] (media that failed to decode) take no room and are neither placed nor counted as dropped.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     count = len(lengths)
@@ -99,6 +107,8 @@ def plan(
             break
         took_any = False
         for item in members[bag]:
+            if skip is not None and skip[item]:
+                continue
             need = kept[item]
             if used_segments >= segments:
                 break
@@ -127,6 +137,7 @@ def plan(
         slot=slot,
         truncated=truncated & placed,
         item_of_slot=item_of_slot,
+        skipped=None if skip is None else np.asarray(skip, dtype=bool),
     )
 
 
@@ -164,3 +175,20 @@ def fill_text(rows: Rows, layout: Layout, item: int, prefix: list[int], content:
     rows.positions[r, span, :] = np.arange(n, dtype=np.int64)[:, None]
     rows.segments[r, span] = layout.slot[item]
     rows.content[r, c0 + p : c0 + n] = True
+
+
+def fill_units(
+    rows: Rows, layout: Layout, item: int, prefix: list[int], marker: int, positions: np.ndarray
+) -> np.ndarray:
+    """Writes a placed media item: prefix ids, then its modality `marker` at each of its units, whose
+    axial `positions` [N, 3] (from 0) are offset by the prefix length. Answers the units' flat indices
+    (row * C + column) [N], where the tower adds their unit embeddings."""
+    r, c0, n = int(layout.row[item]), int(layout.column[item]), int(layout.length[item])
+    p = len(prefix)
+    units = n - p
+    rows.tokens[r, c0 : c0 + p] = prefix
+    rows.tokens[r, c0 + p : c0 + n] = marker
+    rows.positions[r, c0 : c0 + p, :] = np.arange(p, dtype=np.int64)[:, None]
+    rows.positions[r, c0 + p : c0 + n, :] = positions[:units] + p
+    rows.segments[r, c0 : c0 + n] = layout.slot[item]
+    return r * rows.tokens.shape[1] + c0 + p + np.arange(units, dtype=np.int64)

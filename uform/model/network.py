@@ -17,12 +17,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import TrainerInitVramConfig
+from ..data.batch import media_features
 from ..enums import Objective, PairLossForm
 from ..losses.contrastive import contrastive_term
-from ..losses.masked import masked_text_sum
+from ..losses.masked import masked_text_sum, masked_units_sum
 from .attention import DocumentMask
 from .embed import TokenEmbedding
 from .heads import MaskedTextHead, PooledHead, Temperatures
+from .media import MediaInput
 from .tower import Tower
 
 
@@ -37,29 +39,39 @@ class Network(nn.Module):
         self.text_head = MaskedTextHead(hidden)
         c = config.contrastive
         self.temperatures = Temperatures(c.temperature_groups, c.inverse_temperature, c.bias)
+        features = media_features(config)
+        chunk = config.batch.audio.chunk_samples
+        self.media = nn.ModuleDict({kind: MediaInput(kind, f, hidden, chunk) for kind, f in features.items()})
+        self.reconstruct = nn.ModuleDict({kind: nn.Linear(hidden, f) for kind, f in features.items()})
 
     @torch.no_grad()
     def initialize(self, seed: int) -> None:
         """Keyed initialisation: the same seed gives the same weights on any device.
 
-        Matrices N(0, 0.02) (BERT), the projections writing into the residual stream scaled by
-        1 / sqrt(2 depth) (GPT-2), the pooled projection N(0, 1 / D) so pooled vectors keep their scale;
-        norms one, biases zero, temperatures as configured.
+        Matrices and convolution kernels N(0, 0.02) (BERT), the projections writing into the residual
+        stream scaled by 1 / sqrt(2 depth) (GPT-2), the pooled projection N(0, 1 / D) so pooled vectors
+        keep their scale; mask embeddings N(0, 0.02) (MAE); norms one, biases zero, temperatures as
+        configured. Parameters are drawn in registration order from one CPU generator.
         """
         generator = torch.Generator().manual_seed(seed)
         scale = self.tower.residual_scale()
-        for name, p in self.named_parameters():
-            if name.startswith("temperatures."):
+        norms = (nn.RMSNorm, nn.LayerNorm, nn.GroupNorm)
+        for module_name, module in self.named_modules():
+            if module is self.temperatures:
                 continue
-            if p.ndim == 1:
-                p.copy_(torch.ones_like(p) if "norm" in name else torch.zeros_like(p))
-                continue
-            std = 0.02
-            if name.endswith(("out.weight", "down.weight")):
-                std *= scale
-            elif name.startswith("pooled."):
-                std = 1.0 / math.sqrt(p.shape[1])
-            p.copy_(torch.randn(p.shape, generator=generator) * std)
+            for name, p in module.named_parameters(recurse=False):
+                full = f"{module_name}.{name}" if module_name else name
+                if isinstance(module, norms):
+                    p.fill_(1.0 if name == "weight" else 0.0)
+                elif name == "bias":
+                    p.zero_()
+                else:
+                    std = 0.02
+                    if full.endswith(("out.weight", "down.weight")):
+                        std *= scale
+                    elif full.startswith("pooled."):
+                        std = 1.0 / math.sqrt(p.shape[1])
+                    p.copy_(torch.randn(p.shape, generator=generator) * std)
 
     def rotary(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The rotary code (cos, sin) [R, 1, C, K/2] of axial positions [R, C, 3], in `dtype`."""
@@ -83,9 +95,27 @@ class Network(nn.Module):
         positives per row for the ranked form (see `losses.contrastive.pair_loss`).
         """
         config = self.config
-        states = self.tower(self.embed(batch["tokens"]), batch["cos"], batch["sin"], mask)  # [R, C, D]
+        x = self.embed(batch["tokens"])  # [R, C, D]
+        rows, columns, hidden = x.shape
+        for kind, media in self.media.items():
+            units = media(batch[f"{kind}.values"], batch[f"{kind}.masked"])  # [U, D]
+            units = units * batch[f"{kind}.valid"].unsqueeze(1).to(units.dtype)  # inert padding units add 0
+            x = (
+                x.reshape(-1, hidden)
+                .index_add(0, batch[f"{kind}.index"], units.to(x.dtype))
+                .view(rows, columns, hidden)
+            )
+        states = self.tower(x, batch["cos"], batch["sin"], mask)  # [R, C, D]
         zero = states.new_zeros((), dtype=torch.float32)
         out: dict[str, Tensor] = {}
+        for kind, head in self.reconstruct.items():
+            if config.objective == Objective.Contrastive:
+                out[f"masked_{kind}_sum"], out[f"masked_{kind}_count"] = zero, zero
+                continue
+            at = states.reshape(-1, hidden)[batch[f"{kind}.index"]]  # [U, D]
+            out[f"masked_{kind}_sum"], out[f"masked_{kind}_count"] = masked_units_sum(
+                head(at), batch[f"{kind}.values"], batch[f"{kind}.masked"]
+            )
         if config.objective != Objective.Contrastive:
             flat = states.reshape(-1, states.shape[-1])  # [R*C, D]
             logits = self.text_head(flat[batch["target_index"]])  # [P, 256]
@@ -116,7 +146,14 @@ class Network(nn.Module):
 
     def total(self, terms: dict[str, Tensor]) -> dict[str, Tensor]:
         """The per-term means and the weighted total the step minimises (DESIGN.md section 3)."""
+        masking = self.config.masking
         text = terms["masked_text_sum"] / terms["masked_text_count"].clamp_min(1)
         contrastive = terms["contrastive_sum"] / terms["contrastive_anchors"].clamp_min(1)
-        loss = contrastive + self.config.masking.text_weight * text
-        return {"loss": loss, "masked_text_loss": text, "contrastive_loss": contrastive}
+        out = {"masked_text_loss": text, "contrastive_loss": contrastive}
+        loss = contrastive + masking.text_weight * text
+        for kind in self.reconstruct:
+            term = terms[f"masked_{kind}_sum"] / terms[f"masked_{kind}_count"].clamp_min(1)
+            out[f"masked_{kind}_loss"] = term
+            loss = loss + getattr(masking, f"{kind}_weight") * term
+        out["loss"] = loss
+        return out

@@ -1,0 +1,311 @@
+"""Image decoding (`uform.media.image_units`) on real photographs from scikit-image and pygame.
+
+Pins: every container (JPEG, PNG, WebP) decodes; grids, padding and positions for known sizes; channels
+1/3/4; 16-bit, palette, grey, CMYK and EXIF-rotated images; downscaling keeps the aspect ratio, fits
+`max_units` and never upscales; broken, hostile and wrong-format bytes raise `MediaError` and nothing else.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import struct
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from media_samples import (
+    content_size,
+    cuts,
+    encode_image,
+    mutations,
+    photo,
+    pictures,
+    png_16bit,
+    png_palette,
+    pygame_file,
+    skimage_file,
+    video,
+)
+from PIL import Image
+
+from uform.media import MediaError, MediaLimits, image_units
+from uform.media._grid import fit_size, grid_of
+
+
+def decode(data: bytes, patch_side: int = 16, channels: int = 4, max_units: int = 100_000, **limits: Any):
+    return image_units(
+        data, patch_side=patch_side, channels=channels, max_units=max_units, limits=MediaLimits(**limits)
+    )
+
+
+def crop_png(name: str, width: int, height: int, mode: str = "RGB") -> bytes:
+    return encode_image(photo(name).convert(mode).crop((0, 0, width, height)), "PNG")
+
+
+SAMPLES: dict[str, Callable[[], bytes]] = {
+    "png rgb (astronaut)": lambda: skimage_file("astronaut.png"),
+    "png rgba (logo)": lambda: skimage_file("logo.png"),
+    "png rgba (pygame midikeys)": lambda: pygame_file("midikeys.png"),
+    "png grey (camera)": lambda: skimage_file("camera.png"),
+    "png grey small (microaneurysms)": lambda: skimage_file("microaneurysms.png"),
+    "png 16-bit": png_16bit,
+    "png palette": png_palette,
+    "png palette (pygame chimp)": lambda: pygame_file("chimp.png"),
+    "png palette transparent (pygame alien)": lambda: pygame_file("alien1.png"),
+    "jpeg (rocket)": lambda: skimage_file("rocket.jpg"),
+    "jpeg (hubble)": lambda: skimage_file("hubble_deep_field.jpg"),
+    "jpeg (pygame alien)": lambda: pygame_file("alien1.jpg"),
+    "webp (pygame scarlet)": lambda: pygame_file("scarlet.webp"),
+    "webp lossy": lambda: encode_image(photo("chelsea.png"), "WEBP", quality=80),
+    "webp lossless rgba": lambda: encode_image(photo("horse.png"), "WEBP", lossless=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+@pytest.mark.parametrize("channels", [1, 3, 4])
+def test_every_container_decodes_at_native_resolution(name: str, channels: int) -> None:
+    data = SAMPLES[name]()
+    with Image.open(io.BytesIO(data)) as source:
+        width, height = source.size
+    units = decode(data, channels=channels)
+    rows, columns = math.ceil(height / 16), math.ceil(width / 16)
+    assert units.grid == (1, rows, columns)
+    assert units.values.dtype == np.uint8 and units.values.shape == (rows * columns, 16 * 16 * channels)
+    assert units.positions.dtype == np.int64 and units.positions.shape == (rows * columns, 3)
+    assert units.truncated is False
+    assert units.values.any()
+
+
+def test_known_size_grid_padding_and_positions() -> None:
+    data = crop_png("astronaut.png", 100, 60)
+    units = decode(data, channels=3)
+    assert units.grid == (1, 4, 7) and units.values.shape == (28, 16 * 16 * 3)
+    expected = [(0, r, c) for r in range(4) for c in range(7)]
+    assert units.positions.tolist() == [list(p) for p in expected]
+    picture = pictures(units, 16, 3)[0]
+    assert picture.shape == (64, 112, 3)
+    source = np.asarray(photo("astronaut.png"))[:60, :100]
+    np.testing.assert_array_equal(picture[:60, :100], source)
+    assert not picture[60:].any() and not picture[:, 100:].any()  # zero padding right and bottom
+    # Each unit is laid out [p, p, C]: the first patch is the top-left 16 x 16 block.
+    np.testing.assert_array_equal(units.values[0].reshape(16, 16, 3), source[:16, :16])
+    np.testing.assert_array_equal(units.values[7].reshape(16, 16, 3), source[16:32, :16])
+
+
+@pytest.mark.parametrize("patch_side", [1, 7, 32])
+def test_other_patch_sides(patch_side: int) -> None:
+    units = decode(crop_png("coffee.png", 45, 30), patch_side=patch_side, channels=1)
+    assert units.grid == (1, math.ceil(30 / patch_side), math.ceil(45 / patch_side))
+    assert units.values.shape[1] == patch_side * patch_side
+
+
+def test_channels_conversions() -> None:
+    data = crop_png("astronaut.png", 64, 48)
+    source = photo("astronaut.png").crop((0, 0, 64, 48))
+    rgba = pictures(decode(data, channels=4), 16, 4)[0]
+    np.testing.assert_array_equal(rgba[:, :, :3], np.asarray(source))
+    assert (rgba[:, :, 3] == 255).all()
+    rgb = pictures(decode(data, channels=3), 16, 3)[0]
+    np.testing.assert_array_equal(rgb, np.asarray(source))
+    grey = pictures(decode(data, channels=1), 16, 1)[0, :, :, 0]
+    np.testing.assert_array_equal(grey, np.asarray(source.convert("L")))
+
+
+def test_grey_source_replicates_into_colour() -> None:
+    units = decode(skimage_file("camera.png"), channels=3)
+    picture = pictures(units, 16, 3)[0]
+    assert (picture[:, :, 0] == picture[:, :, 1]).all() and (picture[:, :, 1] == picture[:, :, 2]).all()
+    np.testing.assert_array_equal(picture[:, :, 0], np.asarray(photo("camera.png")))
+
+
+def test_alpha_kept_in_rgba_and_composited_over_black_otherwise() -> None:
+    data = pygame_file("midikeys.png")  # 840 x 160 RGBA, partly transparent
+    source = np.asarray(Image.open(io.BytesIO(data))).astype(np.uint16)
+    assert source.shape == (160, 840, 4) and (source[:, :, 3] == 0).any() and (source[:, :, 3] == 255).any()
+    rgba = pictures(decode(data, channels=4), 16, 4)[0, :160, :840]
+    np.testing.assert_array_equal(rgba, source)
+    rgb = pictures(decode(data, channels=3), 16, 3)[0, :160, :840]
+    premultiplied = (source[:, :, :3] * source[:, :, 3:] + 127) // 255
+    np.testing.assert_array_equal(rgb, premultiplied)
+    assert not rgb[source[:, :, 3] == 0].any()  # fully transparent reads as the (black) padding
+
+
+def test_16_bit_scaled_not_clipped() -> None:
+    data = png_16bit()
+    with Image.open(io.BytesIO(data)) as wide:
+        assert wide.mode.startswith("I")
+        assert np.asarray(wide).max() > 255
+    grey = pictures(decode(data, channels=1), 16, 1)[0, :, :, 0]
+    np.testing.assert_array_equal(grey, np.asarray(photo("camera.png")))  # v * 257 comes back as v
+    rgb = pictures(decode(data, channels=3), 16, 3)[0]
+    np.testing.assert_array_equal(rgb[:, :, 1], grey)
+
+
+def test_palette_expanded() -> None:
+    data = png_palette()
+    expected = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    np.testing.assert_array_equal(pictures(decode(data, channels=3), 16, 3)[0], expected)
+    for transparent in (png_palette(transparent=True), pygame_file("alien1.png")):
+        with Image.open(io.BytesIO(transparent)) as source:
+            assert source.mode == "P" and source.info["transparency"] == 0
+            indices = np.asarray(source)
+        alpha = pictures(decode(transparent, channels=4), 16, 4)[0, : indices.shape[0], : indices.shape[1], 3]
+        assert (indices == 0).any()
+        np.testing.assert_array_equal(alpha == 0, indices == 0)
+
+
+def test_cmyk_jpeg_converted() -> None:
+    source = photo("chelsea.png").convert("RGB").crop((0, 0, 128, 96))
+    data = encode_image(source.convert("CMYK"), "JPEG", quality=95)
+    assert Image.open(io.BytesIO(data)).mode == "CMYK"
+    rgb = pictures(decode(data, channels=3), 16, 3)[0].astype(int)
+    assert np.abs(rgb - np.asarray(source)).mean() < 8
+
+
+@pytest.mark.parametrize("orientation, upright", [(1, (96, 64)), (3, (96, 64)), (6, (64, 96)), (8, (64, 96))])
+def test_exif_orientation_applied(orientation: int, upright: tuple[int, int]) -> None:
+    source = photo("rocket.jpg").crop((200, 100, 296, 164))  # 96 x 64
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encode_image(source, "JPEG", quality=95, exif=exif.tobytes())
+    units = decode(data, channels=4)
+    assert units.grid == (1, math.ceil(upright[1] / 16), math.ceil(upright[0] / 16))
+    picture = pictures(units, 16, 4)[0]
+    assert content_size(picture) == upright
+    if orientation == 6:  # the stored picture turned a quarter clockwise
+        expected = np.asarray(Image.open(io.BytesIO(data)).transpose(Image.Transpose.ROTATE_270))
+        assert np.abs(picture[:96, :64, :3].astype(int) - expected).mean() < 3
+
+
+@pytest.mark.parametrize("name", ["rocket.jpg", "hubble_deep_field.jpg", "coffee.png", "logo.png"])
+@pytest.mark.parametrize("max_units", [1, 6, 40, 150])
+def test_downscale_keeps_aspect_and_fits(name: str, max_units: int) -> None:
+    data = skimage_file(name)
+    width, height = photo(name).size
+    units = decode(data, channels=4, max_units=max_units)
+    _, rows, columns = units.grid
+    assert rows * columns <= max_units
+    picture = pictures(units, 16, 4)[0]
+    if name == "logo.png":  # transparent corners: measure through a fully opaque copy instead
+        units = decode(encode_image(photo(name).convert("RGB"), "PNG"), channels=4, max_units=max_units)
+        picture = pictures(units, 16, 4)[0]
+    new_width, new_height = content_size(picture)
+    assert (new_width, new_height) == fit_size(width, height, 16, max_units)
+    assert new_width < width and new_height < height
+    # Aspect kept up to the rounding of one side to whole pixels.
+    assert abs(new_width / new_height - width / height) <= (width / height) / min(new_width, new_height) + 1e-9
+    # The largest such size: one pixel more on the long side no longer fits.
+    long_side = max(new_width, new_height) + 1
+    bigger = (long_side, max(1, round(min(width, height) * long_side / max(width, height))))
+    rows, columns = grid_of(*bigger, 16)
+    assert rows * columns > max_units
+
+
+def test_jpeg_reduced_decoding_matches_full_decoding() -> None:
+    data = skimage_file("hubble_deep_field.jpg")
+    units = decode(data, channels=3, max_units=12)
+    width, height = fit_size(1000, 872, 16, 12)
+    full = photo("hubble_deep_field.jpg").resize((width, height), Image.Resampling.LANCZOS)
+    picture = pictures(units, 16, 3)[0, :height, :width].astype(int)
+    assert np.abs(picture - np.asarray(full)).mean() < 6
+
+
+def test_never_upscaled() -> None:
+    units = decode(pygame_file("scarlet.webp"), channels=4, max_units=10**6)
+    assert units.grid == (1, 2, 2)
+    assert content_size(pictures(units, 16, 4)[0]) == (32, 32)
+    units = decode(crop_png("astronaut.png", 3, 2), channels=4, max_units=10**6)
+    assert units.grid == (1, 1, 1) and content_size(pictures(units, 16, 4)[0]) == (3, 2)
+
+
+def test_extreme_aspect_ratio_fits() -> None:
+    data = encode_image(photo("coffee.png").crop((0, 0, 600, 2)), "PNG")
+    units = decode(data, channels=3, max_units=4)
+    assert units.grid == (1, 1, 4)
+
+
+# Broken and hostile bytes: always MediaError, never another exception.
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda: pygame_file("alien1.gif"),
+        lambda: pygame_file("arraydemo.bmp"),
+        lambda: pygame_file("teal.svg"),
+        lambda: pygame_file("yellow.tga"),
+        lambda: skimage_file("multipage.tif"),
+        lambda: pygame_file("house_lo.wav"),
+        lambda: pygame_file("house_lo.mp3"),
+        lambda: video("mp4")[0],
+        lambda: b"hello, world: plain text is no image",
+    ],
+    ids=["gif", "bmp", "svg", "tga", "tiff", "wav", "mp3", "mp4", "text"],
+)
+def test_other_formats_refused(other) -> None:
+    with pytest.raises(MediaError, match="not a JPEG, PNG or WebP file"):
+        decode(other())
+
+
+def test_zero_bytes_refused() -> None:
+    with pytest.raises(MediaError, match="empty"):
+        decode(b"")
+
+
+@pytest.mark.parametrize("name", ["png rgb (astronaut)", "jpeg (rocket)", "webp lossy", "png 16-bit", "png palette"])
+def test_truncated_refused(name: str) -> None:
+    for cut in cuts(SAMPLES[name]()):
+        with pytest.raises(MediaError):
+            decode(cut)
+
+
+@pytest.mark.parametrize("name", ["png rgb (astronaut)", "jpeg (rocket)", "webp lossy"])
+def test_random_and_corrupted_bytes_only_raise_media_error(name: str) -> None:
+    data = SAMPLES[name]()
+    rng = np.random.default_rng(7)
+    candidates = [rng.bytes(4096), data[:16] + rng.bytes(4096), *mutations(data, 12, seed=3)]
+    for candidate in candidates:
+        try:
+            units = decode(candidate, channels=3, max_units=64)
+        except MediaError:
+            continue
+        assert units.values.dtype == np.uint8 and units.grid[1] * units.grid[2] <= 64
+
+
+def lying_png(width: int, height: int) -> bytes:
+    """scikit-image's astronaut with its IHDR rewritten to claim `width` x `height` (CRC fixed)."""
+    data = bytearray(skimage_file("astronaut.png"))
+    assert data[12:16] == b"IHDR"
+    data[16:24] = struct.pack(">II", width, height)
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    return bytes(data)
+
+
+def test_pixel_limit_checked_from_the_header() -> None:
+    with pytest.raises(MediaError, match="pixels"):
+        decode(skimage_file("astronaut.png"), max_pixels=512 * 512 - 1)
+    decode(skimage_file("astronaut.png"), max_pixels=512 * 512, max_units=1)
+    # A header that claims 60000 x 60000 (3.6 G pixels) is refused before any pixel is decoded.
+    with pytest.raises(MediaError, match="pixels"):
+        decode(lying_png(60_000, 60_000))
+    # Past Pillow's own decompression-bomb guard, even where our limit would allow it.
+    with pytest.raises(MediaError, match="bomb"):
+        decode(lying_png(60_000, 60_000), max_pixels=10**10)
+
+
+def test_byte_limit() -> None:
+    data = skimage_file("rocket.jpg")
+    with pytest.raises(MediaError, match="bytes"):
+        decode(data, max_bytes=len(data) - 1)
+    decode(data, max_bytes=len(data), max_units=4)
+
+
+def test_bad_arguments_are_value_errors() -> None:
+    data = skimage_file("rocket.jpg")
+    for arguments in ({"channels": 2}, {"patch_side": 0}, {"max_units": 0}):
+        with pytest.raises(ValueError) as raised:
+            decode(data, **arguments)  # type: ignore[arg-type]
+        assert not isinstance(raised.value, MediaError)

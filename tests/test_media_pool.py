@@ -1,0 +1,272 @@
+"""DecodePool: jobs run in worker processes, in order, each under a time limit; a job that raises, hangs or kills
+its process answers an error outcome and the rest of the batch (and later maps) still complete.
+
+The job functions live at module level so they pickle into the workers. Timing bounds are generous on purpose.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from uform.media.pool import DecodePool, Outcome, decode_parallelism
+
+POOL_SOURCE = Path(__file__).resolve().parent.parent / "uform" / "media" / "pool.py"
+
+
+# -- jobs (module level, so they pickle) ------------------------------------------------------------------------------
+
+
+class MediaError(Exception):
+    """Stands in for the media package's decode error."""
+
+
+def square(x: int, delay: float = 0.0) -> int:
+    if delay:
+        time.sleep(delay)
+    return x * x
+
+
+def power(base: int, *, exponent: int = 2) -> int:
+    return base**exponent
+
+
+def fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def fail_media(message: str) -> None:
+    raise MediaError(message)
+
+
+def hang(seconds: float) -> str:
+    time.sleep(seconds)
+    return "woke up"
+
+
+def exit_process(code: int) -> None:
+    os._exit(code)
+
+
+def segfault() -> None:
+    os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(10)  # the signal is delivered before this returns
+
+
+def job_pid() -> int:
+    return os.getpid()
+
+
+def sigint_ignored() -> bool:
+    return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+def big_array(n: int) -> np.ndarray:
+    return np.arange(n, dtype=np.float32)
+
+
+def unpicklable_result() -> object:
+    return lambda: None
+
+
+# -- fixtures -------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[DecodePool]:
+    with DecodePool(workers=2, timeout_seconds=2.0) as shared:
+        yield shared
+
+
+def jobs_of(*args_list: tuple) -> list[tuple[tuple, dict]]:
+    return [(args, {}) for args in args_list]
+
+
+def values(outcomes: list[Outcome]) -> list:
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    return [o.value for o in outcomes]
+
+
+# -- tests ----------------------------------------------------------------------------------------------------------
+
+
+def test_results_come_in_job_order_and_equal_a_serial_map(pool: DecodePool) -> None:
+    # Earlier jobs sleep longer, so they finish out of order.
+    jobs = [((x, 0.02 * (8 - x)), {}) for x in range(8)]
+    outcomes = pool.map(square, jobs)
+    assert values(outcomes) == [square(*args, **kwargs) for args, kwargs in jobs]
+    assert all(o.error is None and o.elapsed >= 0.0 for o in outcomes)
+    assert values(pool.map(power, [((3,), {"exponent": 3}), ((2,), {})])) == [27, 4]
+
+
+def test_zero_jobs_answer_nothing_and_start_no_process() -> None:
+    fresh = DecodePool(workers=2)
+    try:
+        assert fresh.map(square, []) == []
+        assert fresh.processes == []
+    finally:
+        fresh.close()
+
+
+def test_an_exception_becomes_an_error_outcome_and_the_worker_lives_on(pool: DecodePool) -> None:
+    pool.map(square, jobs_of((1,), (2,)))
+    pids = {p.pid for p in pool.processes}
+    outcomes = pool.map(fail, jobs_of(("bad frame",)))
+    assert outcomes[0].value is None and outcomes[0].error == "ValueError: bad frame"
+    outcomes = pool.map(fail_media, jobs_of(("truncated stream",)))
+    assert outcomes[0].error == "MediaError: truncated stream"
+    assert {p.pid for p in pool.processes} == pids  # nobody was replaced
+    assert values(pool.map(square, jobs_of((3,), (4,)))) == [9, 16]
+
+
+def test_a_hung_job_times_out_while_the_rest_of_the_batch_completes(pool: DecodePool) -> None:
+    start = time.monotonic()
+    outcomes = pool.map(hang, [((60.0,), {})] + [((0.0,), {})] * 5)
+    assert time.monotonic() - start < 20.0
+    assert outcomes[0].value is None and outcomes[0].error == "timed out after 2.0 s"
+    assert 1.5 < outcomes[0].elapsed < 20.0
+    assert values(outcomes[1:]) == ["woke up"] * 5
+    assert len(pool.processes) <= 2
+    assert values(pool.map(square, jobs_of((5,), (6,), (7,)))) == [25, 36, 49]
+
+
+@pytest.mark.parametrize(
+    ("function", "args", "reason"),
+    [
+        (exit_process, (3,), "the decoder process died (exit code 3)"),
+        (segfault, (), f"the decoder process died (signal {int(signal.SIGSEGV)})"),
+    ],
+    ids=["exit", "segfault"],
+)
+def test_a_job_that_kills_its_process_answers_died_and_later_maps_work(
+    pool: DecodePool, function, args: tuple, reason: str
+) -> None:
+    outcomes = pool.map(function, [(args, {})])
+    assert outcomes[0].value is None and outcomes[0].error == reason
+    assert values(pool.map(square, jobs_of(*[(x,) for x in range(6)]))) == [x * x for x in range(6)]
+    assert all(p.is_alive() for p in pool.processes)
+
+
+def test_a_worker_that_dies_while_idle_is_replaced_and_loses_no_job(pool: DecodePool) -> None:
+    pool.map(square, jobs_of((1,), (2,), (3,)))
+    victim = pool.processes[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(10.0)
+    assert values(pool.map(square, jobs_of(*[(x,) for x in range(6)]))) == [x * x for x in range(6)]
+    assert victim not in pool.processes or not victim.is_alive()
+
+
+def test_one_worker_with_a_mix_of_good_and_bad_jobs() -> None:
+    with DecodePool(workers=1, timeout_seconds=1.0) as single:
+        mixed = [
+            (square, (2,)),
+            (fail, ("no header",)),
+            (square, (3,)),
+            (exit_process, (7,)),
+            (square, (4,)),
+            (hang, (60.0,)),
+            (square, (5,)),
+        ]
+
+        # One function per map, so route through a dispatcher job.
+        start = time.monotonic()
+        outcomes = single.map(call, [((f, a), {}) for f, a in mixed])
+        assert time.monotonic() - start < 30.0
+        assert [o.value for o in outcomes] == [4, None, 9, None, 16, None, 25]
+        assert [o.error for o in outcomes] == [
+            None,
+            "ValueError: no header",
+            None,
+            "the decoder process died (exit code 7)",
+            None,
+            "timed out after 1.0 s",
+            None,
+        ]
+        assert len(single.processes) == 1
+        assert values(single.map(square, jobs_of((6,), (7,)))) == [36, 49]
+
+
+def call(function, args: tuple):
+    return function(*args)
+
+
+def test_the_pool_is_reused_across_maps(pool: DecodePool) -> None:
+    first = values(pool.map(job_pid, [((), {})] * 4))
+    assert set(first) <= {p.pid for p in pool.processes}
+    for round_ in range(5):
+        assert values(pool.map(square, jobs_of(*[(x + round_,) for x in range(5)]))) == [
+            (x + round_) ** 2 for x in range(5)
+        ]
+    assert set(values(pool.map(job_pid, [((), {})] * 4))) <= {p.pid for p in pool.processes}
+    assert len(pool.processes) <= 2
+
+
+def test_close_is_idempotent_and_ends_every_process() -> None:
+    fresh = DecodePool(workers=2, timeout_seconds=5.0)
+    assert values(fresh.map(square, jobs_of((1,), (2,), (3,)))) == [1, 4, 9]
+    processes = fresh.processes
+    assert len(processes) == 2 and all(p.is_alive() for p in processes)
+    fresh.close()
+    fresh.close()
+    assert not any(p.is_alive() for p in processes)
+    assert fresh.processes == []
+    with pytest.raises(RuntimeError, match="closed"):
+        fresh.map(square, jobs_of((1,)))
+    with DecodePool(workers=1) as managed:
+        assert values(managed.map(square, jobs_of((4,)))) == [16]
+        processes = managed.processes
+    assert processes and not any(p.is_alive() for p in processes)
+
+
+def test_workers_ignore_sigint(pool: DecodePool) -> None:
+    assert values(pool.map(sigint_ignored, [((), {})] * 2)) == [True, True]
+
+
+def test_large_arrays_cross_the_pipe(pool: DecodePool) -> None:
+    (outcome,) = pool.map(big_array, jobs_of((4_000_000,)))  # 16 MB
+    assert outcome.ok
+    np.testing.assert_array_equal(outcome.value, np.arange(4_000_000, dtype=np.float32))
+
+
+def test_unpicklable_results_jobs_and_functions(pool: DecodePool) -> None:
+    (outcome,) = pool.map(unpicklable_result, [((), {})])
+    assert outcome.error is not None and outcome.error.startswith("could not send the result:")
+    outcomes = pool.map(square, [((lambda: 1,), {}), ((3,), {})])
+    assert outcomes[0].error is not None and outcomes[0].error.startswith("could not send the job:")
+    assert outcomes[1].value == 9
+    with pytest.raises(TypeError, match="must pickle"):
+        pool.map(lambda x: x, jobs_of((1,)))
+
+
+def test_defaults_and_arguments() -> None:
+    assert decode_parallelism() >= 1
+    default = DecodePool()
+    assert default.workers == decode_parallelism() and default.timeout_seconds == 30.0
+    assert default.processes == []  # started lazily
+    default.close()
+    for bad in ({"workers": -1}, {"workers": 1.5}, {"timeout_seconds": 0}, {"timeout_seconds": float("nan")}):
+        with pytest.raises(ValueError):
+            DecodePool(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        DecodePool(context="no-such-method")
+
+
+def test_the_module_imports_only_the_standard_library() -> None:
+    script = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('standalone_pool', {str(POOL_SOURCE)!r})\n"
+        "module = sys.modules['standalone_pool'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "heavy = [name for name in ('torch', 'numpy', 'uform') if name in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

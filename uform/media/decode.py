@@ -1,0 +1,68 @@
+"""One entry point for the decode workers: a media item's bytes and the run's geometry in, units out.
+
+`decode_item` is a module-level function so that it pickles by reference into the worker processes of
+`pool.DecodePool`; `MediaPolicy` is how a caller bounds and reports media (limits, strictness, workers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .audio import audio_units
+from .image import image_units
+from .limits import MediaLimits
+from .units import Units
+from .video import video_units
+
+
+@dataclass(kw_only=True, frozen=True)
+class MediaPolicy:
+    """How a trainer treats media items: their limits, what a broken one does, and how many decoders run."""
+
+    limits: MediaLimits = field(default_factory=MediaLimits)
+    """Bounds on every item (bytes, pixels, frames, seconds) and the time one item may take to decode."""
+    strict: bool = False
+    """False skips an item that cannot be decoded (counted in `TrainerStepStats.skipped`, with a warning
+    naming it); True makes the step raise `MediaError` naming the item, leaving the trainer unchanged."""
+    workers: int = 0
+    """Decoding processes; zero derives one per core this process may use."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.limits, MediaLimits):
+            raise TypeError(f"media.limits: expected a MediaLimits, got {type(self.limits).__name__}")
+        if not isinstance(self.strict, bool):
+            raise TypeError(f"media.strict: expected a bool, got {type(self.strict).__name__}")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
+            raise ValueError(f"media.workers: must be a non-negative int, got {self.workers!r}")
+
+
+def decode_item(kind: str, data: bytes, geometry: dict[str, Any], max_units: int, limits: MediaLimits) -> Units:
+    """Decodes one item of `kind` ("image", "video" or "audio") into at most `max_units` units.
+
+    `geometry` holds the run's shape slice of that modality (patch_side, channels, tube_frames,
+    frame_stride, chunk_samples, sample_rate, as the seed's ImageShape / VideoShape / AudioShape name them).
+    """
+    if kind == "image":
+        return image_units(
+            data, patch_side=geometry["patch_side"], channels=geometry["channels"], max_units=max_units, limits=limits
+        )
+    if kind == "video":
+        return video_units(
+            data,
+            patch_side=geometry["patch_side"],
+            tube_frames=geometry["tube_frames"],
+            frame_stride=geometry["frame_stride"],
+            channels=geometry["channels"],
+            max_units=max_units,
+            limits=limits,
+        )
+    if kind == "audio":
+        return audio_units(
+            data,
+            chunk_samples=geometry["chunk_samples"],
+            sample_rate=geometry["sample_rate"],
+            max_units=max_units,
+            limits=limits,
+        )
+    raise ValueError(f"decode_item: unknown media kind {kind!r}")

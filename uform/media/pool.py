@@ -1,0 +1,438 @@
+"""A pool of decoder processes: media items are decoded off the training thread, in parallel, each under a time limit.
+
+`DecodePool.map(function, jobs)` runs `function(*args, **kwargs)` for every `(args, kwargs)` job in worker processes
+and answers one `Outcome` per job, in job order. No item can hang or crash the caller:
+
+- a job that raises answers an error outcome (``"ValueError: <message>"``) and its worker lives on;
+- a job that runs past ``timeout_seconds`` answers ``"timed out after 2.0 s"``; its worker is killed (SIGKILL) and
+  replaced while the rest of the batch completes;
+- a worker that dies in a job (a codec segfault, ``os._exit``) answers ``"the decoder process died (signal 11)"``
+  and is replaced.
+
+A job is sent to one worker once and never run twice, not even after its worker died.
+
+Protocol. Each worker is a `multiprocessing` process with a pipe of its own. It sends ``("ready",)`` once it has
+started, then for each job it receives (pickled ``(function, args, kwargs)``) it sends ``("started",)`` when the
+job is unpickled and ``("ok", value)`` or ``("error", reason)`` when it finishes; an empty message asks it to
+exit. The job's time limit runs from ``started``, so neither the interpreter start nor the first import of the job
+function's module counts against the decode (they have their own generous limits, `_BOOT_SECONDS` and
+`_LOAD_SECONDS`). The parent waits with `multiprocessing.connection.wait` on the pipes and the process sentinels
+until the nearest deadline. Results cross the pipe with pickle, between our own processes only; user files are
+never unpickled.
+
+This module imports only the standard library at top level, so the worker entry stays light. (Importing it as
+``uform.media.pool`` still runs the package's ``__init__``; a job function that lives in a module importing torch
+brings torch into the worker when its first job arrives.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.util
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, Generic, TypeVar
+
+__all__ = ["DecodePool", "Outcome", "decode_parallelism"]
+
+T = TypeVar("T")
+
+# How long a fresh worker may take to start (interpreter, imports) before it is killed as a failed start.
+_BOOT_SECONDS = 120.0
+# How long a worker may take to unpickle a job (the first import of the job function's module) beyond the job's limit.
+_LOAD_SECONDS = 60.0
+# Consecutive failed worker starts, with no start succeeding in between, after which `map` gives up.
+_BOOT_FAILURES = 3
+# How long `close` lets idle workers exit on their own before killing them.
+_CLOSE_GRACE_SECONDS = 1.0
+# How long to wait for a killed (or dead) worker to be reaped.
+_REAP_SECONDS = 5.0
+
+# Worker states.
+_BOOTING, _IDLE, _LOADING, _RUNNING = "booting", "idle", "loading", "running"
+
+_DEFAULT_CONTEXT = "forkserver" if sys.platform.startswith("linux") else "spawn"
+
+
+def decode_parallelism() -> int:
+    """The default number of decoder processes: the CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS, Windows)
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass
+class Outcome(Generic[T]):
+    """What one job answered: its value, or a readable reason it has none; and how long it took, in seconds."""
+
+    value: T | None
+    error: str | None  # None when the job returned; otherwise why not
+    elapsed: float  # seconds from sending the job to its outcome
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class _Worker:
+    """The parent's view of one worker process."""
+
+    __slots__ = ("conn", "deadline", "job", "process", "sent_at", "state")
+
+    def __init__(self, process: BaseProcess, conn: Connection, deadline: float) -> None:
+        self.process = process
+        self.conn = conn
+        self.state = _BOOTING
+        self.deadline = deadline  # monotonic; math.inf when idle
+        self.job: int | None = None  # index into the current map's jobs while loading or running
+        self.sent_at = 0.0
+
+
+class DecodePool:
+    """Runs picklable decode jobs in worker processes, in parallel, each under a time limit.
+
+    ``workers`` 0 means `decode_parallelism()`. Processes start lazily, on the first `map` that needs them, and
+    are reused across maps. ``context`` is the `multiprocessing` start method: "forkserver" on Linux (safe beside
+    torch's threads), "spawn" elsewhere. Worker processes ignore SIGINT: on Ctrl-C the parent's `map` raises
+    KeyboardInterrupt (killing the workers that were mid-job, so the pool stays usable) and the parent closes the
+    pool. The workers are daemonic, so a job cannot start `multiprocessing` children of its own (`subprocess` is
+    fine).
+
+    Call `map` from one thread at a time: a lock serializes concurrent callers, and `close` waits for a running
+    `map` to finish. The pool is a context manager; `close` is idempotent and also runs at interpreter exit or
+    when the pool is garbage-collected.
+    """
+
+    def __init__(self, workers: int = 0, timeout_seconds: float = 30.0, context: str = _DEFAULT_CONTEXT) -> None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ValueError(f"workers: expected an int >= 0 (0 means one per CPU), got {workers!r}")
+        timeout = float(timeout_seconds)
+        if not timeout > 0:  # also refuses NaN
+            raise ValueError(f"timeout_seconds: expected a positive number of seconds, got {timeout_seconds!r}")
+        self.workers = workers or decode_parallelism()
+        self.timeout_seconds = timeout
+        self._ctx: Any = multiprocessing.get_context(context)  # ValueError for an unknown start method
+        self.context = context
+        self._workers: list[_Worker] = []
+        self._lock = threading.RLock()  # RLock: a signal handler that closes the pool mid-map must not deadlock
+        self._closed = False
+        self._boot_failures = 0
+        self._owner = os.getpid()
+        # Runs once: on close(), when the pool is collected, or at interpreter exit before multiprocessing
+        # terminates and joins its children; it does nothing in a forked child, which does not own the workers.
+        self._finalizer = multiprocessing.util.Finalize(self, _shutdown, args=(self._workers,), exitpriority=10)
+
+    # -- public --------------------------------------------------------------------------------------------------
+
+    def map(
+        self, function: Callable[..., T], jobs: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]
+    ) -> list[Outcome[T]]:
+        """Runs ``function(*args, **kwargs)`` for every ``(args, kwargs)`` job, in parallel; one Outcome per job, in order.
+
+        ``function`` must be picklable (a module-level function); a job whose arguments do not pickle answers an
+        error outcome. Raises RuntimeError when the pool is closed or when worker processes keep failing to start.
+        """
+        jobs = list(jobs)
+        if not jobs:
+            return []
+        with self._lock:
+            self._check_usable()
+            try:
+                pickle.dumps(function, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:
+                raise TypeError(
+                    f"DecodePool.map: the function must pickle (a module-level function), got {function!r}: "
+                    f"{_describe(exc)}"
+                ) from exc
+            outcomes: list[Outcome[T] | None] = [None] * len(jobs)
+            try:
+                self._run(function, jobs, outcomes)
+            except BaseException:
+                # Interrupted (Ctrl-C) or failed: the jobs in flight are abandoned, so their workers must go too.
+                self._kill_busy()
+                raise
+            assert all(o is not None for o in outcomes)
+            return outcomes  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Terminates the worker processes (idle ones exit on their own, busy ones are killed). Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._finalizer()
+
+    @property
+    def processes(self) -> list[BaseProcess]:
+        """The worker processes running now (for inspection and tests)."""
+        return [w.process for w in self._workers]
+
+    def __enter__(self) -> DecodePool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._workers)} running"
+        return (
+            f"DecodePool(workers={self.workers}, timeout_seconds={self.timeout_seconds}, "
+            f"context={self.context!r}; {state})"
+        )
+
+    # -- the dispatch loop ---------------------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("DecodePool: the pool is closed")
+        if os.getpid() != self._owner:
+            raise RuntimeError("DecodePool: a pool cannot be used in a forked child; make a new one there")
+
+    def _run(
+        self, function: Callable[..., T], jobs: list[tuple[tuple[Any, ...], dict[str, Any]]], outcomes: list
+    ) -> None:
+        pending = deque(range(len(jobs)))
+        remaining = len(jobs)
+        while remaining:
+            self._check_usable()
+            self._start_workers(len(pending))
+            # Dispatch: one pending job to each idle worker.
+            for worker in self._workers:
+                if not pending:
+                    break
+                if worker.state != _IDLE:
+                    continue
+                index = pending.popleft()
+                args, kwargs = jobs[index]
+                sent_at = time.monotonic()
+                try:
+                    payload = pickle.dumps((function, tuple(args), dict(kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
+                except Exception as exc:
+                    outcomes[index] = Outcome(None, f"could not send the job: {_describe(exc)}", 0.0)
+                    remaining -= 1
+                    continue
+                try:
+                    worker.conn.send_bytes(payload)
+                except OSError:
+                    # The worker died while idle: the job never reached it, so it may go to another worker.
+                    pending.appendleft(index)
+                    continue  # its death is noticed below, through its sentinel
+                worker.state, worker.job, worker.sent_at = _LOADING, index, sent_at
+                worker.deadline = sent_at + self.timeout_seconds + _LOAD_SECONDS
+            if not remaining:
+                break
+            # Wait for a message, a death, or the nearest deadline.
+            waitables: list[Any] = []
+            for worker in self._workers:
+                waitables += (worker.conn, worker.process.sentinel)
+            nearest = min((w.deadline for w in self._workers), default=math.inf)
+            timeout = None if math.isinf(nearest) else max(0.0, nearest - time.monotonic())
+            ready = set(multiprocessing.connection.wait(waitables, timeout))
+            for worker in list(self._workers):
+                if worker.conn in ready or worker.process.sentinel in ready:
+                    remaining -= self._service(worker, outcomes)
+            now = time.monotonic()
+            for worker in list(self._workers):
+                if worker.deadline <= now:
+                    remaining -= self._expire(worker, outcomes, now)
+
+    def _start_workers(self, wanted: int) -> None:
+        """Starts workers until those idle or starting cover the ``wanted`` pending jobs, up to the pool's size."""
+        available = sum(w.state in (_IDLE, _BOOTING) for w in self._workers)
+        while available < wanted and len(self._workers) < self.workers:
+            parent_end, child_end = self._ctx.Pipe(duplex=True)
+            process = self._ctx.Process(target=_worker_main, args=(child_end,), name="uform-decoder", daemon=True)
+            try:
+                process.start()
+            finally:
+                child_end.close()  # the parent keeps only its end, so a dead worker reads as end of file
+            self._workers.append(_Worker(process, parent_end, time.monotonic() + _BOOT_SECONDS))
+            available += 1
+
+    def _service(self, worker: _Worker, outcomes: list) -> int:
+        """Reads the worker's messages, or buries it if it died; answers how many jobs finished (0 or 1)."""
+        try:
+            while worker.conn.poll():
+                data = worker.conn.recv_bytes()
+                now = time.monotonic()
+                try:
+                    message = pickle.loads(data)
+                except Exception as exc:  # a result whose class does not load here; the worker itself is fine
+                    message = ("error", f"could not load the result: {_describe(exc)}")
+                del data
+                kind = message[0] if isinstance(message, tuple) and message else None
+                if kind == "ready" and worker.state == _BOOTING:
+                    worker.state, worker.deadline = _IDLE, math.inf
+                    self._boot_failures = 0
+                elif kind == "started" and worker.state == _LOADING:
+                    worker.state, worker.deadline = _RUNNING, now + self.timeout_seconds
+                elif kind in ("ok", "error") and worker.job is not None and len(message) == 2:
+                    value, error = (message[1], None) if kind == "ok" else (None, str(message[1]))
+                    outcomes[worker.job] = Outcome(value, error, now - worker.sent_at)
+                    worker.state, worker.job, worker.deadline = _IDLE, None, math.inf
+                    # One result per wake-up; anything else pending is read on the next one. A worker that
+                    # exited right after answering is buried then too (its sentinel stays ready).
+                    return 1
+                else:  # cannot happen with our worker: treat it as broken
+                    _kill(worker)
+                    return self._bury(worker, outcomes)
+        except (EOFError, OSError):
+            return self._bury(worker, outcomes)
+        if not worker.process.is_alive():
+            return self._bury(worker, outcomes)
+        return 0
+
+    def _bury(self, worker: _Worker, outcomes: list) -> int:
+        """A worker that exited (or broke its pipe): reap it; its job, if any, answers why. Answers jobs finished."""
+        worker.process.join(_REAP_SECONDS)
+        if worker.process.is_alive():  # a broken pipe but a live process: make sure it is gone
+            worker.process.kill()
+            worker.process.join(_REAP_SECONDS)
+        status = _exit_status(worker.process.exitcode)
+        return self._discard(
+            worker,
+            outcomes,
+            f"the decoder process died ({status})",
+            boot_failure=f"exited ({status}) before it was ready",
+        )
+
+    def _expire(self, worker: _Worker, outcomes: list, now: float) -> int:
+        """A worker past its deadline: kill it; its job answers a time-out. Answers jobs finished."""
+        _kill(worker)
+        if worker.state == _RUNNING:
+            reason = f"timed out after {self.timeout_seconds} s"
+        else:
+            reason = f"timed out loading the job after {now - worker.sent_at:.1f} s"
+        return self._discard(worker, outcomes, reason, boot_failure=f"was not ready within {_BOOT_SECONDS} s")
+
+    def _discard(self, worker: _Worker, outcomes: list, reason: str, boot_failure: str) -> int:
+        with contextlib.suppress(ValueError):  # already gone if close() ran inside a signal handler
+            self._workers.remove(worker)
+        with contextlib.suppress(OSError):
+            worker.conn.close()
+        if worker.state == _BOOTING:
+            self._boot_failures += 1
+            if self._boot_failures >= _BOOT_FAILURES:
+                self._boot_failures = 0
+                raise RuntimeError(
+                    f"DecodePool: worker processes fail to start: the last one {boot_failure} (start method "
+                    f"{self.context!r}; does the main module start the pool outside `if __name__ == '__main__':`?)"
+                )
+            return 0
+        if worker.job is None:  # idle: nothing was lost
+            return 0
+        outcomes[worker.job] = Outcome(None, reason, time.monotonic() - worker.sent_at)
+        worker.job = None
+        return 1
+
+    def _kill_busy(self) -> None:
+        for worker in list(self._workers):
+            if worker.state != _IDLE:
+                _kill(worker)
+                with contextlib.suppress(ValueError):
+                    self._workers.remove(worker)
+                with contextlib.suppress(OSError):
+                    worker.conn.close()
+
+
+# -- helpers, shared by parent and worker --------------------------------------------------------------------------
+
+
+def _describe(exc: BaseException) -> str:
+    """``"ValueError: <message>"``, or just the type name when the message is empty."""
+    try:
+        message = str(exc)
+    except Exception:
+        message = "<unprintable message>"
+    name = type(exc).__name__
+    return f"{name}: {message}" if message else name
+
+
+def _exit_status(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "exit status unknown"
+    if exitcode < 0:
+        return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def _kill(worker: _Worker) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        worker.process.kill()
+        worker.process.join(_REAP_SECONDS)
+
+
+def _shutdown(workers: list[_Worker]) -> None:
+    """Ends every worker: idle ones get end of file and exit; the rest, and stragglers, are killed."""
+    for worker in workers:
+        with contextlib.suppress(OSError):
+            worker.conn.close()  # an idle worker reads end of file and exits
+        if worker.state != _IDLE:
+            with contextlib.suppress(OSError, ValueError):
+                worker.process.kill()
+    deadline = time.monotonic() + _CLOSE_GRACE_SECONDS
+    for worker in workers:
+        with contextlib.suppress(OSError, ValueError, AssertionError):
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(_REAP_SECONDS)
+    workers.clear()
+
+
+# -- the worker process --------------------------------------------------------------------------------------------
+
+
+def _send(conn: Connection, message: tuple[Any, ...]) -> bool:
+    """Sends one message to the parent; False when the parent is gone."""
+    try:
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # an unpicklable result (or one whose pickling raised)
+        payload = pickle.dumps(("error", f"could not send the result: {_describe(exc)}"))
+    try:
+        conn.send_bytes(payload)
+    except OSError:
+        return False
+    return True
+
+
+def _worker_main(conn: Connection) -> None:
+    """A worker's whole life: announce readiness, then run jobs until end of file or an empty message."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    if not _send(conn, ("ready",)):
+        return
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        if not data:
+            return
+        reply: tuple[Any, ...]
+        try:
+            function, args, kwargs = pickle.loads(data)
+        except BaseException as exc:
+            reply = ("error", f"could not load the job: {_describe(exc)}")
+        else:
+            del data
+            if not _send(conn, ("started",)):
+                return
+            try:
+                reply = ("ok", function(*args, **kwargs))
+            except BaseException as exc:  # SystemExit and KeyboardInterrupt included: the job's, not ours
+                reply = ("error", _describe(exc))
+            del function, args, kwargs
+        if not _send(conn, reply):
+            return
+        del reply
