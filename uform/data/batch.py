@@ -31,6 +31,8 @@ CORRUPT_STREAM = 2
 MEDIA_STREAM = 3
 
 MEDIA_KINDS = {Modality.Image: "image", Modality.Video: "video", Modality.Audio: "audio"}
+UNIT_DTYPES: dict[str, type[np.generic]] = {"image": np.uint8, "video": np.uint8, "audio": np.float32}
+"""The dtype of each modality's unit values, as the decoders answer them (`media.units.Units`)."""
 
 
 def media_features(config: TrainerInitVramConfig) -> dict[str, int]:
@@ -187,7 +189,7 @@ def prepare(
         masked = mask_units(kind, item, ratio, media_rng) if masking else np.zeros(len(item), dtype=bool)
         gathered[kind].append((item.values, index, masked))
         truncated[i] |= item.truncated
-    media = {kind: _stack_units(gathered[kind], f) for kind, f in features.items()}
+    media = {kind: _stack_units(gathered[kind], f, UNIT_DTYPES[kind]) for kind, f in features.items()}
 
     capacity = covered_capacity(config)
     target_index = np.zeros(capacity, dtype=np.int64)
@@ -239,12 +241,15 @@ def prepare(
     )
 
 
-def _stack_units(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], features: int) -> dict[str, np.ndarray]:
-    """One modality's units of the step, padded with inert units (valid 0, never masked) to at least two."""
+def _stack_units(
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], features: int, dtype: type[np.generic]
+) -> dict[str, np.ndarray]:
+    """One modality's units of the step, padded with inert units (valid 0, never masked) to at least two;
+    values in the modality's own dtype even when the step has none of its units (a stable dtype for the
+    compiled step)."""
     count = sum(len(index) for _, index, _ in parts)
     padded = max(2, count)
-    dtype = parts[0][0].dtype if parts else np.uint8
-    values = np.zeros((padded, features), dtype=dtype)
+    values: np.ndarray = np.zeros((padded, features), dtype=dtype)
     index = np.zeros(padded, dtype=np.int64)
     masked = np.zeros(padded, dtype=bool)
     valid = np.zeros(padded, dtype=np.float32)

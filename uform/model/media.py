@@ -48,7 +48,12 @@ def stride_factors(total: int, largest: int = 5) -> list[int]:
 class AudioFrontend(nn.Module):
     """Raw frames [U, chunk_samples] -> [U, D]: a strided 1-D convolution stack whose total stride is the
     frame (wav2vec 2.0's feature encoder, Baevski et al. 2020), a group norm after the first layer as in
-    its base model, GELU between layers, then a linear map to the hidden width."""
+    its base model, GELU between layers, then a linear map to the hidden width.
+
+    The base model's norm normalises each channel over its own samples, which needs more than two of them
+    (one sample normalises to zero, erasing the frame; two to a sign). Where the first stride leaves fewer
+    (a `chunk_samples` with a large prime factor, e.g. 397), one group spans every channel instead (the
+    layer norm of wav2vec 2.0's large model); the parameters are the same either way."""
 
     def __init__(self, chunk_samples: int, hidden: int, channels: int = 256) -> None:
         super().__init__()
@@ -57,7 +62,7 @@ class AudioFrontend(nn.Module):
         for i, stride in enumerate(stride_factors(chunk_samples)):
             layers.append(nn.Conv1d(inputs, channels, kernel_size=stride, stride=stride, bias=False))
             if i == 0:
-                layers.append(nn.GroupNorm(channels, channels))
+                layers.append(nn.GroupNorm(channels if chunk_samples // stride > 2 else 1, channels))
             layers.append(nn.GELU())
             inputs = channels
         self.convolutions = nn.Sequential(*layers)

@@ -1,0 +1,293 @@
+"""Media decode throughput, and the host stage's time per step, of uform's trainer.
+
+Two measurements:
+
+  decode        items per second that `uform.media.pool.DecodePool` decodes with `decode_item`, on one worker
+                process and on N (default: one per core), per modality, with the per-core rate beside it; and
+                `decode_item` called in this process, the pool's baseline. Samples are built here from files
+                other people made: 256 x 256 JPEGs cut from scikit-image's photographs (patch 16, channels 4),
+                short MP4 clips panning over them (H.264 where PyAV's wheel has it; patch 16, tubes of 2,
+                channels 3) and pygame's house recording as WAV and MP3 (7 s at 11025 Hz; resampled to 16 kHz,
+                frames of 320).
+  prepare       `Trainer._prepare` (the host stage of a step: decode in the pool, pack, corrupt, pair, host
+                tensors, and the flex block tables on CUDA) per step, for a batch of 256 x 256 JPEGs beside
+                text at a given geometry, with its decode part (`Trainer._decode`) alone. Run it on the GPU
+                machine (`--executor cuda`) beside bench/step.py's step time: the host stage runs ahead of
+                the device stage on its own thread, so the data wait of a step is whatever of this time the
+                device stage does not cover.
+
+Prints a table and writes bench-decode.json under $OUT (or the current folder). Usage:
+  python bench/decode.py [--workers N] [--items 256] [--clips 48] [--recordings 48]
+                         [--executor cpu|cuda] [--rows 64 --columns 1024 --segments 256 --images 128
+                          --texts 128 --steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.resources
+import io
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")  # pygame greets on import otherwise
+
+PHOTOS = ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg", "motorcycle_left.png", "hubble_deep_field.jpg")
+
+# ---- samples ------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def photo(name: str) -> Any:
+    from PIL import Image
+
+    data = (importlib.resources.files("skimage") / "data" / name).read_bytes()
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image.convert("RGB")
+
+
+def square(name: str, side: int) -> Any:
+    """The photograph's centre square, scaled to `side` x `side`."""
+    from PIL import Image
+
+    image = photo(name)
+    short = min(image.size)
+    left, top = (image.width - short) // 2, (image.height - short) // 2
+    return image.crop((left, top, left + short, top + short)).resize((side, side), Image.Resampling.LANCZOS)
+
+
+def jpegs(side: int = 256) -> list[bytes]:
+    out = []
+    for name in PHOTOS:
+        buffer = io.BytesIO()
+        square(name, side).save(buffer, format="JPEG", quality=90)
+        out.append(buffer.getvalue())
+    return out
+
+
+def clip(name: str, size: tuple[int, int], frames: int, fps: int = 12) -> tuple[bytes, str]:
+    """An MP4 panning a window across the photograph, left to right; answers (bytes, codec)."""
+    import av
+    from PIL import Image
+
+    image = photo(name)
+    width, height = size
+    window = (min(image.width // 2, width * 3), min(image.height, height * 3))
+    window = (window[0], round(window[0] * height / width))
+    step = (image.width - window[0]) // max(1, frames - 1)
+    top = (image.height - window[1]) // 2
+    pixels = [
+        np.asarray(
+            image.crop((i * step, top, i * step + window[0], top + window[1])).resize(size, Image.Resampling.BOX)
+        )
+        for i in range(frames)
+    ]
+    failures = []
+    for codec in ("libx264", "h264", "mpeg4"):
+        out = io.BytesIO()
+        try:
+            with av.open(out, mode="w", format="mp4") as container:
+                stream: Any = container.add_stream(codec, rate=fps)
+                stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+                stream.options = {"preset": "veryfast", "crf": "20"} if codec != "mpeg4" else {"qscale": "3"}
+                for index, frame_pixels in enumerate(pixels):
+                    frame = av.VideoFrame.from_ndarray(frame_pixels, format="rgb24")
+                    frame.pts = index
+                    container.mux(stream.encode(frame))
+                container.mux(stream.encode(None))
+            return out.getvalue(), codec
+        except Exception as error:  # the codec is absent from PyAV's wheel: try the next one
+            failures.append(f"{codec}: {error}")
+    raise RuntimeError(f"no MP4 encoder in PyAV's wheel: {failures}")
+
+
+def recordings() -> list[tuple[str, bytes]]:
+    data = importlib.resources.files("pygame") / "examples" / "data"
+    return [("wav", (data / "house_lo.wav").read_bytes()), ("mp3", (data / "house_lo.mp3").read_bytes())]
+
+
+# ---- decode throughput ----------------------------------------------------------------------------------------
+
+
+def decode_rates(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from uform.media.decode import decode_item
+    from uform.media.limits import MediaLimits
+    from uform.media.pool import DecodePool, decode_parallelism
+
+    limits = MediaLimits()
+    image = {"patch_side": 16, "channels": 4}
+    video = {"patch_side": 16, "tube_frames": 2, "frame_stride": 1, "channels": 3}
+    audio = {"chunk_samples": 320, "sample_rate": 16000}
+    size = tuple(int(v) for v in args.video_size.split("x"))
+    clips = [clip(name, size, args.video_frames) for name in PHOTOS[:3]]
+    kinds = [
+        ("image", "jpeg 256x256", image, jpegs(256), args.items),
+        (
+            "video",
+            f"mp4 {args.video_size} x{args.video_frames} ({clips[0][1]})",
+            video,
+            [c for c, _ in clips],
+            args.clips,
+        ),
+        *(("audio", f"{name} 7.1 s 11025 Hz", audio, [data], args.recordings) for name, data in recordings()),
+    ]
+    counts = sorted({1, args.workers or decode_parallelism()})
+    rows = []
+    for kind, label, geometry, samples, count in kinds:
+        jobs = [((kind, samples[i % len(samples)], geometry, args.max_units, limits), {}) for i in range(count)]
+        units = len(decode_item(*jobs[0][0]))
+        inline_count = min(count, 64)
+        started = time.perf_counter()
+        for job, _ in jobs[:inline_count]:
+            decode_item(*job)
+        inline = inline_count / (time.perf_counter() - started)
+        row: dict[str, Any] = {"modality": kind, "sample": label, "units": units, "items": count, "inline": inline}
+        for workers in counts:
+            with DecodePool(workers, limits.timeout_seconds) as pool:
+                pool.map(decode_item, jobs[: 2 * workers])  # start and warm every worker
+                started = time.perf_counter()
+                outcomes = pool.map(decode_item, jobs)
+                seconds = time.perf_counter() - started
+            failed = [o.error for o in outcomes if not o.ok]
+            if failed:
+                raise RuntimeError(f"{label}: {len(failed)} items failed to decode: {failed[0]}")
+            row[f"workers_{workers}"] = {"items_s": count / seconds, "items_s_per_core": count / seconds / workers}
+        rows.append(row)
+        print_decode_row(row, counts)
+    return rows
+
+
+def print_decode_row(row: dict[str, Any], counts: list[int]) -> None:
+    if not hasattr(print_decode_row, "header"):
+        columns = "".join(f" {f'{w} worker' + ('s' if w > 1 else ''):>20}" for w in counts)
+        print(f"{'modality':<8} {'sample':<34} {'units':>6} {'in-process':>11}{columns}   (items/s; per core)")
+        print_decode_row.header = True  # type: ignore[attr-defined]
+    cells = "".join(
+        f" {row[f'workers_{w}']['items_s']:>9.1f}; {row[f'workers_{w}']['items_s_per_core']:>8.1f}" for w in counts
+    )
+    print(f"{row['modality']:<8} {row['sample']:<34} {row['units']:>6} {row['inline']:>11.1f}{cells}")
+
+
+# ---- the host stage of a step ---------------------------------------------------------------------------------
+
+
+def host_prepare_seconds(args: argparse.Namespace) -> dict[str, Any]:
+    """Seconds per step of `Trainer._prepare` (and of its decode, `Trainer._decode`) for `args.images` 256 x 256
+    JPEGs beside `args.texts` captions, on a trainer of the given geometry; the first step (pool start) is left
+    out. This is the host-side work a step's device stage may wait on."""
+    import pydoc_data.topics
+
+    import uform as u
+    from uform.media.decode import MediaPolicy
+
+    executor = u.Executor.for_vram([0]) if args.executor == "cuda" else u.Executor.cpu()
+    config = u.TrainerInitVramConfig(
+        depth=args.depth,
+        hidden=args.hidden,
+        objective=u.Objective.Joint,
+        batch=u.BatchShape(
+            max_rows_per_device=args.rows,
+            max_segments_per_device=args.segments,
+            max_columns_per_row=args.columns,
+            image=u.ImageShape(patch_side=16, channels=4),
+        ),
+        schedule=u.Schedule(steps=10_000),
+        seed=42,
+    )
+    trainer = u.Trainer.init_vram(executor, config, media=MediaPolicy(workers=args.workers))
+    text = " ".join(" ".join(v.split()) for v in pydoc_data.topics.topics.values()).encode()
+    images = jpegs(256)
+    modalities = [u.Modality.Image] * args.images + [u.Modality.Text] * args.texts
+    contents = [images[i % len(images)] for i in range(args.images)]
+    contents += [text[i * args.text_bytes : (i + 1) * args.text_bytes] for i in range(args.texts)]
+    pairs = min(args.images, args.texts)
+    ids = [[args.images + i] if i < pairs else [] for i in range(args.images)]
+    ids += [[i] if i < pairs else [] for i in range(args.texts)]
+    offsets = np.cumsum([0] + [len(x) for x in ids]).tolist()
+    relations = u.Relations(attract=u.Edges(offsets=offsets, ids=[j for x in ids for j in x]))
+    checked = trainer._check_step(modalities, contents, u.TrainerStepConfig(relations=relations), copy_buffers=False)
+    try:
+        batch, _ = trainer._prepare(checked, 1)  # starts the decode pool
+        prepare, decode = [], []
+        for step in range(2, args.steps + 2):
+            started = time.perf_counter()
+            trainer._decode(checked)
+            decode.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            batch, _ = trainer._prepare(checked, step)
+            prepare.append(time.perf_counter() - started)
+    finally:
+        trainer.close()
+    result = {
+        "executor": args.executor,
+        "attention": trainer.attention,
+        "geometry": {"rows": args.rows, "columns": args.columns, "segments": args.segments},
+        "items": {"images": args.images, "texts": args.texts, "text_bytes": args.text_bytes},
+        "decode_workers": trainer._decoders.workers if trainer._decoders is not None else 0,
+        "placed": int(batch.layout.placed.sum()),
+        "dropped": batch.dropped,
+        "image_units": int(batch.media["image"]["valid"].sum()),
+        "prepare_ms": float(np.median(prepare) * 1e3),
+        "decode_ms": float(np.median(decode) * 1e3),
+        "rest_ms": float((np.median(prepare) - np.median(decode)) * 1e3),
+        "images_s": args.images / float(np.median(prepare)),
+    }
+    print(
+        f"\nprepare: {args.images} JPEGs 256x256 + {args.texts} texts of {args.text_bytes} B into {args.rows} x "
+        f"{args.columns} ({args.segments} segments; {result['placed']} placed, {result['dropped']} dropped), "
+        f"{result['decode_workers']} decoders, {args.executor}/{result['attention']}:\n"
+        f"  Trainer._prepare {result['prepare_ms']:.1f} ms/step = decode {result['decode_ms']:.1f} ms + pack, "
+        f"corrupt, pair, tensors {result['rest_ms']:.1f} ms; {result['images_s']:.0f} images/s (median of {args.steps})"
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--workers", type=int, default=0, help="decoder processes for the N-worker runs; 0: one per core"
+    )
+    parser.add_argument("--items", type=int, default=256, help="images decoded per measurement")
+    parser.add_argument("--clips", type=int, default=48, help="clips decoded per measurement")
+    parser.add_argument("--recordings", type=int, default=48, help="recordings decoded per measurement")
+    parser.add_argument("--video-size", default="128x96", help="clip width x height")
+    parser.add_argument("--video-frames", type=int, default=24)
+    parser.add_argument("--max-units", type=int, default=1023, help="units one item may fill (a row's columns - 1)")
+    parser.add_argument("--skip-decode", action="store_true", help="only the prepare measurement")
+    parser.add_argument("--skip-prepare", action="store_true", help="only the decode measurement")
+    parser.add_argument("--executor", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--columns", type=int, default=1024)
+    parser.add_argument("--segments", type=int, default=256)
+    parser.add_argument("--images", type=int, default=128)
+    parser.add_argument("--texts", type=int, default=128)
+    parser.add_argument("--text-bytes", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+
+    report: dict[str, Any] = {
+        "machine": {"cores": len(os.sched_getaffinity(0)), "cpu": platform.processor() or platform.machine()},
+        "python": sys.version.split()[0],
+    }
+    if not args.skip_decode:
+        report["decode"] = decode_rates(args)
+    if not args.skip_prepare:
+        report["prepare"] = host_prepare_seconds(args)
+    path = os.path.join(os.environ.get("OUT") or ".", "bench-decode.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":  # the decoder processes start through forkserver: keep the work behind this guard
+    main()
