@@ -102,21 +102,45 @@ def test_cuda_step_matches_cpu_step() -> None:
 
 
 def test_cuda_save_and_resume(tmp_path) -> None:
+    """2 steps + save + resume + 2 steps lands where 4 straight steps land, as near as two straight runs
+    land to each other (CUDA's atomic reductions make runs differ in the last bits, which AdamW's
+    normalised update can grow on near-zero gradients; on CPU the same test is bitwise)."""
     executor = u.Executor.for_vram([0])
     texts, relations = items()
-    step = u.TrainerStepConfig(relations=relations)
-    straight = u.Trainer.init_vram(executor, config())
-    for _ in range(4):
-        straight.on(executor).step(["text"] * len(texts), texts, step)
+
+    def run(trainer: u.Trainer, steps: int) -> list[float]:
+        losses = []
+        for _ in range(steps):
+            stats = u.TrainerStepStats()
+            config = u.TrainerStepConfig(relations=relations, stats=stats)
+            trainer.on(executor).step(["text"] * len(texts), texts, config)
+            losses.append(stats.loss)
+        return losses
+
+    straight, twin = u.Trainer.init_vram(executor, config()), u.Trainer.init_vram(executor, config())
+    straight_losses, twin_losses = run(straight, 4), run(twin, 4)
     first = u.Trainer.init_vram(executor, config())
-    for _ in range(2):
-        first.on(executor).step(["text"] * len(texts), texts, step)
+    run(first, 2)
     path = tmp_path / "run.safetensors"
     first.on(executor).save(path)
     resumed = u.Trainer.init_vram(executor, u.TrainerInitVramConfig(resume=path))
     assert resumed.steps_taken == 2
-    for _ in range(2):
-        resumed.on(executor).step(["text"] * len(texts), texts, step)
-    for (name, a), b in zip(straight.network.state_dict().items(), resumed.network.state_dict().values(), strict=True):
-        # The same draws and the same kernels: equal up to the GPU's nondeterministic reductions.
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=name)
+    # The checkpoint round trip itself is exact: weights and AdamW state on the device, bit for bit.
+    for a, b in zip(first.network.state_dict().values(), resumed.network.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    for p, q in zip(first.network.parameters(), resumed.network.parameters(), strict=True):
+        mine, theirs = first.optimizer.state[p], resumed.optimizer.state[q]
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            assert torch.equal(mine[key].cpu(), theirs[key].cpu()), key
+            assert mine[key].device == theirs[key].device, key
+    resumed_losses = run(resumed, 2)
+    assert resumed_losses == pytest.approx(straight_losses[2:], rel=5e-3)
+    assert twin_losses == pytest.approx(straight_losses, rel=5e-3)
+
+    def gap(a: u.Trainer, b: u.Trainer) -> float:
+        pairs = zip(a.network.state_dict().values(), b.network.state_dict().values(), strict=True)
+        return max(float((x.float() - y.float()).abs().max()) for x, y in pairs)
+
+    noise = gap(straight, twin)
+    assert gap(straight, resumed) <= max(4 * noise, 1e-5), (gap(straight, resumed), noise)
