@@ -9,11 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .audio import audio_units
-from .image import image_units
 from .limits import MediaLimits
 from .units import Units
-from .video import video_units
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -43,6 +40,11 @@ def decode_item(kind: str, data: bytes, geometry: dict[str, Any], max_units: int
     `geometry` holds the run's shape slice of that modality (patch_side, channels, tube_frames,
     frame_stride, chunk_samples, sample_rate, as the seed's ImageShape / VideoShape / AudioShape name them).
     """
+    # The decoding libraries load here, in the worker processes, not where a trainer is merely built.
+    from .audio import audio_units
+    from .image import image_units
+    from .video import video_units
+
     if kind == "image":
         return image_units(
             data, patch_side=geometry["patch_side"], channels=geometry["channels"], max_units=max_units, limits=limits
