@@ -237,7 +237,7 @@ def encode_texts(trainer: Any, texts: Sequence[bytes | str], chunk: int = 256) -
             # The dense document mask computes the same function as the flex path and takes any geometry.
             mask = document_mask(tensors["segments"], "dense", None)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                states = network.states(tensors["tokens"], tensors["positions"], mask)
+                states = network.states(tensors, mask)
                 pooled = network.pooled(states, tensors["segments"], tensors["counts"])
             pooled = F.normalize(pooled.float(), dim=-1).cpu()  # [n, hidden], by slot
             out[start:stop] = pooled[torch.from_numpy(batch.layout.slot)]

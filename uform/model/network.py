@@ -78,23 +78,10 @@ class Network(nn.Module):
         cos, sin = self.tower.rotary(positions)
         return cos.to(dtype), sin.to(dtype)
 
-    def states(self, tokens: Tensor, positions: Tensor, mask: DocumentMask) -> Tensor:
-        """Final-norm states [R, C, D] of token ids [R, C] at axial positions [R, C, 3]."""
-        cos, sin = self.rotary(
-            positions,
-            torch.get_autocast_dtype(tokens.device.type)
-            if torch.is_autocast_enabled(tokens.device.type)
-            else torch.float32,
-        )
-        return self.tower(self.embed(tokens), cos, sin, mask)
-
-    def losses(self, batch: dict[str, Tensor], mask: DocumentMask, positives: int | None = None) -> dict[str, Tensor]:
-        """Every term of the objective, as (sum, count) pairs, plus the scored embeddings [S, D].
-
-        `batch` holds the prepared tensors and the rotary code ("cos", "sin"); `positives` bounds the
-        positives per row for the ranked form (see `losses.contrastive.pair_loss`).
-        """
-        config = self.config
+    def states(self, batch: dict[str, Tensor], mask: DocumentMask) -> Tensor:
+        """Final-norm states [R, C, D] of a prepared batch: token embeddings, each media unit's embedding
+        added at its position, the rotary code from `batch["cos"]` / `batch["sin"]` (derived from the
+        positions, in the autocast dtype, when the caller did not compute it ahead)."""
         x = self.embed(batch["tokens"])  # [R, C, D]
         rows, columns, hidden = x.shape
         for kind, media in self.media.items():
@@ -105,7 +92,23 @@ class Network(nn.Module):
                 .index_add(0, batch[f"{kind}.index"], units.to(x.dtype))
                 .view(rows, columns, hidden)
             )
-        states = self.tower(x, batch["cos"], batch["sin"], mask)  # [R, C, D]
+        if "cos" in batch:
+            cos, sin = batch["cos"], batch["sin"]
+        else:
+            device = batch["tokens"].device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
+            cos, sin = self.rotary(batch["positions"], dtype)
+        return self.tower(x, cos, sin, mask)
+
+    def losses(self, batch: dict[str, Tensor], mask: DocumentMask, positives: int | None = None) -> dict[str, Tensor]:
+        """Every term of the objective, as (sum, count) pairs, plus the scored embeddings [S, D].
+
+        `batch` holds the prepared tensors and the rotary code ("cos", "sin"); `positives` bounds the
+        positives per row for the ranked form (see `losses.contrastive.pair_loss`).
+        """
+        config = self.config
+        states = self.states(batch, mask)  # [R, C, D]
+        hidden = states.shape[-1]
         zero = states.new_zeros((), dtype=torch.float32)
         out: dict[str, Tensor] = {}
         for kind, head in self.reconstruct.items():
