@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import vocab
@@ -43,6 +44,18 @@ class MaskedTextHead(nn.Module):
 
     def forward(self, states: Tensor) -> Tensor:
         return self.classifier(states)
+
+
+class TokenHead(nn.Module):
+    """Late interaction's token vectors: a linear map to `width`, L2-normalised per position:
+    [..., D] -> [..., W] (ColBERT's per-token projection, Khattab and Zaharia 2020)."""
+
+    def __init__(self, hidden: int, width: int) -> None:
+        super().__init__()
+        self.projection = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, states: Tensor) -> Tensor:
+        return F.normalize(self.projection(states).float(), dim=-1)
 
 
 class Temperatures(nn.Module):

@@ -23,7 +23,7 @@ from ..losses.contrastive import contrastive_term
 from ..losses.masked import masked_text_sum, masked_units_sum
 from .attention import DocumentMask
 from .embed import TokenEmbedding
-from .heads import MaskedTextHead, PooledHead, Temperatures
+from .heads import MaskedTextHead, PooledHead, Temperatures, TokenHead
 from .media import MediaInput
 from .tower import Tower
 
@@ -43,6 +43,13 @@ class Network(nn.Module):
         chunk = config.batch.audio.chunk_samples
         self.media = nn.ModuleDict({kind: MediaInput(kind, f, hidden, chunk) for kind, f in features.items()})
         self.reconstruct = nn.ModuleDict({kind: nn.Linear(hidden, f) for kind, f in features.items()})
+        # Registered last, so a run without late interaction draws the same initial weights as before.
+        li = config.late_interaction
+        self.token_head: TokenHead | None = None
+        self.late_temperatures: Temperatures | None = None
+        if li.weight > 0:
+            self.token_head = TokenHead(hidden, li.width)
+            self.late_temperatures = Temperatures(c.temperature_groups, li.inverse_temperature, li.bias)
 
     @torch.no_grad()
     def initialize(self, seed: int) -> None:
@@ -57,7 +64,7 @@ class Network(nn.Module):
         scale = self.tower.residual_scale()
         norms = (nn.RMSNorm, nn.LayerNorm, nn.GroupNorm)
         for module_name, module in self.named_modules():
-            if module is self.temperatures:
+            if module is self.temperatures or module is self.late_temperatures:
                 continue
             for name, p in module.named_parameters(recurse=False):
                 full = f"{module_name}.{name}" if module_name else name
