@@ -30,6 +30,7 @@ import importlib.resources
 import io
 import json
 import os
+import pathlib
 import platform
 import sys
 import time
@@ -44,11 +45,19 @@ PHOTOS = ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg", "motorcycl
 # ---- samples ------------------------------------------------------------------------------------------------
 
 
+def sample_folder(package: str) -> Any:
+    """scikit-image's or pygame's data folder, or its copy under $UFORM_SAMPLE_MEDIA (bench/sample_media.py)."""
+    copies = os.environ.get("UFORM_SAMPLE_MEDIA")
+    if copies:
+        return pathlib.Path(copies) / package
+    return importlib.resources.files(package) / ("data" if package == "skimage" else "examples/data")
+
+
 @functools.cache
 def photo(name: str) -> Any:
     from PIL import Image
 
-    data = (importlib.resources.files("skimage") / "data" / name).read_bytes()
+    data = (sample_folder("skimage") / name).read_bytes()
     image = Image.open(io.BytesIO(data))
     image.load()
     return image.convert("RGB")
@@ -110,7 +119,7 @@ def clip(name: str, size: tuple[int, int], frames: int, fps: int = 12) -> tuple[
 
 
 def recordings() -> list[tuple[str, bytes]]:
-    data = importlib.resources.files("pygame") / "examples" / "data"
+    data = sample_folder("pygame")
     return [("wav", (data / "house_lo.wav").read_bytes()), ("mp3", (data / "house_lo.mp3").read_bytes())]
 
 

@@ -12,6 +12,7 @@ import functools
 import importlib.resources
 import io
 import os
+import pathlib
 from collections.abc import Callable
 from typing import Any
 
@@ -23,11 +24,17 @@ import soxr
 from PIL import Image
 
 os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")  # pygame greets on import otherwise
-skimage = pytest.importorskip("skimage", reason="scikit-image (test extra) ships the sample photographs")
-pygame = pytest.importorskip("pygame", reason="pygame (test extra) ships the sample recordings")
-
-SKIMAGE_DATA = importlib.resources.files("skimage") / "data"
-PYGAME_DATA = importlib.resources.files("pygame") / "examples/data"
+# On a machine without the test extra (the GPU machine), UFORM_SAMPLE_MEDIA may name a folder holding copies
+# of the two data folders as skimage/ and pygame/ (bench/sample_media.py makes one).
+_COPIES = os.environ.get("UFORM_SAMPLE_MEDIA")
+if _COPIES:
+    SKIMAGE_DATA: Any = pathlib.Path(_COPIES) / "skimage"
+    PYGAME_DATA: Any = pathlib.Path(_COPIES) / "pygame"
+else:
+    pytest.importorskip("skimage", reason="scikit-image (test extra) ships the sample photographs")
+    pytest.importorskip("pygame", reason="pygame (test extra) ships the sample recordings")
+    SKIMAGE_DATA = importlib.resources.files("skimage") / "data"
+    PYGAME_DATA = importlib.resources.files("pygame") / "examples/data"
 
 # Encoders tried in order for each video container; the first one PyAV's wheel can run wins.
 VIDEO_ENCODERS = {"mp4": ("libx264", "h264", "mpeg4"), "webm": ("libvpx-vp9", "libvpx")}
