@@ -73,6 +73,12 @@ def big_array(n: int) -> np.ndarray:
     return np.arange(n, dtype=np.float32)
 
 
+def arrays(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+    """Several buffers in one result, one of them not contiguous (it cannot go out of band)."""
+    grid = np.arange(n * 3, dtype=np.int64).reshape(n, 3)
+    return np.full((n, 1024), 7, dtype=np.uint8), grid, grid[:, ::2], "label"
+
+
 def unpicklable_result() -> object:
     return lambda: None
 
@@ -234,6 +240,47 @@ def test_large_arrays_cross_the_pipe(pool: DecodePool) -> None:
     (outcome,) = pool.map(big_array, jobs_of((4_000_000,)))  # 16 MB
     assert outcome.ok
     np.testing.assert_array_equal(outcome.value, np.arange(4_000_000, dtype=np.float32))
+
+
+def slab_files() -> list[str]:
+    folder = Path("/dev/shm")
+    return sorted(p.name for p in folder.glob("uform-decoder-*")) if folder.is_dir() else []
+
+
+def test_results_with_several_buffers_come_back_whole_and_writable(pool: DecodePool) -> None:
+    outcomes = pool.map(arrays, jobs_of(*[(n,) for n in (1, 300, 2000)]))
+    for n, outcome in zip((1, 300, 2000), outcomes, strict=True):
+        assert outcome.ok, outcome.error
+        values, grid, strided, label = outcome.value
+        expected = arrays(n)
+        np.testing.assert_array_equal(values, expected[0])
+        np.testing.assert_array_equal(grid, expected[1])
+        np.testing.assert_array_equal(strided, expected[2])
+        assert label == "label" and values.flags.writeable and grid.flags.writeable
+        values[0, 0] = 1  # the parent owns its copy
+
+
+def test_results_larger_than_the_slab_cross_the_pipe() -> None:
+    with DecodePool(workers=1, timeout_seconds=30) as small:
+        small.slab_bytes = 1 << 20
+        (outcome,) = small.map(big_array, jobs_of((1_000_000,)))  # 4 MB, four times the slab
+        assert outcome.ok
+        np.testing.assert_array_equal(outcome.value, np.arange(1_000_000, dtype=np.float32))
+        (outcome,) = small.map(big_array, jobs_of((1000,)))  # and the slab still serves small ones
+        np.testing.assert_array_equal(outcome.value, np.arange(1000, dtype=np.float32))
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="slabs live in /dev/shm")
+def test_slab_files_are_unlinked_once_workers_are_ready() -> None:
+    before = slab_files()
+    with DecodePool(workers=2, timeout_seconds=2) as managed:
+        managed.map(big_array, jobs_of((10,), (20,)))
+        assert slab_files() == before  # mapped by both sides, no name left behind
+        outcomes = managed.map(hang, jobs_of((30.0,)))  # a killed worker's slab goes with it
+        assert outcomes[0].error is not None and "timed out" in outcomes[0].error
+        managed.map(big_array, jobs_of((10,)))
+        assert slab_files() == before
+    assert slab_files() == before
 
 
 def test_unpicklable_results_jobs_and_functions(pool: DecodePool) -> None:
