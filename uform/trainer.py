@@ -82,11 +82,13 @@ class Trainer:
         self._skipped = 0
         self.media = MediaPolicy()
         self._decoders: DecodePool | None = None
-        # Two stages, one thread each: the host stage packs and corrupts step n + 1 while the device stage
-        # runs step n, so the GPU never waits on Python (the draws are keyed by the step number, which is
-        # fixed when the step is called, so preparing ahead changes nothing).
+        # Two stages: the host stage packs and corrupts step n + 1 while the device stage runs step n, so the
+        # GPU never waits on Python (the draws are keyed by the step number, which is fixed when the step is
+        # called, so preparing ahead changes nothing). The host stage has two threads: while one waits for its
+        # step's media in the decode pool, the other packs the step before (with 128 JPEGs beside text at the
+        # seed's geometry each half is about as long as the other; bench/data_wait.py).
         self._queue = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uform-device")
-        self._host = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uform-host")
+        self._host = ThreadPoolExecutor(max_workers=2, thread_name_prefix="uform-host")
         self._completion = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uform-completion")
         self._lock = threading.Lock()
         self._next_step = 1
@@ -272,8 +274,9 @@ class Trainer:
         items = [i for i, m in enumerate(checked.modalities) if m != Modality.Text]
         if not items:
             return {}, None
-        if self._decoders is None:
-            self._decoders = DecodePool(self.media.workers, self.media.limits.timeout_seconds)
+        with self._lock:
+            if self._decoders is None:
+                self._decoders = DecodePool(self.media.workers, self.media.limits.timeout_seconds)
         b = self.config.batch
         late = self.config.late_interaction.weight > 0
         max_units = b.max_columns_per_row - (2 if late else 1)

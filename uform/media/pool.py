@@ -13,11 +13,12 @@ A job is sent to one worker once and never run twice, not even after its worker 
 
 Protocol. Each worker is a `multiprocessing` process with a pipe of its own, and (where /dev/shm exists) a slab of
 shared memory of its own, `_SLAB_BYTES` long. It sends ``("ready",)`` once it has
-started, then for each job it receives (pickled ``(function, args, kwargs)``) it sends ``("started",)`` when the
-job is unpickled and ``("ok", value)`` or ``("error", reason)`` when it finishes; an empty message asks it to
-exit. The job's time limit runs from ``started``, so neither the interpreter start nor the first import of the job
-function's module counts against the decode (they have their own generous limits, `_BOOT_SECONDS` and
-`_LOAD_SECONDS`). The parent waits with `multiprocessing.connection.wait` on the pipes and the process sentinels
+started, then for each job it receives (pickled ``(function, args, kwargs)``) it sends ``("ok", value)`` or
+``("error", reason)`` when it finishes; an empty message asks it to exit. Before running a job whose unpickling was
+slow (its first job, or any that took over `_SLOW_LOAD_SECONDS`: an import of the job function's module) it sends
+``("started",)``, and the job's time limit runs from then, so neither the interpreter start nor a first import
+counts against the decode (they have their own generous limits, `_BOOT_SECONDS` and `_LOAD_SECONDS`); any other
+job's limit runs from when it was sent, which saves the parent a wake-up per job. The parent waits with `multiprocessing.connection.wait` on the pipes and the process sentinels
 until the nearest deadline. Results cross with pickle, between our own processes only; user files are never
 unpickled. A result's large buffers (numpy arrays: an image's patches are 256 KiB) do not cross the pipe: the
 worker pickles with protocol 5, writes the out-of-band buffers into its slab and sends ``("slab", header,
@@ -73,6 +74,9 @@ _SLAB_BYTES = 16 << 20
 _SLAB_FOLDER = "/dev/shm"
 _SLAB_ALIGN = 64
 
+# Unpickling a job for longer than this (an import) makes the worker announce the job's start, re-arming its limit.
+_SLOW_LOAD_SECONDS = 0.05
+
 # Worker states.
 _BOOTING, _IDLE, _LOADING, _RUNNING = "booting", "idle", "loading", "running"
 
@@ -103,7 +107,7 @@ class Outcome(Generic[T]):
 class _Worker:
     """The parent's view of one worker process."""
 
-    __slots__ = ("conn", "deadline", "job", "process", "sent_at", "slab", "slab_path", "state")
+    __slots__ = ("conn", "deadline", "job", "process", "sent_at", "slab", "slab_path", "state", "warm")
 
     def __init__(
         self, process: BaseProcess, conn: Connection, deadline: float, slab: mmap.mmap | None, slab_path: str | None
@@ -116,6 +120,7 @@ class _Worker:
         self.deadline = deadline  # monotonic; math.inf when idle
         self.job: int | None = None  # index into the current map's jobs while loading or running
         self.sent_at = 0.0
+        self.warm = False  # it has answered a job, so it announces a job's start only after a slow unpickling
 
 
 class DecodePool:
@@ -246,8 +251,11 @@ class DecodePool:
                     # The worker died while idle: the job never reached it, so it may go to another worker.
                     pending.appendleft(index)
                     continue  # its death is noticed below, through its sentinel
-                worker.state, worker.job, worker.sent_at = _LOADING, index, sent_at
-                worker.deadline = sent_at + self.timeout_seconds + _LOAD_SECONDS
+                worker.job, worker.sent_at = index, sent_at
+                if worker.warm:  # its job is unpickled at once, unless it says otherwise with "started"
+                    worker.state, worker.deadline = _RUNNING, sent_at + self.timeout_seconds
+                else:
+                    worker.state, worker.deadline = _LOADING, sent_at + self.timeout_seconds + _LOAD_SECONDS
             if not remaining:
                 break
             # Wait for a message, a death, or the nearest deadline.
@@ -301,12 +309,13 @@ class DecodePool:
                     self._boot_failures = 0
                     _release_slab(None, worker.slab_path)  # the worker has mapped it: the name can go
                     worker.slab_path = None
-                elif kind == "started" and worker.state == _LOADING:
+                elif kind == "started" and worker.state in (_LOADING, _RUNNING):
                     worker.state, worker.deadline = _RUNNING, now + self.timeout_seconds
                 elif kind in ("ok", "error") and worker.job is not None and len(message) == 2:
                     value, error = (message[1], None) if kind == "ok" else (None, str(message[1]))
                     outcomes[worker.job] = Outcome(value, error, now - worker.sent_at)
                     worker.state, worker.job, worker.deadline = _IDLE, None, math.inf
+                    worker.warm = True
                     # One result per wake-up; anything else pending is read on the next one. A worker that
                     # exited right after answering is buried then too (its sentinel stays ready).
                     return 1
@@ -517,6 +526,7 @@ def _worker_main(conn: Connection, slab_path: str | None = None, slab_bytes: int
             slab = None  # results cross the pipe whole
     if not _send(conn, ("ready",)):
         return
+    first = True
     while True:
         try:
             data = conn.recv_bytes()
@@ -525,14 +535,16 @@ def _worker_main(conn: Connection, slab_path: str | None = None, slab_bytes: int
         if not data:
             return
         reply: tuple[Any, ...]
+        loading = time.monotonic()
         try:
             function, args, kwargs = pickle.loads(data)
         except BaseException as exc:
             reply = ("error", f"could not load the job: {_describe(exc)}")
         else:
             del data
-            if not _send(conn, ("started",)):
+            if (first or time.monotonic() - loading > _SLOW_LOAD_SECONDS) and not _send(conn, ("started",)):
                 return
+            first = False
             try:
                 reply = ("ok", function(*args, **kwargs))
             except BaseException as exc:  # SystemExit and KeyboardInterrupt included: the job's, not ours
