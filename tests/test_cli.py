@@ -28,6 +28,14 @@ def test_demo_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     assert "] 3/3 loss " in out and "Executor(cpu)" in out
 
 
+def test_demo_save_loads_and_evaluates_the_checkpoint(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "demo.safetensors"
+    assert main(["demo", *TINY, "--max-paragraphs", "120", "--cpu", "--quiet", "--save", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"loaded {path}: recall@1 " in out and path.is_file()
+    assert uform.load(path).step == 3
+
+
 def test_demo_quiet(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", *TINY, "--max-paragraphs", "120", "--cpu", "--quiet"]) == 0
     out = capsys.readouterr().out

@@ -144,3 +144,70 @@ def test_cuda_save_and_resume(tmp_path) -> None:
 
     noise = gap(straight, twin)
     assert gap(straight, resumed) <= max(4 * noise, 1e-5), (gap(straight, resumed), noise)
+
+
+def test_cuda_serving_matches_cpu_serving(tmp_path) -> None:
+    """The served model on CUDA (compiled, FlexAttention, bf16 autocast: `uform.load`'s defaults there) against
+    the CPU's f32 on one checkpoint, text and JPEG images over several batches. Stated tolerance of bf16:
+    each embedding's cosine with the CPU's >= 0.999 and every value within 2e-2; token vectors likewise;
+    choice probabilities within 2e-2. In f32 on CUDA (eager, dense attention): every value within 1e-4."""
+    import io
+
+    from PIL import Image
+
+    from uform.checkpoint import write_checkpoint
+    from uform.config import to_json
+
+    run = resolve(
+        u.TrainerInitVramConfig(
+            depth=2,
+            hidden=128,
+            objective=u.Objective.Joint,
+            batch=u.BatchShape(
+                max_rows_per_device=4,
+                max_segments_per_device=16,
+                max_columns_per_row=256,
+                max_choices_per_item=4,
+                image=u.ImageShape(patch_side=16),
+            ),
+            late_interaction=u.LateInteraction(weight=1.0, width=32, max_query_span=8),
+            schedule=u.Schedule(steps=1),
+            seed=4,
+        )
+    )
+    network = Network(run)
+    network.initialize(run.seed)
+    path = tmp_path / "serve.safetensors"
+    metadata = {"uform.format": "uform.trainer.1", "uform.config": to_json(run), "uform.step": "0"}
+    write_checkpoint(path, {f"weights.{k}": v for k, v in network.state_dict().items()}, metadata)
+
+    texts, _ = items(40)
+    rng = np.random.default_rng(0)
+    images = []
+    for side in (32, 48, 64, 96, 200):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (side, side + 16, 3), dtype=np.uint8)).save(buffer, format="JPEG")
+        images.append(buffer.getvalue())
+    modalities = ["text"] * len(texts) + ["image"] * len(images)
+    contents = [t.encode() for t in texts] + images
+
+    cpu = u.load(path)
+    cuda = u.load(path, u.Executor.for_vram([0]))
+    assert cuda.compiled and cuda.bf16 and cuda.attention == "flex"
+    want, got = cpu.encode(modalities, contents), cuda.encode(modalities, contents)
+    assert (want * got).sum(-1).min() >= 0.999
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
+    again = cuda.encode(modalities[::-1], contents[::-1])  # a second call, other batches: no drift
+    torch.testing.assert_close(again.flip(0), got, atol=5e-3, rtol=0)
+
+    q_cpu, q_cuda = cpu.tokens(modalities, contents, "query"), cuda.tokens(modalities, contents, "query")
+    assert (q_cpu[1] == q_cuda[1]).all()
+    assert (q_cpu[0] * q_cuda[0]).sum(-1).min() >= 0.995
+    choices = [b"AB", b"xyz", b" .", b"0123"] * 10
+    p_cpu, p_cuda = cpu.text_choose(texts, choices)[0], cuda.text_choose(texts, choices)[0]
+    np.testing.assert_allclose(p_cuda, p_cpu, atol=2e-2)
+
+    exact = u.load(path, u.Executor.for_vram([0]), precision="f32", compiled=False)
+    torch.testing.assert_close(exact.encode(modalities, contents), want, atol=1e-4, rtol=0)
+    for model in (cpu, cuda, exact):
+        model.close()

@@ -58,6 +58,19 @@ def test_run_demo_shortened_end_to_end() -> None:
     assert before < text.index(f"{TINY['steps']}/{TINY['steps']}") < text.index("after training")
 
 
+def test_run_demo_closes_the_loop_through_a_checkpoint(tmp_path) -> None:
+    """train -> save -> load -> encode -> evaluate: the loaded model scores what the live network scored."""
+    out = io.StringIO()
+    path = tmp_path / "demo.safetensors"
+    metrics = run_demo(
+        **{**TINY, "steps": 4}, seed=3, executor=Executor.cpu(), progress=False, out=out, checkpoint=path
+    )
+    assert set(metrics) == {"before", "after", "loaded"}
+    for key, value in metrics["after"].items():
+        assert metrics["loaded"][key] == pytest.approx(value, abs=1e-6), key
+    assert f"loaded {path}: recall@1 " in out.getvalue()
+
+
 def test_run_demo_is_reproducible_and_quiet_without_progress() -> None:
     first, second = io.StringIO(), io.StringIO()
     a = run_demo(**{**TINY, "steps": 4}, seed=2, executor=Executor.cpu(), progress=False, out=first)

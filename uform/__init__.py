@@ -32,9 +32,12 @@ _WHERE = {
     "Objective": "enums",
     "PairLossForm": "enums",
     "Scalar": "enums",
+    "evaluate_retrieval": "evaluate",
     "Executor": "executor",
     "Edges": "relations",
     "Relations": "relations",
+    "Model": "serve",
+    "load": "serve",
     "Trainer": "trainer",
 }
 
@@ -73,8 +76,10 @@ if TYPE_CHECKING:
         resolve,
     )
     from .enums import LateInteractionSide, Modality, Negatives, Objective, PairLossForm, Scalar
+    from .evaluate import evaluate_retrieval
     from .executor import Executor
     from .relations import Edges, Relations
+    from .serve import Model, load
     from .trainer import Trainer
 
 __version__ = "4.0.0rc1"
@@ -93,6 +98,7 @@ __all__ = [
     "LateInteractionSide",
     "Masking",
     "Modality",
+    "Model",
     "Negatives",
     "Objective",
     "PairLossForm",
@@ -106,5 +112,7 @@ __all__ = [
     "TrainerStepConfig",
     "TrainerStepStats",
     "VideoShape",
+    "evaluate_retrieval",
+    "load",
     "resolve",
 ]

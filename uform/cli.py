@@ -1,6 +1,6 @@
 """The `uform` command line: a thin layer that parses argv and calls the library.
 
-    uform demo [--steps N] [--depth N] [--hidden N] [--seed N] [--cpu] [--quiet]
+    uform demo [--steps N] [--depth N] [--hidden N] [--seed N] [--cpu] [--quiet] [--save PATH]
     uform version
 
 `main(argv)` answers the exit status instead of exiting, so it can be called in-process (as the tests
@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-paragraphs", type=_positive, default=None, help="use only this many paragraphs (all)")
     demo.add_argument("--cpu", action="store_true", help="train on the CPU even when a GPU is present")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.add_argument(
+        "--save", metavar="PATH", default=None, help="save the trained run there, load it back and evaluate it too"
+    )
 
     commands.add_parser("version", help="print the library's version", description="Prints uform's version.")
     return parser
@@ -96,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_paragraphs=args.max_paragraphs,
             executor=Executor.cpu() if args.cpu else None,
             progress=not args.quiet,
+            checkpoint=args.save,
         )
     except ValueError as error:
         print(f"uform demo: {error}", file=sys.stderr)

@@ -1,38 +1,34 @@
-"""Retrieval evaluation: recall@k and MRR of query embeddings against document embeddings, and the
-small helper that embeds texts with a trainer's network for it.
+"""Retrieval evaluation: recall@k and MRR of any queries against any documents, scored by pooled
+embeddings or by late interaction, and the helper that embeds texts with a trainer's live network.
 
 Shape legend: Q queries, N documents, D embedding width.
 
-`retrieval_metrics` scores every (query, document) pair by the dot product of L2-normalised embeddings
-(the cosine), ranks each query's documents by descending score with ties broken by the lower document
-index, and answers
+`ranking_metrics` takes a score matrix [Q, N], ranks each query's documents by descending score with ties
+broken by the lower document index, and answers
 
 - `recall@k`: the mean over queries of |relevant documents in the top k| / |relevant documents|;
 - `mrr`: the mean over queries of 1 / (rank of the best-ranked relevant document), ranks counted from 1.
 
-`encode_texts` is the evaluation path until the serving model (`uform.load(...).encode`) exists: it
-runs the trainer's network forward in eval mode, without gradients and without touching the weights,
-the optimizer or the step counter.
+`retrieval_metrics` scores by the dot product of L2-normalised embeddings (the cosine); `evaluate_retrieval`
+encodes queries and documents of any modalities with a served `Model` (`uform.load`) and scores them by
+their pooled embeddings or, with `late=True`, by MaxSim over their token vectors. `encode_texts` embeds
+texts with a trainer's current weights through the serving path (`Model.from_trainer`), for evaluation
+during training: eval mode, no gradients, nothing of the trainer changed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from . import vocab
-from .data.batch import prepare
-from .enums import Modality, Objective
-from .model.attention import document_mask
+from .enums import LateInteractionSide, Modality
 
-__all__ = ["encode_texts", "retrieval_metrics"]
+__all__ = ["encode_texts", "evaluate_retrieval", "ranking_metrics", "retrieval_metrics"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -125,18 +121,41 @@ def retrieval_metrics(
         raise ValueError("documents: needs at least one document")
     if q.shape[1] != d.shape[1]:
         raise ValueError(f"documents: width {d.shape[1]} differs from the queries' width {q.shape[1]}")
+    _check_ks(ks)
+    per_query = _relevance(relevant, q.shape[0], d.shape[0])
+    return _rank(q.double() @ d.double().T, per_query, ks)
+
+
+def ranking_metrics(scores: Tensor, relevant: Any, ks: Sequence[int] = (1, 10)) -> dict[str, float]:
+    """Recall@k for every k in `ks` and MRR of a score matrix `scores` [Q, N] (higher is better; ties rank
+    the lower document index first), with `relevant` as `retrieval_metrics` takes it."""
+    if not isinstance(scores, Tensor) or scores.ndim != 2 or not scores.is_floating_point():
+        raise ValueError("scores: expected a [queries, documents] float tensor")
+    if scores.shape[0] == 0:
+        raise ValueError("scores: needs at least one query")
+    if scores.shape[1] == 0:
+        raise ValueError("scores: needs at least one document")
+    if not bool(torch.isfinite(scores).all()):
+        raise ValueError("scores: must be finite")
+    _check_ks(ks)
+    per_query = _relevance(relevant, scores.shape[0], scores.shape[1])
+    return _rank(scores.detach().double().cpu(), per_query, ks)
+
+
+def _check_ks(ks: Any) -> None:
     if isinstance(ks, (int, str, bytes)) or not isinstance(ks, Sequence) or len(ks) == 0:
         raise ValueError("ks: expected a non-empty sequence of positive integers")
     if not all(_is_int(k) and k >= 1 for k in ks):
         raise ValueError(f"ks: every k must be a positive integer, got {list(ks)}")
-    per_query = _relevance(relevant, q.shape[0], d.shape[0])
 
-    scores = (q.double() @ d.double().T).numpy()  # [Q, N]
+
+def _rank(scores: Tensor, per_query: list[np.ndarray], ks: Sequence[int]) -> dict[str, float]:
+    scores_np = scores.numpy()  # [Q, N]
     # Rank of document j for query i (0 = best): descending score, ties to the lower index. A stable
     # sort of the negated scores keeps equal scores in index order.
-    order = np.argsort(-scores, axis=1, kind="stable")  # [Q, N]
+    order = np.argsort(-scores_np, axis=1, kind="stable")  # [Q, N]
     rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(scores.shape[1])[None, :].repeat(scores.shape[0], 0), axis=1)
+    np.put_along_axis(rank, order, np.arange(scores_np.shape[1])[None, :].repeat(scores_np.shape[0], 0), axis=1)
 
     out: dict[str, float] = {}
     ranks = [rank[i, ids] for i, ids in enumerate(per_query)]
@@ -147,100 +166,75 @@ def retrieval_metrics(
 
 
 # --------------------------------------------------------------------------------------------------
-# Embedding texts with a trainer's network (the evaluation path until `uform.load(...).encode`)
+# The whole loop: a served model's retrieval
 
 
-def _chunks(lengths: Sequence[int], rows: int, columns: int, segments: int) -> list[tuple[int, int, int]]:
-    """Splits items of `lengths` positions (prefix + content, each already cut to `columns`) into
-    consecutive chunks `(start, stop, rows_needed)` that the packer is sure to place whole.
+def _side_items(items: Any, field: str) -> tuple[Any, Any]:
+    """(modalities, contents) of one side: a `(modalities, contents)` pair (a 2-tuple whose first element is
+    a sequence of modalities, not a text) or a sequence of texts."""
+    pair = isinstance(items, tuple) and len(items) == 2 and isinstance(items[0], (Sequence, np.ndarray))
+    if pair and not isinstance(items[0], (str, bytes, bytearray)):
+        return items
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise ValueError(
+            f"{field}: expected a sequence of texts or a (modalities, contents) pair, got {type(items).__name__}"
+        )
+    return [Modality.Text] * len(items), items
 
-    First-fit fails an item of length s only when every row has less than s free, which needs more than
-    rows * (columns - s) positions already used. So a chunk fits in `r` rows whenever it holds at most `r`
-    items, or its total length is at most r * (columns - its longest item).
+
+def evaluate_retrieval(
+    model: Any,
+    queries: Any,
+    documents: Any,
+    relevant: Any,
+    *,
+    ks: Sequence[int] = (1, 10),
+    width: int | None = None,
+    late: bool = False,
+) -> dict[str, float]:
+    """Recall@k for every k in `ks` and MRR of `queries` retrieving `documents` with a served `model`.
+
+    `queries` and `documents` are each a sequence of texts or a `(modalities, contents)` pair of any
+    modalities, as `Model.encode` takes them; `relevant` names each query's relevant document indices (as
+    `retrieval_metrics`). Scores are the cosine of the pooled embeddings (at Matryoshka `width` when given)
+    or, with `late`, the MaxSim of the queries' `Query` token vectors against the documents' `Document`
+    ones (a run that trained late interaction).
     """
-    out = []
-    start = 0
-    while start < len(lengths):
-        total, longest, stop = 0, 0, start
-        while stop < len(lengths) and stop - start < segments:
-            total_next, longest_next = total + lengths[stop], max(longest, lengths[stop])
-            need = _rows_for(stop + 1 - start, total_next, longest_next, columns)
-            if need > rows and stop > start:
-                break
-            total, longest, stop = total_next, longest_next, stop + 1
-        out.append((start, stop, _rows_for(stop - start, total, longest, columns)))
-        start = stop
-    return out
+    q_modalities, q_contents = _side_items(queries, "queries")
+    d_modalities, d_contents = _side_items(documents, "documents")
+    if late:
+        if width is not None:
+            raise ValueError("width: a Matryoshka width applies to pooled embeddings, not to late interaction")
+        q_tokens = model.tokens(q_modalities, q_contents, LateInteractionSide.Query)
+        d_tokens = model.tokens(d_modalities, d_contents, LateInteractionSide.Document)
+        return ranking_metrics(model.maxsim(q_tokens, d_tokens), relevant, ks)
+    q = model.encode(q_modalities, q_contents, width)
+    d = model.encode(d_modalities, d_contents, width)
+    return retrieval_metrics(q, d, relevant, ks)
 
 
-def _rows_for(count: int, total: int, longest: int, columns: int) -> int:
-    by_count = count
-    by_room = -(-total // (columns - longest)) if longest < columns else count
-    return max(1, min(by_count, by_room))
+# --------------------------------------------------------------------------------------------------
+# Embedding texts with a trainer's network
 
 
 @torch.no_grad()
 def encode_texts(trainer: Any, texts: Sequence[bytes | str], chunk: int = 256) -> Tensor:
     """L2-normalised pooled embeddings [len(texts), hidden] (f32, on the host) of `texts` under
-    `trainer`'s current weights.
+    `trainer`'s current weights, through the serving path (`Model.from_trainer(trainer).encode`).
 
-    The evaluation path until the serving model (`uform.load(...).encode`) arrives. Texts go through the
-    trainer's own packing (`data.batch.prepare`) with the contrastive objective, so nothing is corrupted;
-    a text longer than a row is cut at the row's width, as in training. At most `chunk` texts (and at most
-    the run's `max_rows_per_device` rows of `max_columns_per_row`) go through one forward, grouped so that
-    the packer never drops one. The network runs in eval mode without gradients (bf16 autocast on CUDA,
-    as in training) and is put back in the mode it was in; weights, optimizer and step are untouched.
+    Texts are cut at the row's width, as in training, and nothing is corrupted. At most `chunk` texts (and
+    at most the run's `max_segments_per_device`) go through one forward. The network runs in eval mode
+    without gradients (bf16 autocast on CUDA, as in training) and is put back in the mode it was in;
+    weights, optimizer and step are untouched.
     """
+    from .serve import Model
+
     if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
         raise ValueError(f"texts: expected a sequence of bytes or str, got {type(texts).__name__}")
     if not _is_int(chunk) or chunk < 1:
         raise ValueError(f"chunk: must be a positive integer, got {chunk!r}")
-    items = [t.encode("utf-8") if isinstance(t, str) else bytes(t) for t in texts]
-    network = trainer.network
-    device = trainer.device
-    if not items:
-        return torch.zeros(0, trainer.config.hidden)
-    b = trainer.config.batch
-    columns = b.max_columns_per_row
-    head = len(vocab.prefix(Modality.Text, None))
-    lengths = [min(head + len(t), columns) for t in items]
-    segments = min(int(chunk), b.max_segments_per_device)
-    out = torch.zeros(len(items), trainer.config.hidden)
-    was_training = network.training
-    network.eval()
+    model = Model.from_trainer(trainer, segments=int(chunk))
     try:
-        for start, stop, rows in _chunks(lengths, b.max_rows_per_device, columns, segments):
-            n = stop - start
-            # The run's config with contrastive alone (no corruption), no late interaction (no side
-            # markers) and a geometry just big enough for this chunk (the forward takes any shape).
-            config = dataclasses.replace(
-                trainer.config,
-                objective=Objective.Contrastive,
-                late_interaction=dataclasses.replace(trainer.config.late_interaction, weight=0.0),
-                batch=dataclasses.replace(
-                    b, max_rows_per_device=rows, max_segments_per_device=n, max_bags_per_device=0
-                ),
-            )
-            batch = prepare(
-                config,
-                [Modality.Text] * n,
-                items[start:stop],
-                bags=None,
-                groups=None,
-                sides=None,
-                relations=None,
-                step=0,
-            )
-            if batch.dropped:  # pragma: no cover - _chunks makes this impossible
-                raise RuntimeError(f"encode_texts: {batch.dropped} texts found no room")
-            tensors = {k: v.to(device) for k, v in batch.host_tensors(pin=False).items()}
-            # The dense document mask computes the same function as the flex path and takes any geometry.
-            mask = document_mask(tensors["segments"], "dense", None)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                states = network.states(tensors, mask)
-                pooled = network.pooled(states, tensors["segments"], tensors["counts"])
-            pooled = F.normalize(pooled.float(), dim=-1).cpu()  # [n, hidden], by slot
-            out[start:stop] = pooled[torch.from_numpy(batch.layout.slot)]
+        return model.encode([Modality.Text] * len(texts), list(texts))
     finally:
-        network.train(was_training)
-    return out
+        model.close()

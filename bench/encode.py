@@ -1,0 +1,167 @@
+"""Serving throughput of `uform.load(...).encode`: items per second for text and for JPEG images.
+
+A freshly initialised network at the given geometry (default: the seed's, depth 12 x hidden 512, 64 rows x
+1024 columns, 256 segments, image patch_side 16) is written as a trainer checkpoint and loaded back with
+`uform.load` on `--device` (cuda: compiled, FlexAttention, bf16 autocast; cpu: eager, f32), then timed on:
+
+  text     `--texts` slices of CPython's pydoc topics, `--text-bytes` bytes each (255 by default, so that
+           with its one-byte prefix four fill a 1024-column row and 256 fill the batch exactly);
+  image    `--images` `--image-side`² JPEGs (quality 90) of smooth colour fields with noise, decoded in
+           the model's decoder pool (one process per core unless `--workers`); a 256² image at patch 16 is
+           256 patches, so three fit a 1024-column row (192 per batch at the seed's geometry);
+  decode   the same JPEGs through a decoder pool alone (the media stage's own ceiling).
+
+Each figure is the best of `--repeats` timed calls after one warm-up call (which compiles on CUDA). Prints
+a table and writes bench-encode.json under $OUT (or the current folder).
+
+  python bench/encode.py --device cuda
+  python bench/encode.py --device cpu --depth 2 --hidden 128 --rows 8 --columns 256 --segments 32 \\
+      --texts 256 --images 32 --image-side 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+# Run as a script, the checkout's uform wins over an installed one.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def topic_slices(count: int, length: int) -> list[bytes]:
+    import pydoc_data.topics
+
+    text = " ".join(" ".join(v.split()) for v in pydoc_data.topics.topics.values()).encode()
+    repeats = 1 + count * length // max(1, len(text))
+    text = (text + b" ") * repeats
+    return [text[i * length : (i + 1) * length] for i in range(count)]
+
+
+def jpegs(count: int, side: int, seed: int = 0) -> list[bytes]:
+    """Smooth random colour fields with a little noise, as JPEG (quality 90): realistic entropy per pixel."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    out = []
+    grid = np.linspace(0, 1, side, dtype=np.float32)
+    for _ in range(count):
+        a, b, c = rng.random((3, 3), dtype=np.float32)
+        field = a[None, None, :] + b[None, None, :] * grid[:, None, None] + c[None, None, :] * grid[None, :, None]
+        field = field / field.max() * 255 + rng.normal(0, 8, (side, side, 3))
+        image = Image.fromarray(np.clip(field, 0, 255).astype(np.uint8), "RGB")
+        buffer = io.BytesIO()
+        image.save(buffer, format="JPEG", quality=90)
+        out.append(buffer.getvalue())
+    return out
+
+
+def build_model(args: argparse.Namespace, folder: str) -> Any:
+    import uform as u
+    from uform.checkpoint import write_checkpoint
+    from uform.config import resolve, to_json
+    from uform.media.decode import MediaPolicy
+    from uform.model.network import Network
+
+    config = resolve(
+        u.TrainerInitVramConfig(
+            depth=args.depth,
+            hidden=args.hidden,
+            objective=u.Objective.Contrastive,
+            batch=u.BatchShape(
+                max_rows_per_device=args.rows,
+                max_segments_per_device=args.segments,
+                max_columns_per_row=args.columns,
+                image=u.ImageShape(patch_side=args.patch_side),
+            ),
+            schedule=u.Schedule(steps=1),
+            seed=42,
+        )
+    )
+    network = Network(config)
+    network.initialize(config.seed)
+    path = os.path.join(folder, "bench-encode.safetensors")
+    tensors = {f"weights.{k}": v for k, v in network.state_dict().items()}
+    write_checkpoint(path, tensors, {"uform.format": "uform.trainer.1", "uform.config": to_json(config)})
+    executor = u.Executor.for_vram([0]) if args.device == "cuda" else u.Executor.cpu()
+    return u.load(path, executor, media=MediaPolicy(workers=args.workers))
+
+
+def timed(call: Any, repeats: int) -> tuple[float, float]:
+    """(seconds of the warm-up call, best seconds of `repeats` calls)."""
+    t0 = time.perf_counter()
+    call()
+    warm = time.perf_counter() - t0
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - t0)
+    return warm, best
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--depth", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--columns", type=int, default=1024)
+    parser.add_argument("--segments", type=int, default=256)
+    parser.add_argument("--patch-side", type=int, default=16)
+    parser.add_argument("--texts", type=int, default=8192)
+    parser.add_argument("--text-bytes", type=int, default=255)
+    parser.add_argument("--images", type=int, default=2048)
+    parser.add_argument("--image-side", type=int, default=256)
+    parser.add_argument("--workers", type=int, default=0, help="decoder processes (0: one per core)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench-encode.json")
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    from uform.media.decode import decode_item
+    from uform.media.limits import MediaLimits
+    from uform.media.pool import DecodePool
+
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    results: dict[str, Any] = {"geometry": vars(args), "device": name, "torch": torch.__version__}
+    texts = topic_slices(args.texts, args.text_bytes)
+    images = jpegs(args.images, args.image_side)
+    with tempfile.TemporaryDirectory() as folder:
+        model = build_model(args, folder)
+        try:
+            for kind, contents in (("text", texts), ("image", images)):
+                if not contents:
+                    continue
+                modalities = [kind] * len(contents)
+                warm, best = timed(lambda m=modalities, c=contents: model.encode(m, c), args.repeats)
+                results[kind] = {"items": len(contents), "items_per_s": len(contents) / best, "warmup_s": warm}
+                print(f"{kind:<6} {len(contents) / best:>12,.1f} items/s  (warm-up {warm:.1f} s)", flush=True)
+        finally:
+            model.close()
+    if images:
+        geometry = {"patch_side": args.patch_side, "channels": 4}
+        jobs = [(("image", data, geometry, args.columns - 1, MediaLimits()), {}) for data in images]
+        with DecodePool(args.workers) as pool:
+            pool.map(decode_item, jobs[: pool.workers])  # start the workers
+            _, best = timed(lambda: pool.map(decode_item, jobs), args.repeats)
+        results["decode"] = {"items": len(images), "items_per_s": len(images) / best, "workers": pool.workers}
+        print(f"{'decode':<6} {len(images) / best:>12,.1f} items/s  ({pool.workers} decoder processes)", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench-encode.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    sys.stdout.flush()
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Serving media items (issue 4): images and audio through `uform.load(...).encode` and `tokens`.
+
+Pins: `encode` of images, audio and text together answers what a Contrastive step's arena answered on the
+same items and weights (1e-4 on the CPU); many more media items than a batch holds answer what each alone
+answers; a broken item is skipped (zero row, `Arena.present` False, a `MediaWarning` naming it) or, under
+`MediaPolicy(strict=True)`, refused with a `MediaError` naming it while the arena stays as it was; media
+token vectors number one per unit (a query's at most `max_query_span`). Samples are other people's files
+(scikit-image photographs, pygame recordings; see media_samples.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from media_samples import encode_image, encode_sound, photo, pygame_file, recording
+from PIL import Image
+
+from uform import (
+    Arena,
+    AudioShape,
+    BatchShape,
+    Edges,
+    Executor,
+    ImageShape,
+    LateInteraction,
+    Objective,
+    Relations,
+    Schedule,
+    Trainer,
+    TrainerInitVramConfig,
+    TrainerStepConfig,
+)
+from uform.checkpoint import write_checkpoint
+from uform.config import resolve, to_json
+from uform.media.decode import MediaPolicy, decode_item
+from uform.media.limits import MediaError, MediaLimits
+from uform.model.network import Network
+from uform.serve import load
+from uform.trainer import MediaWarning
+
+torch.set_num_threads(2)
+
+COLUMNS = 128
+
+
+def config(**overrides: Any) -> TrainerInitVramConfig:
+    fields: dict[str, Any] = dict(
+        depth=1,
+        hidden=128,
+        objective=Objective.Contrastive,
+        batch=BatchShape(
+            max_rows_per_device=4,
+            max_segments_per_device=8,
+            max_columns_per_row=COLUMNS,
+            image=ImageShape(patch_side=16),
+            audio=AudioShape(chunk_samples=320),
+        ),
+        schedule=Schedule(steps=20, warmup_steps=1, learning_rate=1e-3),
+        seed=9,
+    )
+    fields.update(overrides)
+    return TrainerInitVramConfig(**fields)
+
+
+def jpeg(name: str, size: tuple[int, int]) -> bytes:
+    return encode_image(photo(name).convert("RGB").resize(size, Image.Resampling.BOX), "JPEG", quality=90)
+
+
+def png(name: str, size: tuple[int, int]) -> bytes:
+    return encode_image(photo(name).convert("RGBA").resize(size, Image.Resampling.BOX), "PNG")
+
+
+def wav(seconds: float, offset: float = 0.0) -> bytes:
+    samples, rate = recording("house_lo.wav")
+    start = int(offset * rate)
+    return encode_sound(samples[start : start + int(seconds * rate)], rate, "WAV", "FLOAT")
+
+
+ITEMS: list[tuple[str, Any]] = [
+    ("image", lambda: jpeg("astronaut.png", (64, 48))),
+    ("text", lambda: b"an astronaut in a white suit"),
+    ("audio", lambda: wav(0.2)),
+    ("text", lambda: b"a house, recorded"),
+    ("image", lambda: png("chelsea.png", (48, 64))),
+    ("text", lambda: b"a cat looks up"),
+    ("image", lambda: pygame_file("alien1.jpg")),
+    ("audio", lambda: wav(0.35, 0.1)),
+]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A Contrastive media run of two steps, saved, then the arena of its third step; the loaded model."""
+    modalities = [m for m, _ in ITEMS]
+    contents = [make() for _, make in ITEMS]
+    relations = Relations(attract=Edges(offsets=list(range(9)), ids=[1, 0, 3, 2, 5, 4, 7, 6]))
+    trainer = Trainer.init_vram(Executor.cpu(), config(), media=MediaPolicy(workers=2))
+    path = tmp_path_factory.mktemp("media") / "media.safetensors"
+    try:
+        for _ in range(2):
+            trainer.step(modalities, contents, TrainerStepConfig(relations=relations))
+        trainer.save(path)
+        arena = trainer.step(modalities, contents, TrainerStepConfig(relations=relations, arena=Arena()))
+    finally:
+        trainer.close()
+    model = load(path, media=MediaPolicy(workers=2))
+    yield {"model": model, "arena": arena, "modalities": modalities, "contents": contents, "path": path}
+    model.close()
+
+
+def test_encode_of_media_equals_the_arena_of_a_contrastive_step(served: dict[str, Any]) -> None:
+    model = served["model"]
+    got = model.encode(served["modalities"], served["contents"])
+    assert got.shape == (8, 128)
+    assert torch.allclose(got, served["arena"], atol=1e-4, rtol=0)
+    # Images and audio do not collapse onto one vector.
+    similarity = got @ got.T
+    assert float(similarity[~torch.eye(8, dtype=torch.bool)].max()) < 0.9999
+
+
+def test_many_media_items_answer_what_each_alone_answers(served: dict[str, Any]) -> None:
+    model = load(served["path"], rows=1, segments=2, media=MediaPolicy(workers=2))
+    try:
+        modalities = served["modalities"] * 3
+        contents = served["contents"] * 3
+        model.window = 5  # windows cut across the call, as a long call's would
+        together = model.encode(modalities, contents)
+        alone = torch.cat([model.encode([m], [c]) for m, c in zip(modalities[:8], contents[:8], strict=True)])
+        assert torch.allclose(together, alone.repeat(3, 1), atol=1e-5, rtol=0)
+        assert torch.allclose(together[:8], served["arena"], atol=1e-4, rtol=0)
+    finally:
+        model.close()
+
+
+def test_a_broken_item_is_skipped_and_named(served: dict[str, Any]) -> None:
+    model = served["model"]
+    modalities = ["text", "image", "audio", "image"]
+    broken = served["contents"][0][:200]  # a JPEG cut short
+    contents = [b"fine text", broken, served["contents"][2], b"not an image at all"]
+    arena = Arena()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = model.encode(modalities, contents, arena=arena)
+    messages = [str(w.message) for w in caught if issubclass(w.category, MediaWarning)]
+    assert len(messages) == 2
+    assert messages[0].startswith("uform: skipped contents[1] (image): ")
+    assert messages[1].startswith("uform: skipped contents[3] (image): ")
+    assert arena.present.tolist() == [True, False, True, False]
+    assert (got[1] == 0).all() and (got[3] == 0).all()
+    good = model.encode(["text", "audio"], [contents[0], contents[2]])
+    assert torch.allclose(got[[0, 2]], good, atol=1e-5)
+
+
+def test_a_broken_item_under_strict_raises_and_changes_nothing(served: dict[str, Any]) -> None:
+    model = load(served["path"], media=MediaPolicy(workers=1, strict=True))
+    try:
+        arena = Arena()
+        kept = model.encode(["text"], ["kept"], arena=arena).clone()
+        with pytest.raises(MediaError, match=r"^contents\[2\]: "):
+            model.encode(["text", "image", "image"], ["a", served["contents"][0], b"\x89PNG broken"], arena=arena)
+        assert torch.equal(arena.embeddings, kept)
+        # An item over a limit is refused by name as well.
+        small = load(served["path"], media=MediaPolicy(workers=1, strict=True, limits=MediaLimits(max_bytes=100)))
+        with pytest.raises(MediaError, match=r"^contents\[0\]: "):
+            small.encode(["image"], [served["contents"][0]])
+        small.close()
+    finally:
+        model.close()
+
+
+def test_media_tokens_are_one_per_unit(tmp_path: Path) -> None:
+    span = 7
+    run = resolve(config(late_interaction=LateInteraction(weight=1.0, width=16, max_query_span=span)))
+    network = Network(run)
+    network.initialize(run.seed)
+    path = tmp_path / "late-media.safetensors"
+    metadata = {"uform.format": "uform.trainer.1", "uform.config": to_json(run), "uform.step": "0"}
+    write_checkpoint(path, {f"weights.{k}": v for k, v in network.state_dict().items()}, metadata)
+    model = load(path, media=MediaPolicy(workers=1))
+    try:
+        image, sound = jpeg("astronaut.png", (64, 48)), wav(0.2)
+        b = run.batch
+        units = [
+            len(decode_item("image", image, dict(vars(b.image)), COLUMNS - 2, MediaLimits())),
+            len(decode_item("audio", sound, dict(vars(b.audio)), COLUMNS - 2, MediaLimits())),
+        ]
+        assert units == [12, 10]
+        data, offsets = model.tokens(["image", "audio", "text"], [image, sound, b"abc"], "document")
+        assert np.diff(offsets).tolist() == [12, 10, 3] and data.shape == (25, 16)
+        data, offsets = model.tokens(["image", "audio", "text"], [image, sound, b"abc"], "query")
+        assert np.diff(offsets).tolist() == [span, span, 3]
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            data, offsets = model.tokens(["image", "text"], [b"broken", b"abc"], "document")
+        assert np.diff(offsets).tolist() == [0, 3]
+    finally:
+        model.close()

@@ -1,0 +1,862 @@
+"""Serving what a trainer trained: `load` a checkpoint into a `Model`, then `encode`, `tokens`, `maxsim` and
+`text_choose` any number of items.
+
+Shape legend: N items of a call, R rows, C columns, S segment slots, D hidden, W token-vector width, T token
+vectors of a call.
+
+Loading. `load(path, executor)` reads a checkpoint that `Trainer.save` wrote, through the same checked reader
+as a resume (`checkpoint.read_checkpoint`: safetensors only, never pickle): the header is validated, every
+tensor is read and the SHA-256 digest over tensors and metadata is verified before anything is trusted, so a
+truncated, bit-flipped or foreign file is refused with a `CheckpointError` naming the file. The network is
+rebuilt from the stored, resolved config and its weights (the optimizer moments are read, for the digest,
+and dropped), moved to the executor's device and frozen in eval mode.
+
+A call. Every argument is checked first (the trainer's rules and messages: `ValueError` or `TypeError`
+naming the field); a refused call changes nothing. The items are then taken in windows of `2 S` in the
+caller's order; a window's media items are decoded in the decode worker pool (`media.pool.DecodePool`, as in
+training), its items sorted by length, longest first, and cut into batches by first fit: an item lands in
+the lowest of R rows of C columns with room, and a batch closes when the next item finds none or S items are
+in. Each batch goes through the trainer's own packing (`data.batch.prepare`, with the contrastive objective so
+nothing is corrupted, and one bag so the packer's first fit is the one planned here and drops nothing), then
+one forward. A host thread prepares the next batches while the device runs this one. Answers land in the
+caller's order; an item's answer never depends on its neighbours (attention never crosses a segment and
+positions restart in every segment), so a call of many batches answers what each item alone would.
+
+Per item as in training: a text longer than a row is cut at the row's width; media are decoded at the run's
+geometry and downscaled / cut to fit a row; the prefix is the modality marker, plus the side marker where the
+run trained late interaction. On the CPU a forward takes only the rows its batch uses; on CUDA the model is
+compiled once for the full capacity (FlexAttention, bf16 autocast, as the trainer's step).
+
+Media that cannot be decoded or break a limit: by default the item is skipped, its `encode` row is zero (its
+`Arena.present` is False), its `tokens` entry empty, and one `MediaWarning` per item names it; with
+`MediaPolicy(strict=True)` the call raises `MediaError` naming the item instead. A decoder that crashes or
+hangs is killed and replaced by the pool; the serving process never goes down with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import queue
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import vocab
+from .arena import Arena, as_scalar
+from .checkpoint import CheckpointError, Stopped, _report_points, read_checkpoint, read_metadata
+from .config import TrainerInitVramConfig, from_dict, resolve
+from .data.batch import MEDIA_KINDS, Batch, media_features, prepare
+from .data.items import is_tape, parse_contents, parse_modalities, parse_sides, tape_items
+from .enums import LateInteractionSide, Modality, Objective, Scalar
+from .executor import Executor
+from .media.decode import MediaPolicy, decode_item
+from .media.limits import MediaError
+from .media.pool import DecodePool
+from .media.units import Units
+from .model.attention import block_tables, compiled_flex_available, document_mask
+from .model.network import Network
+from .trainer import FORMAT, MediaWarning
+
+__all__ = ["Model", "load"]
+
+ProgressCallback = Callable[[int, int], "bool | None"]
+"""Called as `progress(done, total)` with items done; answering exactly `False` stops the call."""
+
+_QUEUE_DEPTH = 4
+"""Prepared batches the host thread may hold ahead of the device."""
+
+_MAXSIM_BLOCK = 1 << 24
+"""Similarity entries one block of `maxsim` holds at most (64 MiB of f32)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load(
+    path: str | bytes | os.PathLike,
+    executor: Executor | None = None,
+    *,
+    rows: int = 0,
+    segments: int = 0,
+    media: MediaPolicy | None = None,
+    precision: str | None = None,
+    compiled: bool | None = None,
+    progress: ProgressCallback | None = None,
+    progress_steps: int = 0,
+) -> Model:
+    """The serving model of the trainer checkpoint at `path`, on `executor`'s device (the CPU when None).
+
+    `rows` and `segments` are one forward's capacity (zero derives the run's `max_rows_per_device` and
+    `max_segments_per_device`); a row spans the run's `max_columns_per_row`, so items are cut as in training.
+    `media` bounds and reports media items (default: skip a broken one with a `MediaWarning`). `precision` is
+    "bf16" (autocast, as the trainer's step) or "f32"; None derives bf16 on CUDA and f32 on the CPU.
+    `compiled` compiles the forward with `torch.compile` and FlexAttention; None derives True on CUDA.
+    `progress(done, total)` counts the tensors read, at most `progress_steps` (zero derives ten) times.
+
+    Raises `CheckpointError` (a `ValueError`) naming the file when it is not a whole, intact uform trainer
+    checkpoint; never unpickles anything.
+    """
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"path: expected a str, bytes or os.PathLike, got {type(path).__name__}")
+    executor = Executor.cpu() if executor is None else executor
+    if not isinstance(executor, Executor):
+        raise TypeError(f"executor: expected an Executor, got {type(executor).__name__}")
+    media = MediaPolicy() if media is None else media
+    if not isinstance(media, MediaPolicy):
+        raise TypeError(f"media: expected a MediaPolicy, got {type(media).__name__}")
+    rows, segments = _natural(rows, "rows"), _natural(segments, "segments")
+    steps = _natural(progress_steps, "progress_steps") or 10
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress: expected a callable or None, got {type(progress).__name__}")
+    device = executor.device
+    bf16 = _precision(precision, device)
+    compiled = device.type == "cuda" if compiled is None else compiled
+    if not isinstance(compiled, bool):
+        raise TypeError(f"compiled: expected a bool or None, got {type(compiled).__name__}")
+
+    shown = os.fsdecode(os.fspath(path))
+    # The header alone first: a foreign safetensors file is refused before its data is read.
+    found = read_metadata(path).get("uform.format")
+    if found != FORMAT:
+        raise CheckpointError(
+            f"{shown}: not a uform trainer checkpoint (its uform.format is {found!r}, expected {FORMAT!r})"
+        )
+    tensors, metadata = read_checkpoint(path, progress, steps, "cpu")  # verifies the digest
+    try:
+        config = resolve(from_dict(json.loads(metadata["uform.config"])))
+        step = int(metadata.get("uform.step", "0"))
+    except (KeyError, ValueError, TypeError) as error:
+        raise CheckpointError(f"{shown}: its stored config is not a valid run ({error})") from None
+    network = Network(config)
+    weights = {k.removeprefix("weights."): v for k, v in tensors.items() if k.startswith("weights.")}
+    del tensors
+    expected = network.state_dict()
+    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{shown}: its weights do not match its config (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    for name, value in weights.items():
+        if value.shape != expected[name].shape or value.dtype != expected[name].dtype:
+            raise CheckpointError(
+                f"{shown}: weight {name!r} is {value.dtype} {list(value.shape)}, "
+                f"the config needs {expected[name].dtype} {list(expected[name].shape)}"
+            )
+    network.load_state_dict(weights, strict=True)
+    network.requires_grad_(False)
+    network.eval()
+    network.to(device)
+    return Model(
+        network,
+        config,
+        device,
+        rows=rows,
+        segments=segments,
+        media=media,
+        bf16=bf16,
+        compiled=compiled,
+        path=shown,
+        step=step,
+        _token=_PRIVATE,
+    )
+
+
+def _natural(value: Any, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{field}: expected an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{field}: must not be negative, got {value}")
+    return int(value)
+
+
+def _precision(precision: str | None, device: torch.device) -> bool:
+    """Whether the forward runs under bf16 autocast."""
+    if precision is None:
+        return device.type == "cuda"
+    if precision not in ("bf16", "f32"):
+        raise ValueError(f"precision: expected 'bf16', 'f32' or None, got {precision!r}")
+    return precision == "bf16"
+
+
+# --------------------------------------------------------------------------------------------------
+# One call's work, as the host thread hands it to the device
+
+
+@dataclass
+class _Job:
+    """A checked call: what to pack and what to read out."""
+
+    verb: str  # "encode" | "tokens" | "choose"
+    modalities: list[Modality]
+    contents: list[bytes | memoryview]
+    sides: list[LateInteractionSide] | None
+    width: int = 0  # encode: the Matryoshka width
+    span: np.ndarray | None = None  # tokens: [N] most token vectors of each item (-1: every content token)
+
+
+@dataclass
+class _Prepared:
+    """One batch on the host, ready for the device."""
+
+    members: np.ndarray  # [n] the call's items, in packing order
+    tensors: dict[str, Tensor]
+    slots: np.ndarray  # [n] each member's segment slot
+    gather: np.ndarray  # tokens: flat positions of every member's vectors; choose: each member's MASK position
+    counts: np.ndarray  # tokens: [n] vectors per member
+
+
+def plan_batches(
+    order: Sequence[int], lengths: dict[int, int], rows: int, columns: int, segments: int
+) -> Iterator[tuple[list[int], int]]:
+    """Cuts items (visited in `order`, each `lengths[i]` positions, at most `columns`) into batches of at most
+    `segments` items that first fit lays into `rows` rows of `columns`: each item in the lowest row with room,
+    a batch closing when the next item finds none. Answers (members in order, rows used) per batch; the
+    packer (`data.pack.plan`), given the members in this order as one bag, places them exactly so."""
+    free = np.full(rows, columns, dtype=np.int64)
+    members: list[int] = []
+    for item in order:
+        need = min(lengths[item], columns)
+        fits = np.flatnonzero(free >= need)
+        if len(members) == segments or len(fits) == 0:
+            yield members, int(np.count_nonzero(free < columns))
+            free[:] = columns
+            members = []
+            fits = np.zeros(1, dtype=np.int64)
+        free[fits[0]] -= need
+        members.append(item)
+    if members:
+        yield members, int(np.count_nonzero(free < columns))
+
+
+# --------------------------------------------------------------------------------------------------
+# The model
+
+
+class Model:
+    """A trained network served for inference; make one with `uform.load` (or `Model.from_trainer`).
+
+    Verbs: `encode` (pooled embeddings), `tokens` and `maxsim` (late interaction), `text_choose` (calibrated
+    choices). One call runs at a time per model (a lock serialises callers); `close` stops its decoders.
+    """
+
+    def __init__(
+        self,
+        network: Network,
+        config: TrainerInitVramConfig,
+        device: torch.device,
+        *,
+        rows: int,
+        segments: int,
+        media: MediaPolicy,
+        bf16: bool,
+        compiled: bool,
+        path: str | None = None,
+        step: int = 0,
+        trainer: Any = None,
+        _token: object = None,
+    ) -> None:
+        if _token is not _PRIVATE:
+            raise TypeError("Model: make one with uform.load(path, executor) or Model.from_trainer(trainer)")
+        b = config.batch
+        self.network = network
+        self.config = config
+        """The run's resolved config, as the checkpoint stored it."""
+        self.device = device
+        self.path = path
+        """The checkpoint the model was loaded from (None for a trainer's live network)."""
+        self._step = step
+        self._trainer = trainer
+        self.rows = rows or b.max_rows_per_device
+        """Rows one forward packs at most."""
+        self.columns = b.max_columns_per_row
+        """Positions one row spans: the run's, so items are cut where training cut them."""
+        self.segments = segments or b.max_segments_per_device
+        """Items one forward carries at most."""
+        self.window = 2 * self.segments
+        """Items decoded and sorted together (a call's memory for decoded media is bounded by this)."""
+        self.media = media
+        self.bf16 = bf16
+        self.compiled = compiled
+        self._late = config.late_interaction.weight > 0
+        self._prefix = len(vocab.prefix(Modality.Text, LateInteractionSide.None_ if self._late else None))
+        self._live = media_features(config)
+        # The run's config as packing sees it at serving: nothing corrupted, one bag per batch.
+        self._serving = dataclasses.replace(
+            config,
+            objective=Objective.Contrastive,
+            batch=dataclasses.replace(b, max_bags_per_device=0),
+        )
+        self.attention = "flex" if compiled and compiled_flex_available(device) else "dense"
+        self._pooled_fn: Callable[..., Tensor] = self._pooled_forward
+        self._states_fn: Callable[..., Tensor] = self._states_forward
+        if compiled:
+            self._pooled_fn = torch.compile(self._pooled_forward, dynamic=False)
+            self._states_fn = torch.compile(self._states_forward, dynamic=False)
+        self._lock = threading.Lock()
+        self._decoders: DecodePool | None = None
+
+    @classmethod
+    def from_trainer(cls, trainer: Any, *, segments: int = 0) -> Model:
+        """A model over a trainer's live network (weights shared, never copied or changed), for evaluation
+        during training: each call reads the weights as they are, in eval mode, and puts the network back in
+        the mode it was in. Runs eagerly with the dense attention path (bf16 autocast on CUDA, as training)."""
+        device = trainer.device
+        return cls(
+            trainer.network,
+            trainer.config,
+            device,
+            rows=0,
+            segments=min(_natural(segments, "segments") or 1 << 62, trainer.config.batch.max_segments_per_device),
+            media=trainer.media,
+            bf16=device.type == "cuda",
+            compiled=False,
+            trainer=trainer,
+            _token=_PRIVATE,
+        )
+
+    @property
+    def step(self) -> int:
+        """The optimizer steps the run had taken when the checkpoint was saved (a trainer's: now)."""
+        return self._trainer.steps_taken if self._trainer is not None else self._step
+
+    @property
+    def hidden(self) -> int:
+        """The pooled embeddings' full width."""
+        return self.config.hidden
+
+    @property
+    def matryoshka_dimensions(self) -> tuple[int, ...]:
+        """The widths the run trained (its Matryoshka prefixes and the full width)."""
+        return tuple(sorted({*self.config.contrastive.matryoshka_dimensions, self.config.hidden}))
+
+    def __repr__(self) -> str:
+        where = self.path if self.path is not None else "a trainer's network"
+        return (
+            f"Model({where!r}, depth={self.config.depth}, hidden={self.hidden}, step={self.step}, "
+            f"device={self.device}, capacity={self.rows}x{self.columns} / {self.segments} items)"
+        )
+
+    def close(self) -> None:
+        """Stops the media decoders (started on the first media item); the model stays usable."""
+        with self._lock:
+            if self._decoders is not None:
+                self._decoders.close()
+                self._decoders = None
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---- verbs -------------------------------------------------------------------------------------
+
+    def encode(
+        self,
+        modalities: Any,
+        contents: Any,
+        width: int | None = None,
+        *,
+        sides: Any = (),
+        arena: Arena | None = None,
+        outputs_scalar: Scalar | str | int = Scalar.F32,
+        progress: ProgressCallback | None = None,
+        progress_steps: int = 0,
+    ) -> Tensor:
+        """The L2-normalised pooled embeddings [N, width] of the items, on the host, in `outputs_scalar`.
+
+        `modalities` and `contents` as a trainer step takes them. `width` (default the full width) keeps each
+        embedding's first `width` values and re-normalises them (a Matryoshka prefix; the widths the run
+        trained are `matryoshka_dimensions`). `sides` gives each item's late-interaction side (its prefix,
+        where the run trained late interaction; empty is `None` for every item, as a step). With an `arena`
+        the embeddings land there too (`arena.present` marks the rows that hold one; a skipped media item's
+        row is zero). `progress(done, total)` counts items, at most `progress_steps` (zero: ten) reports, the
+        last at completion; answering False raises `Stopped`, and the arena is left as it was.
+
+        On the same items and weights this answers what a `Contrastive` step's arena answered.
+        """
+        mods, items = self._items(modalities, contents)
+        n = len(mods)
+        if width is None:
+            width = self.hidden
+        if isinstance(width, bool) or not isinstance(width, (int, np.integer)):
+            raise TypeError(f"width: expected an int or None, got {type(width).__name__}")
+        if not 1 <= width <= self.hidden:
+            raise ValueError(f"width: must lie in [1, hidden = {self.hidden}], got {width}")
+        parsed_sides = parse_sides(sides, n)
+        if arena is not None and not isinstance(arena, Arena):
+            raise TypeError(f"arena: expected an Arena, got {type(arena).__name__}")
+        scalar = Scalar.parse(outputs_scalar, "outputs_scalar")
+        steps = _check_progress(progress, progress_steps)
+
+        job = _Job("encode", mods, items, parsed_sides, width=int(width))
+        out = torch.zeros(n, int(width))
+        present = torch.zeros(n, dtype=torch.bool)
+        for prepared, answer in self._run(job, progress, steps):
+            out[torch.from_numpy(prepared.members)] = answer
+            present[torch.from_numpy(prepared.members)] = True
+        if arena is not None:
+            return arena.land(out, present, scalar)
+        return as_scalar(out, scalar)
+
+    def tokens(
+        self,
+        modalities: Any,
+        contents: Any,
+        side: Any,
+        *,
+        progress: ProgressCallback | None = None,
+        progress_steps: int = 0,
+    ) -> tuple[Tensor, np.ndarray]:
+        """The late-interaction vectors of each item, as a `(data, offsets)` tape: data [T, W] f32 on the
+        host, L2-normalised rows; offsets [N + 1] int64, item i's vectors `data[offsets[i]:offsets[i + 1]]`.
+
+        `side` (one `LateInteractionSide` for every item, or one per item) is the item's side marker and role:
+        a `Query` answers its first `max_query_span` content positions past the prefix, a `Document` (and a
+        `QueryAndDocument`, whose document role covers its query role) every content position, as the
+        late-interaction loss scored them. A skipped media item answers no vectors. Needs a checkpoint whose
+        run trained late interaction (`late_interaction.weight > 0`).
+        """
+        if self.network.token_head is None:
+            raise ValueError(
+                "tokens: this checkpoint's run has late_interaction.weight 0, so it trained no token head; "
+                "serve token vectors from a run that trained late interaction"
+            )
+        mods, items = self._items(modalities, contents)
+        n = len(mods)
+        sides = _parse_side(side, n)
+        steps = _check_progress(progress, progress_steps)
+        span = self.config.late_interaction.max_query_span
+        limits = np.array([span if s == LateInteractionSide.Query else -1 for s in sides], dtype=np.int64)
+
+        job = _Job("tokens", mods, items, sides, span=limits)
+        width = self.config.late_interaction.width
+        per_item: list[Tensor] = [torch.zeros(0, width)] * n
+        for prepared, answer in self._run(job, progress, steps):
+            for item, vectors in zip(prepared.members.tolist(), answer.split(prepared.counts.tolist()), strict=True):
+                per_item[item] = vectors
+        counts = np.array([len(v) for v in per_item], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        data = torch.cat(per_item) if n else torch.zeros(0, width)
+        return data, offsets
+
+    def maxsim(self, queries: Any, documents: Any) -> Tensor:
+        """Late-interaction scores [Q, N] (f32, host) of query tapes against document tapes (as `tokens`
+        answers them): `score(q, d) = sum over q's vectors of the max over d's vectors of their dot product`.
+        A query without vectors scores 0; so does every query vector against a document without vectors."""
+        q, q_offsets = _vectors_tape(queries, "queries")
+        d, d_offsets = _vectors_tape(documents, "documents")
+        if q.shape[1] != d.shape[1]:
+            raise ValueError(f"documents: vectors of width {d.shape[1]}, but the queries' are {q.shape[1]} wide")
+        return maxsim_scores(q, q_offsets, d, d_offsets, self.device)
+
+    def text_choose(
+        self,
+        texts: Any,
+        choices: Any,
+        *,
+        progress: ProgressCallback | None = None,
+        progress_steps: int = 0,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The probability of each legal byte of each text, as a `(data, offsets)` tape shaped like `choices`
+        (data f32, each item's entries summing to one; offsets int64, a copy of the choices' offsets).
+
+        `texts`: a sequence of bytes or str (or a `(data, offsets)` tape); `choices`: each item's legal bytes,
+        a `(data, offsets)` tape (data uint8) or a sequence of bytes-like, at least one and at most the run's
+        `max_choices_per_item` (256 when zero) distinct bytes per item. As the choices loss reads them: the
+        text's bytes then a MASK, the head of the text cut when the row is too short; `p` is the softmax over
+        the legal bytes' logits of the masked text head at the MASK. Needs a run whose text head trained
+        (its objective is not `Contrastive` alone).
+        """
+        if self.config.objective == Objective.Contrastive:
+            raise ValueError(
+                "text_choose: this checkpoint's run trained Objective.Contrastive alone, so its masked text head "
+                "never trained; choices need a Masked or Joint run"
+            )
+        items = _texts(texts)
+        n = len(items)
+        legal, offsets = _choices(choices, n, self.config.batch.max_choices_per_item or vocab.BYTES)
+        steps = _check_progress(progress, progress_steps)
+        room = self.columns - self._prefix - 1  # bytes of text a row holds beside the prefix and the MASK
+        cut = [bytes(t[len(t) - room :]) if len(t) > room else bytes(t) for t in items]
+        job = _Job("choose", [Modality.Text] * n, [t + b"\0" for t in cut], None)
+        data = np.zeros(int(offsets[-1]), dtype=np.float32)
+        for prepared, logits in self._run(job, progress, steps):
+            for item, row in zip(prepared.members.tolist(), logits, strict=True):
+                a, b = int(offsets[item]), int(offsets[item + 1])
+                chosen = row[torch.from_numpy(legal[a:b].astype(np.int64))]
+                data[a:b] = torch.softmax(chosen.double(), dim=0).float().numpy()
+        return data, offsets
+
+    # ---- checks --------------------------------------------------------------------------------------
+
+    def _items(self, modalities: Any, contents: Any) -> tuple[list[Modality], list[bytes | memoryview]]:
+        mods = parse_modalities(modalities)
+        items = parse_contents(contents, len(mods))
+        for i, m in enumerate(mods):
+            if m != Modality.Text and MEDIA_KINDS[m] not in self._live:
+                slice_field = "chunk_samples" if m == Modality.Audio else "patch_side"
+                raise ValueError(
+                    f"modalities[{i}]: {m} items are out of this run (its batch.{m}.{slice_field} is zero)"
+                )
+        return mods, items
+
+    # ---- the work ------------------------------------------------------------------------------------
+
+    def _run(self, job: _Job, progress: ProgressCallback | None, steps: int) -> list[tuple[_Prepared, Any]]:
+        """Every batch of the call through the device: answers (batch, readout) pairs once all are done."""
+        total = len(job.modalities)
+        points = sorted(_report_points(total, steps))
+        answers: list[tuple[_Prepared, Any]] = []
+        skipped: list[tuple[int, str]] = []
+        with self._lock:
+            handoff: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
+            stop = threading.Event()
+            host = threading.Thread(
+                target=self._host_main, args=(job, handoff, stop), name="uform-serve-host", daemon=True
+            )
+            was_training = self.network.training
+            self.network.eval()
+            host.start()
+            try:
+                done, at = 0, 0
+                while True:
+                    message = handoff.get()
+                    if message[0] == "error":
+                        raise message[1]
+                    if message[0] == "done":
+                        break
+                    if message[0] == "skipped":
+                        skipped.extend(message[1])
+                        done += len(message[1])
+                    else:
+                        prepared = message[1]
+                        answers.append((prepared, self._device(job, prepared)))
+                        done += len(prepared.members)
+                    if progress is not None and done < total and at < len(points) and done >= points[at]:
+                        while at < len(points) and points[at] <= done:
+                            at += 1
+                        if progress(done, total) is False:
+                            raise Stopped(f"{_VERB_NAMES[job.verb]} stopped at {done} of {total} items")
+                if progress is not None and progress(total, total) is False:
+                    raise Stopped(f"{_VERB_NAMES[job.verb]} stopped at {total} of {total} items")
+            finally:
+                stop.set()
+                while host.is_alive():  # let a host thread blocked on a full hand-off see the stop
+                    with contextlib.suppress(queue.Empty):
+                        handoff.get(timeout=0.05)
+                host.join()
+                self.network.train(was_training)
+        for item, reason in sorted(skipped):
+            warnings.warn(f"uform: skipped contents[{item}] ({job.modalities[item]}): {reason}", MediaWarning, 3)
+        return answers
+
+    def _host_main(self, job: _Job, handoff: queue.Queue, stop: threading.Event) -> None:
+        try:
+            for message in self._host(job, stop):
+                if stop.is_set():
+                    return
+                handoff.put(message)
+            handoff.put(("done",))
+        except BaseException as error:  # handed to the caller's thread, which raises it
+            handoff.put(("error", error))
+
+    def _host(self, job: _Job, stop: threading.Event) -> Iterator[tuple[str, Any]]:
+        """The host stage: windows of the call decoded, sorted and cut into prepared batches."""
+        n = len(job.modalities)
+        for start in range(0, n, self.window):
+            window = range(start, min(n, start + self.window))
+            units, failed = self._decode(job, window)
+            if failed:
+                yield ("skipped", failed)
+            lost = {i for i, _ in failed}
+            lengths = {}
+            for i in window:
+                if i in lost:
+                    continue
+                content = len(units[i]) if i in units else len(job.contents[i])
+                lengths[i] = min(self._prefix + content, self.columns)
+            order = sorted(lengths, key=lambda i: (-lengths[i], i))  # longest first: first fit decreasing
+            for members, rows in plan_batches(order, lengths, self.rows, self.columns, self.segments):
+                if stop.is_set():
+                    return
+                yield ("batch", self._prepare(job, members, rows, units))
+
+    def _decode(self, job: _Job, window: range) -> tuple[dict[int, Units], list[tuple[int, str]]]:
+        items = [i for i in window if job.modalities[i] != Modality.Text]
+        if not items:
+            return {}, []
+        if self._decoders is None:
+            self._decoders = DecodePool(self.media.workers, self.media.limits.timeout_seconds)
+        b = self.config.batch
+        geometry = {"image": vars(b.image), "video": vars(b.video), "audio": vars(b.audio)}
+        max_units = self.columns - self._prefix
+        jobs: list[tuple[tuple, dict]] = []
+        for i in items:
+            kind = MEDIA_KINDS[job.modalities[i]]
+            jobs.append(((kind, bytes(job.contents[i]), dict(geometry[kind]), max_units, self.media.limits), {}))
+        units: dict[int, Units] = {}
+        failed: list[tuple[int, str]] = []
+        for i, outcome in zip(items, self._decoders.map(decode_item, jobs), strict=True):
+            if outcome.error is None:
+                units[i] = outcome.value  # type: ignore[assignment]
+                continue
+            reason = outcome.error.removeprefix("MediaError: ")
+            if self.media.strict:
+                raise MediaError(reason, item=i)
+            failed.append((i, reason))
+        return units, failed
+
+    def _prepare(self, job: _Job, members: list[int], rows: int, units: dict[int, Units]) -> _Prepared:
+        """One batch through the trainer's packing; on the CPU only the rows it uses, on a compiled model the
+        full capacity (one compiled shape)."""
+        n = len(members)
+        fixed = self.compiled
+        config = dataclasses.replace(
+            self._serving,
+            batch=dataclasses.replace(
+                self._serving.batch,
+                max_rows_per_device=self.rows if fixed else rows,
+                max_segments_per_device=self.segments if fixed else n,
+            ),
+        )
+        batch = prepare(
+            config,
+            [job.modalities[i] for i in members],
+            [job.contents[i] for i in members],
+            bags=np.zeros(n, dtype=np.int64),
+            groups=None,
+            sides=None if job.sides is None else [job.sides[i] for i in members],
+            relations=None,
+            step=0,
+            units={k: units[i] for k, i in enumerate(members) if i in units},
+        )
+        layout = batch.layout
+        if not layout.placed.all():  # pragma: no cover - plan_batches makes this impossible
+            raise RuntimeError(f"serving: {int((~layout.placed).sum())} items found no room; this is a bug")
+        columns = batch.tokens.shape[1]
+        start = layout.row * columns + layout.column + self._prefix  # [n] first content position
+        content = layout.length - self._prefix  # [n] content positions kept
+        counts = np.zeros(n, dtype=np.int64)
+        gather = np.zeros(0, dtype=np.int64)
+        if job.verb == "tokens":
+            assert job.span is not None
+            limit = job.span[members]
+            counts = np.where(limit < 0, content, np.minimum(content, limit))
+            gather = np.concatenate([s + np.arange(c) for s, c in zip(start, counts, strict=True)] or [gather])
+        elif job.verb == "choose":
+            gather = start + content - 1  # the placeholder after the text
+            batch.tokens.reshape(-1)[gather] = vocab.MASK
+        return _Prepared(
+            members=np.asarray(members, dtype=np.int64),
+            tensors=self._host_tensors(batch),
+            slots=layout.slot.copy(),
+            gather=gather,
+            counts=counts,
+        )
+
+    def _host_tensors(self, batch: Batch) -> dict[str, Tensor]:
+        arrays = {name: getattr(batch, name) for name in ("tokens", "positions", "segments", "counts")}
+        for kind, parts in batch.media.items():
+            arrays.update({f"{kind}.{part}": array for part, array in parts.items()})
+        if self.attention == "flex":
+            arrays.update({f"block.{k}": v for k, v in block_tables(batch.segments).items()})
+        pin = self.device.type == "cuda"
+        out = {}
+        for name, array in arrays.items():
+            t = torch.from_numpy(np.ascontiguousarray(array))
+            out[name] = t.pin_memory() if pin else t
+        return out
+
+    def _device(self, job: _Job, prepared: _Prepared) -> Tensor:
+        """One batch's forward and readout, answered on the host."""
+        device = self.device
+        tensors = {k: v.to(device, non_blocking=True) for k, v in prepared.tensors.items()}
+        if self.compiled:  # media unit counts vary: one dynamic-size graph
+            for name in tensors:
+                if name.split(".")[0] in MEDIA_KINDS.values():
+                    torch._dynamo.mark_dynamic(tensors[name], 0)
+        tables = {k.removeprefix("block."): v for k, v in tensors.items() if k.startswith("block.")}
+        mask = document_mask(tensors["segments"], self.attention, tables or None)
+        network = self.network
+        tensors["cos"], tensors["sin"] = network.rotary(
+            tensors["positions"], torch.bfloat16 if self.bf16 else torch.float32
+        )
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            if job.verb == "encode":
+                pooled = self._pooled_fn(tensors, mask)  # [S, D] f32
+                slots = torch.from_numpy(prepared.slots).to(device)
+                return F.normalize(pooled[slots, : job.width].float(), dim=-1).cpu()
+            states = self._states_fn(tensors, mask)  # [R, C, D]
+            flat = states.reshape(-1, states.shape[-1])
+            at = flat[torch.from_numpy(prepared.gather).to(device)]
+            if job.verb == "tokens":
+                assert network.token_head is not None
+                return network.token_head(at).float().cpu()  # [T, W]
+            return network.text_head(at).float().cpu()  # [n, 256]
+
+    def _pooled_forward(self, tensors: dict[str, Tensor], mask: Any) -> Tensor:
+        states = self.network.states(tensors, mask)
+        return self.network.pooled(states, tensors["segments"], tensors["counts"]).float()
+
+    def _states_forward(self, tensors: dict[str, Tensor], mask: Any) -> Tensor:
+        return self.network.states(tensors, mask)
+
+
+_VERB_NAMES = {"encode": "encode", "tokens": "tokens", "choose": "text_choose"}
+_PRIVATE = object()
+
+
+# --------------------------------------------------------------------------------------------------
+# Argument checks
+
+
+def _check_progress(progress: Any, progress_steps: Any) -> int:
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress: expected a callable or None, got {type(progress).__name__}")
+    return _natural(progress_steps, "progress_steps") or 10
+
+
+def _parse_side(side: Any, count: int) -> list[LateInteractionSide]:
+    """One side for every item (a `LateInteractionSide`, its word or value) or a sequence of one per item."""
+    if isinstance(side, (LateInteractionSide, str, int)):
+        sides = [LateInteractionSide.parse(side, "side")] * count
+        field = "side"
+    elif isinstance(side, (Sequence, np.ndarray)):
+        if len(side) != count:
+            raise ValueError(f"side: {len(side)} values, but the call has {count} items; give one side or one per item")
+        sides = parse_sides(side, count) or []
+        field = "side[{}]"
+    else:
+        raise TypeError(f"side: expected a LateInteractionSide or one per item, got {type(side).__name__}")
+    for i, s in enumerate(sides):
+        if s == LateInteractionSide.None_:
+            raise ValueError(
+                f"{field.format(i)}: an item of side None takes no part in late interaction; "
+                "ask for Query, Document or QueryAndDocument"
+            )
+    return sides
+
+
+def _texts(texts: Any) -> list[bytes | memoryview]:
+    if is_tape(texts):
+        return list(tape_items(texts[0], texts[1], "texts"))
+    if isinstance(texts, (str, bytes, bytearray, memoryview)) or not isinstance(texts, Sequence):
+        raise TypeError(
+            f"texts: expected a sequence of bytes or str, or a (data, offsets) tape, got {type(texts).__name__}"
+        )
+    out: list[bytes | memoryview] = []
+    for i, t in enumerate(texts):
+        if isinstance(t, str):
+            out.append(t.encode("utf-8"))
+        elif isinstance(t, (bytes, bytearray, memoryview)):
+            out.append(bytes(t))
+        else:
+            raise TypeError(f"texts[{i}]: expected bytes-like or str, got {type(t).__name__}")
+    return out
+
+
+def _choices(choices: Any, count: int, most: int) -> tuple[np.ndarray, np.ndarray]:
+    """The legal bytes of each item as (uint8 data, int64 offsets [count + 1]), checked."""
+    if is_tape(choices):
+        parts = [np.frombuffer(v, dtype=np.uint8) for v in tape_items(choices[0], choices[1], "choices")]
+    elif isinstance(choices, (str, bytes, bytearray, memoryview)) or not isinstance(choices, Sequence):
+        raise TypeError(
+            f"choices: expected a (data, offsets) tape or a sequence of legal bytes per item, got {type(choices).__name__}"
+        )
+    else:
+        parts = []
+        for i, c in enumerate(choices):
+            if isinstance(c, str):
+                c = c.encode("utf-8")
+            if isinstance(c, (bytes, bytearray, memoryview)):
+                parts.append(np.frombuffer(bytes(c), dtype=np.uint8))
+            elif isinstance(c, np.ndarray) and c.dtype == np.uint8 and c.ndim == 1:
+                parts.append(c.copy())
+            else:
+                raise TypeError(f"choices[{i}]: expected bytes-like (one legal byte each), got {type(c).__name__}")
+    if len(parts) != count:
+        raise ValueError(f"choices: {len(parts)} items, but texts has {count}; they must be the same length")
+    for i, p in enumerate(parts):
+        if len(p) == 0:
+            raise ValueError(f"choices[{i}]: an item needs at least one legal byte")
+        if len(p) > most:
+            raise ValueError(f"choices[{i}]: {len(p)} legal bytes, more than max_choices_per_item = {most}")
+        if len(np.unique(p)) != len(p):
+            raise ValueError(f"choices[{i}]: each legal byte may appear once, got {bytes(p)!r}")
+    offsets = np.zeros(count + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(p) for p in parts])
+    data = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
+    return data.astype(np.uint8), offsets
+
+
+def _vectors_tape(tape: Any, field: str) -> tuple[Tensor, np.ndarray]:
+    """A (data [T, W], offsets [N + 1]) tape of vectors, as `tokens` answers it; checked."""
+    if not (isinstance(tape, tuple) and len(tape) == 2):
+        raise TypeError(f"{field}: expected a (data, offsets) tape, as tokens answers it")
+    data, offsets = tape
+    if isinstance(data, np.ndarray):
+        data = torch.from_numpy(data)
+    if not isinstance(data, Tensor) or data.ndim != 2:
+        raise TypeError(f"{field}: a tape's data must be a [vectors, width] tensor or array")
+    if not data.is_floating_point():
+        raise TypeError(f"{field}: a tape's data must hold float vectors, got {data.dtype}")
+    offsets = offsets.numpy() if isinstance(offsets, Tensor) else np.asarray(offsets)
+    if offsets.ndim != 1 or len(offsets) == 0 or offsets.dtype.kind not in "iu":
+        raise TypeError(f"{field}: a tape's offsets must be a flat integer array of items + 1 entries")
+    if offsets[0] != 0 or offsets[-1] != data.shape[0] or np.any(np.diff(offsets) < 0):
+        raise ValueError(f"{field}: a tape's offsets must rise from 0 to len(data) = {data.shape[0]}")
+    return data, offsets.astype(np.int64)
+
+
+# --------------------------------------------------------------------------------------------------
+# MaxSim
+
+
+def maxsim_scores(
+    queries: Tensor, query_offsets: np.ndarray, documents: Tensor, document_offsets: np.ndarray, device: torch.device
+) -> Tensor:
+    """[Q, N] f32: for each query and document, the sum over the query's vectors of the best dot product
+    with any of the document's (ColBERT's MaxSim, Khattab and Zaharia 2020). Blocks of whole documents keep
+    each similarity block under `_MAXSIM_BLOCK` entries."""
+    q_count, d_count = len(query_offsets) - 1, len(document_offsets) - 1
+    scores = torch.zeros(q_count, d_count, dtype=torch.float32)
+    if q_count == 0 or d_count == 0 or queries.shape[0] == 0:
+        return scores
+    q = queries.to(device, torch.float32)
+    d = documents.to(device, torch.float32)
+    query_of = torch.repeat_interleave(
+        torch.arange(q_count, device=device), torch.from_numpy(np.diff(query_offsets)).to(device)
+    )
+    document_of = torch.repeat_interleave(
+        torch.arange(d_count, device=device), torch.from_numpy(np.diff(document_offsets)).to(device)
+    )
+    budget = max(1, _MAXSIM_BLOCK // max(1, q.shape[0]))
+    first = 0
+    while first < d_count:
+        last = first + 1
+        while last < d_count and document_offsets[last + 1] - document_offsets[first] <= budget:
+            last += 1
+        a, b = int(document_offsets[first]), int(document_offsets[last])
+        best = torch.full((q.shape[0], last - first), -math.inf, device=device)
+        if b > a:
+            similarity = q @ d[a:b].T  # [Tq, tokens of the block]
+            column = (document_of[a:b] - first).expand(q.shape[0], -1)
+            best = best.scatter_reduce(1, column, similarity, "amax", include_self=True)
+        best = torch.where(torch.isinf(best), 0.0, best)  # a document without vectors adds nothing
+        block = torch.zeros(q_count, last - first, device=device).index_add(0, query_of, best)
+        scores[:, first:last] = block.cpu()
+        first = last
+    return scores
