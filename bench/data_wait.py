@@ -104,7 +104,12 @@ def main() -> None:
     parser.add_argument("--text-bytes", type=int, default=200)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--switch-interval", type=float, default=0.0, help="sys.setswitchinterval seconds (0: Python's 5 ms)"
+    )
     args = parser.parse_args()
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
 
     import torch
 
@@ -157,6 +162,7 @@ def main() -> None:
         "fed_ms": fed * 1e3,
         "wait_share": max(0.0, 1 - fed / pipeline),
         "prepare_ms": float(np.median(prepare) * 1e3),
+        "switch_interval_s": sys.getswitchinterval(),
         "loss": stats.loss,
         "masked_image_loss": stats.masked_image_loss,
     }
