@@ -12,7 +12,8 @@ index, and answers
 
 `encode_texts` is the evaluation path until the serving model (`uform.load(...).encode`) exists: it
 runs the trainer's network forward in eval mode, without gradients and without touching the weights,
-the optimizer or the step counter.
+the optimizer or the step counter. `choose_texts` answers, the same way, the choice distribution the
+choices term trains (what `text_choose` serves): p over each state's legal bytes at its appended MASK.
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import vocab
+from .config import Choices
 from .data.batch import prepare
-from .enums import Modality, Objective
+from .data.items import ChoiceTapes
+from .enums import LateInteractionSide, Modality, Objective
+from .losses.choices import choice_probabilities
 from .model.attention import document_mask
 
-__all__ = ["encode_texts", "retrieval_metrics"]
+__all__ = ["choose_texts", "encode_texts", "retrieval_metrics"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,6 +245,107 @@ def encode_texts(trainer: Any, texts: Sequence[bytes | str], chunk: int = 256) -
                 pooled = network.pooled(states, tensors["segments"], tensors["counts"])
             pooled = F.normalize(pooled.float(), dim=-1).cpu()  # [n, hidden], by slot
             out[start:stop] = pooled[torch.from_numpy(batch.layout.slot)]
+    finally:
+        network.train(was_training)
+    return out
+
+
+@torch.no_grad()
+def choose_texts(
+    network: Any,
+    states: Sequence[bytes | str],
+    choices: Sequence[bytes | str],
+    *,
+    side: LateInteractionSide = LateInteractionSide.None_,
+    chunk: int = 256,
+) -> list[np.ndarray]:
+    """p over each state's legal bytes: float32 arrays, `p[i][k]` the probability of `choices[i][k]`.
+
+    `network` is a run's `Network` (a trainer's `trainer.network`; the serving model holds the same).
+    Each state goes through the trainer's own packing exactly as a training item that makes a choice:
+    its bytes with a MASK appended, the head cut where the row is too short, uncorrupted, with the
+    prefix of `side` where the run has late interaction on. The masked text head's logits at the MASK,
+    restricted to the legal bytes, are soft-maxed. Eval mode, no gradients (bf16 autocast on CUDA, as in
+    training); the network's mode is put back, nothing else is touched. Legal bytes must be unique and
+    at least one per state.
+    """
+    if isinstance(states, (str, bytes)) or not isinstance(states, Sequence):
+        raise ValueError(f"states: expected a sequence of bytes or str, got {type(states).__name__}")
+    if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence) or len(choices) != len(states):
+        raise ValueError("choices: expected one bytes or str of legal bytes per state")
+    if not _is_int(chunk) or chunk < 1:
+        raise ValueError(f"chunk: must be a positive integer, got {chunk!r}")
+    items = [t.encode("utf-8") if isinstance(t, str) else bytes(t) for t in states]
+    legal = [c.encode("utf-8") if isinstance(c, str) else bytes(c) for c in choices]
+    for i, c in enumerate(legal):
+        if not c or len(set(c)) != len(c):
+            raise ValueError(f"choices[{i}]: needs at least one legal byte, each unique")
+    if not items:
+        return []
+    run = network.config
+    device = next(network.parameters()).device
+    b = run.batch
+    columns = b.max_columns_per_row
+    late = run.late_interaction.weight > 0
+    head = len(vocab.prefix(Modality.Text, side if late else None))
+    lengths = [min(head + len(t) + 1, columns) for t in items]
+    segments = min(int(chunk), b.max_segments_per_device)
+    out: list[np.ndarray] = []
+    was_training = network.training
+    network.eval()
+    try:
+        for start, stop, rows in _chunks(lengths, b.max_rows_per_device, columns, segments):
+            n = stop - start
+            width = max(len(c) for c in legal[start:stop])
+            # The run's config with contrastive alone (no corruption), choices on and a geometry just big
+            # enough for this chunk (the forward takes any shape).
+            config = dataclasses.replace(
+                run,
+                objective=Objective.Contrastive,
+                choices=Choices(weight=1.0),
+                late_interaction=dataclasses.replace(  # room for every state, whatever its side
+                    run.late_interaction,
+                    max_query_tokens_per_device=run.late_interaction.max_query_span * n,
+                    max_documents_per_device=n,
+                    max_document_tokens_per_device=rows * columns,
+                ),
+                batch=dataclasses.replace(
+                    b,
+                    max_rows_per_device=rows,
+                    max_segments_per_device=n,
+                    max_bags_per_device=0,
+                    max_choices_per_item=width,
+                ),
+            )
+            offered = legal[start:stop]
+            offsets = np.cumsum([0] + [len(c) for c in offered]).astype(np.int64)
+            tapes = ChoiceTapes(
+                data=np.frombuffer(b"".join(offered), dtype=np.uint8).copy(),
+                offsets=offsets,
+                targets=np.concatenate([np.full(len(c), 1.0 / len(c), dtype=np.float32) for c in offered]),
+            )
+            batch = prepare(
+                config,
+                [Modality.Text] * n,
+                items[start:stop],
+                bags=None,
+                groups=None,
+                sides=[side] * n,
+                relations=None,
+                step=0,
+                choices=tapes,
+            )
+            if batch.dropped:  # pragma: no cover - _chunks makes this impossible
+                raise RuntimeError(f"choose_texts: {batch.dropped} states found no room")
+            tensors = {k: v.to(device) for k, v in batch.host_tensors(pin=False).items()}
+            mask = document_mask(tensors["segments"], "dense", None)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                states_ = network.states(tensors, mask)
+                flat = states_.reshape(-1, states_.shape[-1])
+                logits = network.text_head(flat[tensors["choice.index"]])  # [n, 256]
+            p = choice_probabilities(logits.float(), tensors["choice.bytes"], tensors["choice.legal"]).cpu().numpy()
+            for k, slot in enumerate(batch.layout.slot.tolist()):
+                out.append(p[slot, : len(offered[k])].astype(np.float32))
     finally:
         network.train(was_training)
     return out
