@@ -492,3 +492,50 @@ def test_weight_scales_the_reported_term(make_trainer) -> None:
         assert stats.loss == pytest.approx(
             stats.contrastive_loss + stats.masked_text_loss + stats.late_interaction_loss, rel=1e-6
         )
+
+
+def test_media_units_are_token_vectors(make_trainer) -> None:
+    """An image document's token rows are its units (the positions its unit embeddings land at), and the
+    late term's gradient reaches the image input."""
+    from uform.media.units import Units
+
+    trainer = make_trainer(
+        late_interaction=LateInteraction(weight=1.0, width=16),
+        batch=BatchShape(
+            max_rows_per_device=ROWS,
+            max_segments_per_device=SEGMENTS,
+            max_columns_per_row=COLUMNS,
+            image=uform.ImageShape(patch_side=4),
+        ),
+    )
+    rng = np.random.default_rng(0)
+    grid = (1, 2, 3)
+    positions = np.array([(0, r, c) for r in range(2) for c in range(3)], dtype=np.int64)
+    units = {
+        1: Units(values=rng.integers(0, 256, (6, 64), dtype=np.uint8), positions=positions, grid=grid, truncated=False)
+    }
+    modalities = [Modality.Text, Modality.Image, Modality.Text]
+    batch = prepare(
+        trainer.config,
+        modalities,
+        [b"a query", b"", b"a text document"],
+        bags=None,
+        groups=None,
+        sides=[Q, D, D],
+        relations=uform.Relations(attract=uform.Edges(offsets=[0, 1, 1, 1], ids=[1])),
+        step=1,
+        units=units,
+    )
+    late = batch.late
+    image_column = 0 if batch.layout.slot[1] < batch.layout.slot[2] else 1
+    mine = late["document_index"][late["document_of"] == image_column]
+    assert np.array_equal(np.sort(mine), np.sort(batch.media["image"]["index"][:6]))
+    tensors = batch.host_tensors(False)
+    mask = document_mask(tensors["segments"], "dense")
+    tensors["cos"], tensors["sin"] = trainer.network.rotary(tensors["positions"], torch.float32)
+    terms = trainer.network.losses(tensors, mask, batch.positives, batch.late_positives)
+    assert int(terms["late_interaction_anchors"]) == 1
+    trainer.network.zero_grad(set_to_none=True)
+    terms["late_interaction_sum"].backward()
+    grads = [p.grad for p in trainer.network.media["image"].parameters()]
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
