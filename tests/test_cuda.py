@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -211,3 +213,60 @@ def test_cuda_serving_matches_cpu_serving(tmp_path) -> None:
     torch.testing.assert_close(exact.encode(modalities, contents), want, atol=1e-4, rtol=0)
     for model in (cpu, cuda, exact):
         model.close()
+
+
+def _late_and_choices_config() -> u.TrainerInitVramConfig:
+    base = config()
+    return u.TrainerInitVramConfig(
+        depth=base.depth,
+        hidden=base.hidden,
+        objective=base.objective,
+        batch=u.BatchShape(
+            max_rows_per_device=4, max_segments_per_device=16, max_columns_per_row=256, max_choices_per_item=4
+        ),
+        late_interaction=u.LateInteraction(weight=0.5, width=32, max_query_span=16),
+        choices=u.Choices(weight=1.0),
+        schedule=base.schedule,
+        seed=base.seed,
+    )
+
+
+def _late_and_choices_step() -> tuple[list[str], u.TrainerStepConfig]:
+    texts, relations = items()
+    n = len(texts)
+    sides: list[Any] = ["query" if i % 2 == 0 else "document" for i in range(n)]
+    sides[-1] = u.LateInteractionSide.QueryAndDocument
+    choices = [b"yn" if i % 4 == 0 else b"abc" if i % 4 == 1 else b"" for i in range(n)]
+    targets = [[0.3, 0.7] if c == b"yn" else [0.2, 0.3, 0.5] if c else [] for c in choices]
+    return texts, u.TrainerStepConfig(relations=relations, sides=sides, choices=choices, choice_targets=targets)
+
+
+def test_cuda_late_interaction_and_choices_match_cpu() -> None:
+    """A compiled CUDA step (bf16 autocast, FlexAttention, MaxSim as a custom autograd function) with late
+    interaction and choices on reports every term near the CPU fp32 reference, and a few more steps
+    lower the loss."""
+    texts, step_config = _late_and_choices_step()
+    results = []
+    trainers = []
+    for executor in (u.Executor.cpu(), u.Executor.for_vram([0])):
+        trainer = u.Trainer.init_vram(executor, _late_and_choices_config())
+        stats = u.TrainerStepStats()
+        step_config.stats = stats
+        trainer.on(executor).step(["text"] * len(texts), texts, step_config)
+        results.append(stats)
+        trainers.append((trainer, executor))
+    cpu, cuda = results
+    assert cpu.late_interaction_loss > 0 and cpu.choices_loss > 0
+    assert cuda.masked_text_loss == pytest.approx(cpu.masked_text_loss, rel=2e-2)
+    assert cuda.contrastive_loss == pytest.approx(cpu.contrastive_loss, rel=2e-2)
+    assert cuda.late_interaction_loss == pytest.approx(cpu.late_interaction_loss, rel=3e-2)
+    assert cuda.choices_loss == pytest.approx(cpu.choices_loss, rel=5e-2, abs=5e-3)
+    trainer, executor = trainers[1]
+    losses = [cuda.loss]
+    for _ in range(15):
+        stats = u.TrainerStepStats()
+        step_config.stats = stats
+        trainer.on(executor).step(["text"] * len(texts), texts, step_config)
+        assert np.isfinite(stats.loss)
+        losses.append(stats.loss)
+    assert np.mean(losses[-3:]) < losses[0]

@@ -415,11 +415,12 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
         "batch.image.channels",
     ),
     (
-        "late interaction not built",
-        {"late_interaction": LateInteraction(weight=1.0)},
+        "late interaction width not a multiple of 8",
+        {"late_interaction": LateInteraction(weight=1.0, width=12)},
         ValueError,
-        "late_interaction.weight",
+        "late_interaction.width",
     ),
+    ("choices without legal bytes", {"choices": uform.Choices(weight=1.0)}, ValueError, "choices.weight"),
     (
         "mask probability above one",
         {"masking": Masking(token_mask_probability=1.5)},

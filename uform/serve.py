@@ -477,13 +477,13 @@ class Model:
         a `(data, offsets)` tape (data uint8) or a sequence of bytes-like, at least one and at most the run's
         `max_choices_per_item` (256 when zero) distinct bytes per item. As the choices loss reads them: the
         text's bytes then a MASK, the head of the text cut when the row is too short; `p` is the softmax over
-        the legal bytes' logits of the masked text head at the MASK. Needs a run whose text head trained
-        (its objective is not `Contrastive` alone).
+        the legal bytes' logits of the masked text head at the MASK. Needs a run whose text head trained: a
+        Masked or Joint run, or any run with a positive `choices.weight`.
         """
-        if self.config.objective == Objective.Contrastive:
+        if self.config.objective == Objective.Contrastive and self.config.choices.weight <= 0:
             raise ValueError(
-                "text_choose: this checkpoint's run trained Objective.Contrastive alone, so its masked text head "
-                "never trained; choices need a Masked or Joint run"
+                "text_choose: this checkpoint's run trained Objective.Contrastive alone without choices, so its "
+                "masked text head never trained; choices need a Masked or Joint run, or choices.weight > 0"
             )
         items = _texts(texts)
         n = len(items)

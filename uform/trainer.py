@@ -36,7 +36,7 @@ from .config import (
     to_json,
 )
 from .data.batch import MEDIA_KINDS, Batch, media_features, prepare
-from .data.items import parse_contents, parse_modalities, parse_sides, per_item_integers
+from .data.items import ChoiceTapes, parse_choices, parse_contents, parse_modalities, parse_sides, per_item_integers
 from .enums import LateInteractionSide, Modality, Objective, Scalar
 from .executor import Executor
 from .media.decode import MediaPolicy, decode_item
@@ -60,6 +60,7 @@ class _Checked:
     bags: np.ndarray | None
     groups: np.ndarray | None
     sides: list[LateInteractionSide] | None
+    choices: ChoiceTapes | None
     relations: Any
     arena: Arena | None
     scalar: Scalar
@@ -126,7 +127,6 @@ class Trainer:
             if config.depth == 0 and config.hidden == 0:  # resume alone: the stored run's config,
                 config = _over_stored(config, from_dict(json.loads(stored["uform.config"])))  # and what was set
         resolved = resolve(config)
-        _refuse_unbuilt(resolved)
         if stored is not None:
             _same_run(resolved, from_dict(json.loads(stored["uform.config"])))
         trainer = cls(executor, resolved, _token=_PRIVATE)
@@ -230,7 +230,10 @@ class Trainer:
         bags = per_item_integers(config.bags, n, "bags", below=2**32)
         groups = per_item_integers(config.temperature_groups, n, "temperature_groups", r.contrastive.temperature_groups)
         sides = parse_sides(config.sides, n)
-        if r.objective != Objective.Masked:
+        choices = None
+        if r.choices.weight > 0:  # read only where the run trains choices (always a copy)
+            choices = parse_choices(config.choices, config.choice_targets, mods, r.batch.max_choices_per_item)
+        if r.objective != Objective.Masked or r.late_interaction.weight > 0:  # late pairs resolve through them
             check_relations(config.relations, n, r.contrastive.max_edges_per_device)
         if config.arena is not None and not isinstance(config.arena, Arena):
             raise TypeError(f"arena: expected an Arena, got {type(config.arena).__name__}")
@@ -241,7 +244,7 @@ class Trainer:
         if copy_buffers:
             items = [bytes(c) for c in items]
             relations = copy.deepcopy(relations)
-        return _Checked(mods, items, bags, groups, sides, relations, config.arena, scalar, config.stats)  # type: ignore[arg-type]
+        return _Checked(mods, items, bags, groups, sides, choices, relations, config.arena, scalar, config.stats)  # type: ignore[arg-type]
 
     # ---- the work ----------------------------------------------------------------------------------
 
@@ -259,6 +262,7 @@ class Trainer:
             step=step,
             units=units,
             skipped=skipped,
+            choices=checked.choices,
         )
         pin = self.device.type == "cuda"
         host = batch.host_tensors(pin)
@@ -337,7 +341,7 @@ class Trainer:
             group["lr"] = rate
         self.network.train()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
-            terms = self._losses(tensors, mask, batch.positives)
+            terms = self._losses(tensors, mask, batch.positives, batch.late_positives)
         totals = self.network.total(terms)
         totals["loss"].backward()
         self.optimizer.step()
@@ -411,6 +415,8 @@ _STAT_TERMS = (
     "masked_image_loss",
     "masked_video_loss",
     "masked_audio_loss",
+    "late_interaction_loss",
+    "choices_loss",
 )
 
 
@@ -480,14 +486,6 @@ def _save_config(config: Any) -> TrainerSaveConfig:
     if saved.progress_steps < 0:
         raise ValueError(f"progress_steps: must not be negative, got {saved.progress_steps}")
     return saved
-
-
-def _refuse_unbuilt(config: TrainerInitVramConfig) -> None:
-    """Parts of the seed this release does not train yet are refused, never silently ignored."""
-    if config.late_interaction.weight > 0:
-        raise ValueError("late_interaction.weight: late interaction is not trained by this release yet; leave it zero")
-    if config.choices.weight > 0:
-        raise ValueError("choices.weight: calibrated choices are not trained by this release yet; leave it zero")
 
 
 _RESUMABLE = {"progress_steps", "schedule"}

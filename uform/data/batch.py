@@ -1,7 +1,8 @@
 """One device's step, prepared on the host: packed rows, corruption, targets and pair matrices.
 
 Shape legend: N items, R rows, C columns, S segment slots, P covered-position capacity, U units of one
-media modality in the step, F values per unit.
+media modality in the step, F values per unit; late interaction's Qt query token rows, Dd document
+columns and Dt document token rows; K legal bytes per choice (`max_choices_per_item`).
 
 Every array but the media units has a shape fixed by the run's capacities (never by the step's content),
 so the compiled step sees the same shapes every time; the media arrays' first axis U varies and is
@@ -24,7 +25,8 @@ from ..enums import LateInteractionSide, Modality, Objective
 from ..media.units import Units
 from ..relations import pair_targets
 from .corrupt import corrupt_text
-from .pack import Layout, Rows, fill_text, fill_units, plan
+from .items import ChoiceTapes
+from .pack import LateRoom, Layout, Rows, fill_state, fill_text, fill_units, plan
 
 PACK_STREAM = 1
 CORRUPT_STREAM = 2
@@ -97,8 +99,17 @@ class Batch:
     layout: Layout = field(repr=False)
     media: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     """Per live media modality: values [U, F], index [U] (flat positions), masked [U] bool, valid [U]."""
+    late: dict[str, np.ndarray] = field(default_factory=dict)
+    """Where late interaction is on: query_index [Qt] (flat positions of the query tokens), query_slot
+    [Qt] (their slot, S for padding), document_index [Dt], document_of [Dt] (their document column, Dd
+    for padding), z and w [S, Dd] (the pair targets of every query slot and document column)."""
+    choice: dict[str, np.ndarray] = field(default_factory=dict)
+    """Where choices are trained: index [S] (flat position of each slot's appended MASK), bytes [S, K]
+    (its legal bytes), legal [S, K] bool, targets [S, K] float32, valid [S] float32 (1: made a choice)."""
     positives: int = 1
     """A power of two at least the most positives any slot's row holds (the ranked form's static bound)."""
+    late_positives: int = 1
+    """The same bound over the late-interaction rows."""
     truncated: int = 0
     dropped: int = 0
     skipped: int = 0
@@ -122,6 +133,8 @@ class Batch:
         arrays = {name: getattr(self, name) for name in self.TENSORS}
         for kind, parts in self.media.items():
             arrays.update({f"{kind}.{part}": array for part, array in parts.items()})
+        arrays.update({f"late.{part}": array for part, array in self.late.items()})
+        arrays.update({f"choice.{part}": array for part, array in self.choice.items()})
         out = {}
         for name, array in arrays.items():
             t = torch.from_numpy(np.ascontiguousarray(array))
@@ -141,25 +154,44 @@ def prepare(
     step: int,
     units: Mapping[int, Units] | None = None,
     skipped: np.ndarray | None = None,
+    choices: ChoiceTapes | None = None,
 ) -> Batch:
     """Packs, corrupts and pairs one step's items for one device. Inputs were checked by the caller.
 
     `units` holds the decoded units of every media item that decoded; `skipped` [N] marks the media
     items that did not (they take no room, score no pair, and are counted apart from `dropped`).
+    `choices` (read where the run trains them) gives the text items that make a choice: each becomes
+    its state, its bytes with a MASK appended (the head cut where the row is too short), and is left
+    uncorrupted, so the choice reads the state exactly as `text_choose` will.
     """
     b = config.batch
     R, C, S = b.max_rows_per_device, b.max_columns_per_row, b.max_segments_per_device
     n = len(contents)
     late = config.late_interaction.weight > 0
-    prefixes = [
-        vocab.prefix(m, (sides[i] if sides is not None else LateInteractionSide.None_) if late else None)
-        for i, m in enumerate(modalities)
-    ]
+    side_of = sides if sides is not None else [LateInteractionSide.None_] * n
+    prefixes = [vocab.prefix(m, side_of[i] if late else None) for i, m in enumerate(modalities)]
     units = units or {}
+    choosing = config.choices.weight > 0 and b.max_choices_per_item > 0
+    chooses = np.zeros(n, dtype=bool)
+    if choosing and choices is not None:
+        chooses = np.diff(choices.offsets) > 0
     lengths = np.array(
         [len(p) + len(units.get(i, c)) for i, (p, c) in enumerate(zip(prefixes, contents, strict=True))],
         dtype=np.int64,
     )
+    lengths += chooses  # the appended MASK
+    room = None
+    if late:
+        li = config.late_interaction
+        room = LateRoom(
+            query=np.array([s in _QUERY_SIDES for s in side_of], dtype=bool),
+            document=np.array([s in _DOCUMENT_SIDES for s in side_of], dtype=bool),
+            prefix=np.array([len(p) for p in prefixes], dtype=np.int64),
+            span=li.max_query_span,
+            query_tokens=li.max_query_tokens_per_device,
+            documents=li.max_documents_per_device,
+            document_tokens=li.max_document_tokens_per_device,
+        )
     layout = plan(
         lengths,
         bags if bags is not None else np.arange(n),
@@ -169,6 +201,7 @@ def prepare(
         segments=S,
         max_bags=b.max_bags_per_device,
         rng=keyed_rng(config.seed, step, PACK_STREAM),
+        late=room,
     )
     rows = Rows.empty(R, C)
     spans: list[tuple[int, int, int]] = []
@@ -177,8 +210,12 @@ def prepare(
     masking = config.objective != Objective.Contrastive
     media_rng = keyed_rng(config.seed, step, MEDIA_STREAM)
     truncated = layout.truncated.copy()
+    mask_at = np.zeros(n, dtype=np.int64)
     for i in np.flatnonzero(layout.placed).tolist():
         p = len(prefixes[i])
+        if chooses[i]:
+            mask_at[i] = fill_state(rows, layout, i, prefixes[i], contents[i])
+            continue
         if modalities[i] == Modality.Text:
             fill_text(rows, layout, i, prefixes[i], contents[i])
             spans.append((int(layout.row[i]), int(layout.column[i]) + p, int(layout.length[i]) - p))
@@ -214,14 +251,24 @@ def prepare(
         slot_group[slots] = groups[placed]
     z = np.zeros((S, S), dtype=np.float32)
     w = np.zeros((S, S), dtype=np.float32)
-    if config.objective != Objective.Masked:
+    z_items = w_items = np.zeros((0, 0), dtype=np.float32)
+    if config.objective != Objective.Masked or late:  # late pairs resolve through the relations too
         c = config.contrastive
         z_items, w_items = pair_targets(relations, n, c.negatives, c.ambient_repulsion_weight)  # type: ignore[arg-type]
+    if config.objective != Objective.Masked:
         z[np.ix_(slots, slots)] = z_items[np.ix_(placed, placed)]
         w[np.ix_(slots, slots)] = w_items[np.ix_(placed, placed)]
-    most = int((z > 0).sum(axis=1).max()) if S else 0
+    late_arrays: dict[str, np.ndarray] = {}
+    if room is not None:
+        late_arrays = _late_arrays(config, layout, room, z_items, w_items)
+    choice_arrays: dict[str, np.ndarray] = {}
+    if choosing:
+        choice_arrays = _choice_arrays(S, b.max_choices_per_item, layout, chooses, mask_at, choices)
     return Batch(
-        positives=1 << max(0, most - 1).bit_length(),
+        positives=_bound(z),
+        late_positives=_bound(late_arrays["z"]) if late_arrays else 1,
+        late=late_arrays,
+        choice=choice_arrays,
         tokens=tokens,
         positions=rows.positions,
         segments=segments,
@@ -239,6 +286,100 @@ def prepare(
         dropped=layout.dropped,
         skipped=0 if skipped is None else int(np.asarray(skipped).sum()),
     )
+
+
+_QUERY_SIDES = (LateInteractionSide.Query, LateInteractionSide.QueryAndDocument)
+_DOCUMENT_SIDES = (LateInteractionSide.Document, LateInteractionSide.QueryAndDocument)
+
+
+def _bound(z: np.ndarray) -> int:
+    """A power of two at least the most positives any row of `z` holds (1 for none)."""
+    most = int((z > 0).sum(axis=1).max()) if z.size else 0
+    return 1 << max(0, most - 1).bit_length()
+
+
+def _late_arrays(
+    config: TrainerInitVramConfig, layout: Layout, room: LateRoom, z_items: np.ndarray, w_items: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Late interaction's index arrays, padded to the run's capacities (see `Batch.late`).
+
+    Slots are visited in order: a query slot's first `max_query_span` positions past its prefix become
+    query token rows, a document slot takes the next document column and all its positions past its
+    prefix. `plan` already dropped whatever would not fit, so the capacities always hold.
+    """
+    li = config.late_interaction
+    S, C = config.batch.max_segments_per_device, config.batch.max_columns_per_row
+    Qt, Dd, Dt = li.max_query_tokens_per_device, li.max_documents_per_device, li.max_document_tokens_per_device
+    query_index = np.zeros(Qt, dtype=np.int64)
+    query_slot = np.full(Qt, S, dtype=np.int64)
+    document_index = np.zeros(Dt, dtype=np.int64)
+    document_of = np.full(Dt, Dd, dtype=np.int64)
+    query_items: list[int] = []
+    query_slots: list[int] = []
+    document_items: list[int] = []
+    at_query = at_document = 0
+    for slot, item in enumerate(layout.item_of_slot.tolist()):
+        if item < 0:
+            continue
+        p = int(room.prefix[item])
+        tokens = int(layout.length[item]) - p
+        if tokens <= 0:
+            continue
+        first = int(layout.row[item]) * C + int(layout.column[item]) + p
+        if room.query[item]:
+            k = min(tokens, room.span)
+            query_index[at_query : at_query + k] = first + np.arange(k)
+            query_slot[at_query : at_query + k] = slot
+            at_query += k
+            query_items.append(item)
+            query_slots.append(slot)
+        if room.document[item]:
+            document_index[at_document : at_document + tokens] = first + np.arange(tokens)
+            document_of[at_document : at_document + tokens] = len(document_items)
+            at_document += tokens
+            document_items.append(item)
+    z = np.zeros((S, Dd), dtype=np.float32)
+    w = np.zeros((S, Dd), dtype=np.float32)
+    if query_items and document_items:
+        rows, columns = np.array(query_slots), np.arange(len(document_items))
+        mine, theirs = np.array(query_items), np.array(document_items)
+        z[np.ix_(rows, columns)] = z_items[np.ix_(mine, theirs)]
+        w[np.ix_(rows, columns)] = w_items[np.ix_(mine, theirs)]
+    return {
+        "query_index": query_index,
+        "query_slot": query_slot,
+        "document_index": document_index,
+        "document_of": document_of,
+        "z": z,
+        "w": w,
+    }
+
+
+def _choice_arrays(
+    slots: int,
+    width: int,
+    layout: Layout,
+    chooses: np.ndarray,
+    mask_at: np.ndarray,
+    choices: ChoiceTapes | None,
+) -> dict[str, np.ndarray]:
+    """The choices' arrays [S] / [S, K] (see `Batch.choice`), over the placed items that make one."""
+    index = np.zeros(slots, dtype=np.int64)
+    legal_bytes = np.zeros((slots, width), dtype=np.int64)
+    legal = np.zeros((slots, width), dtype=bool)
+    targets = np.zeros((slots, width), dtype=np.float32)
+    valid = np.zeros(slots, dtype=np.float32)
+    for item in np.flatnonzero(chooses & layout.placed).tolist():
+        assert choices is not None
+        slot = int(layout.slot[item])
+        data, q = choices.of(item)
+        k = len(data)
+        index[slot] = mask_at[item]
+        legal_bytes[slot, :k] = data
+        legal[slot, :k] = True
+        targets[slot, :k] = q
+        valid[slot] = 1.0
+    return {"index": index, "bytes": legal_bytes, "legal": legal, "targets": targets, "valid": valid}
 
 
 def _stack_units(

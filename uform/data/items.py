@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -105,3 +106,194 @@ def parse_sides(sides: Any, count: int) -> list[LateInteractionSide] | None:
     if len(sides) != count:
         raise ValueError(f"sides: {len(sides)} values, but the step has {count} items; it must be empty or as long")
     return [LateInteractionSide.parse(s, f"sides[{i}]") for i, s in enumerate(sides)]  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------------------------------
+# Choices: each item's legal bytes and their target probabilities, as two (data, offsets) tapes
+
+CHOICE_SUM_TOLERANCE = 1e-3
+"""How far an item's target probabilities may sum from one."""
+
+
+@dataclass
+class ChoiceTapes:
+    """A step's checked choices, owned (never the caller's buffers): item i offers the legal bytes
+    `data[offsets[i]:offsets[i + 1]]` with the target probabilities `targets[...]` of the same slice,
+    renormalised to sum to one exactly (in float64, then stored as float32)."""
+
+    data: np.ndarray
+    """[T] uint8: every item's legal bytes, back to back."""
+    offsets: np.ndarray
+    """[N + 1] int64."""
+    targets: np.ndarray
+    """[T] float32."""
+
+    def of(self, item: int) -> tuple[np.ndarray, np.ndarray]:
+        """(legal bytes, targets) of one item; both empty when it makes no choice."""
+        a, b = int(self.offsets[item]), int(self.offsets[item + 1])
+        return self.data[a:b], self.targets[a:b]
+
+    def offers(self, item: int) -> bool:
+        return int(self.offsets[item + 1]) > int(self.offsets[item])
+
+
+def _is_empty_tape(value: Any) -> bool:
+    """None, an empty sequence, a pair of empty sequences (the config's default `((), ())`), or a tape
+    whose offsets are empty: "empty offsets make no choices"."""
+    if value is None:
+        return True
+    if isinstance(value, np.ndarray):
+        return value.size == 0
+    if isinstance(value, (str, bytes, bytearray, memoryview)) or not isinstance(value, Sequence):
+        return False
+    if len(value) == 0:
+        return True
+    if isinstance(value, tuple) and len(value) == 2:
+        data, offsets = value
+        sized = all(isinstance(v, (Sequence, np.ndarray)) for v in (data, offsets))
+        return sized and len(offsets) == 0 and (len(data) == 0 or isinstance(offsets, np.ndarray))
+    return False
+
+
+def _tape_offsets(offsets: Any, size: int, count: int, field: str) -> np.ndarray:
+    offsets = np.asarray(offsets)
+    if offsets.ndim != 1 or not np.issubdtype(offsets.dtype, np.integer):
+        raise TypeError(f"{field}: a tape's offsets must be a 1-D integer array, got {offsets.dtype}")
+    if len(offsets) != count + 1:
+        raise ValueError(f"{field}: a tape's offsets must hold items + 1 = {count + 1} entries, got {len(offsets)}")
+    if offsets[0] != 0:
+        raise ValueError(f"{field}: a tape's offsets must start at 0, got {int(offsets[0])}")
+    steps = np.diff(offsets)
+    if np.any(steps < 0):
+        at = int(np.argmax(steps < 0))
+        raise ValueError(
+            f"{field}: a tape's offsets must be non-decreasing, got {int(offsets[at])} then {int(offsets[at + 1])}"
+        )
+    if offsets[-1] != size:
+        raise ValueError(f"{field}: a tape's offsets must end at len(data) = {size}, got {int(offsets[-1])}")
+    return offsets.astype(np.int64)
+
+
+def _choice_bytes(value: Any, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(data uint8, offsets int64) of `choices` in either form, shapes checked."""
+    if is_tape(value):
+        data = value[0]
+        if data.ndim != 1 or data.dtype != np.uint8:
+            raise TypeError(f"choices: a tape's data must be a 1-D uint8 array, got {data.dtype} of {data.ndim} dims")
+        return data.copy(), _tape_offsets(value[1], len(data), count, "choices")
+    if isinstance(value, (str, bytes, bytearray, memoryview)) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"choices: expected a (data, offsets) tape of numpy arrays or a sequence of bytes per item, "
+            f"got {type(value).__name__}"
+        )
+    if len(value) != count:
+        raise ValueError(f"choices: {len(value)} entries, but the step has {count} items; it must be empty or as long")
+    parts = []
+    for i, entry in enumerate(value):
+        if isinstance(entry, str):
+            parts.append(np.frombuffer(entry.encode("utf-8"), dtype=np.uint8))
+        elif isinstance(entry, (bytes, bytearray, memoryview)):
+            parts.append(np.frombuffer(memoryview(entry).tobytes(), dtype=np.uint8))
+        elif isinstance(entry, np.ndarray) and entry.dtype == np.uint8 and entry.ndim == 1:
+            parts.append(entry)
+        else:
+            raise TypeError(
+                f"choices[{i}]: expected bytes-like (one legal byte each) or str, got {type(entry).__name__}"
+            )
+    offsets = np.cumsum([0] + [len(p) for p in parts]).astype(np.int64)
+    data = np.concatenate(parts).astype(np.uint8) if parts else np.zeros(0, dtype=np.uint8)
+    return data, offsets
+
+
+def _choice_targets(value: Any, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(data float64, offsets int64) of `choice_targets` in either form, shapes checked."""
+    if is_tape(value):
+        data = value[0]
+        if data.ndim != 1 or data.dtype.kind not in "fiu":
+            raise TypeError(
+                f"choice_targets: a tape's data must be a 1-D array of real numbers, got {data.dtype} of {data.ndim} dims"
+            )
+        return data.astype(np.float64), _tape_offsets(value[1], len(data), count, "choice_targets")
+    if isinstance(value, (str, bytes, bytearray, memoryview)) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"choice_targets: expected a (data, offsets) tape of numpy arrays or a sequence of float sequences "
+            f"per item, got {type(value).__name__}"
+        )
+    if len(value) != count:
+        raise ValueError(
+            f"choice_targets: {len(value)} entries, but the step has {count} items; it must be as long as choices"
+        )
+    parts = []
+    for i, entry in enumerate(value):
+        if isinstance(entry, (str, bytes, bytearray, memoryview)) or not isinstance(entry, (Sequence, np.ndarray)):
+            raise TypeError(f"choice_targets[{i}]: expected a sequence of probabilities, got {type(entry).__name__}")
+        if any(isinstance(v, (bool, np.bool_)) for v in entry):
+            raise TypeError(f"choice_targets[{i}]: expected real numbers, got a bool")
+        try:
+            array = np.asarray(entry, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise TypeError(f"choice_targets[{i}]: expected a flat sequence of real numbers") from None
+        if array.ndim != 1:
+            raise TypeError(f"choice_targets[{i}]: expected a flat sequence of real numbers, got {array.ndim} dims")
+        parts.append(array)
+    offsets = np.cumsum([0] + [len(p) for p in parts]).astype(np.int64)
+    data = np.concatenate(parts) if parts else np.zeros(0, dtype=np.float64)
+    return data, offsets
+
+
+def parse_choices(choices: Any, targets: Any, modalities: Sequence[Modality], max_choices: int) -> ChoiceTapes | None:
+    """A step's `choices` and `choice_targets`, checked against its items; None when it offers none.
+
+    Raises `ValueError` (or `TypeError` for a wrong type) naming `choices` / `choice_targets` and the
+    rule: offsets of items + 1 entries, from 0, non-decreasing, to the data's end; each item's legal
+    bytes unique and at most `max_choices` (`batch.max_choices_per_item`); only text items offer
+    choices; targets as long as their choices, finite, non-negative, each item's summing to one within
+    `CHOICE_SUM_TOLERANCE`. Reads, never writes, its input.
+    """
+    count = len(modalities)
+    if _is_empty_tape(choices):
+        if not _is_empty_tape(targets):
+            raise ValueError("choice_targets: given without choices; both must be empty or both given")
+        return None
+    data, offsets = _choice_bytes(choices, count)
+    if _is_empty_tape(targets):
+        raise ValueError("choice_targets: choices are given, so every choice needs its target probability")
+    values, target_offsets = _choice_targets(targets, count)
+    for i in range(count):
+        a, b = int(offsets[i]), int(offsets[i + 1])
+        if b == a:
+            continue
+        if modalities[i] != Modality.Text:
+            raise ValueError(f"choices[{i}]: a {modalities[i]} item cannot offer choices; only text items do")
+        legal = data[a:b]
+        if b - a > max_choices:
+            raise ValueError(
+                f"choices[{i}]: offers {b - a} legal bytes, more than batch.max_choices_per_item ({max_choices})"
+            )
+        if len(np.unique(legal)) != len(legal):
+            seen = np.unique(legal, return_counts=True)
+            repeated = int(seen[0][np.argmax(seen[1] > 1)])
+            raise ValueError(f"choices[{i}]: legal bytes must be unique, byte {repeated} appears twice")
+    if not np.array_equal(offsets, target_offsets):
+        at = int(np.argmax(np.diff(offsets) != np.diff(target_offsets)))
+        raise ValueError(
+            f"choice_targets[{at}]: holds {int(target_offsets[at + 1] - target_offsets[at])} targets, but "
+            f"choices[{at}] offers {int(offsets[at + 1] - offsets[at])}; each entry must be as long as its choices"
+        )
+    if not np.all(np.isfinite(values)):
+        raise ValueError("choice_targets: every target probability must be finite")
+    if np.any(values < 0):
+        raise ValueError(f"choice_targets: target probabilities must not be negative, got {float(values.min())}")
+    sums = np.array([values[int(a) : int(b)].sum() for a, b in itertools.pairwise(offsets)])
+    for i in range(count):
+        if offsets[i + 1] > offsets[i] and abs(sums[i] - 1.0) > CHOICE_SUM_TOLERANCE:
+            raise ValueError(
+                f"choice_targets[{i}]: the target probabilities must sum to one (within {CHOICE_SUM_TOLERANCE}), "
+                f"got {sums[i]:.6g}"
+            )
+    normalised = values.copy()
+    for i in range(count):
+        a, b = int(offsets[i]), int(offsets[i + 1])
+        if b > a:
+            normalised[a:b] /= sums[i]
+    return ChoiceTapes(data=data, offsets=offsets, targets=normalised.astype(np.float32))

@@ -68,6 +68,37 @@ class Layout:
         return int(lost.sum())
 
 
+@dataclass
+class LateRoom:
+    """What late interaction takes of a step, beside rows and segments: each placed query item takes its
+    first `span` token rows past its prefix, each document item a document column and every token row
+    past its prefix. An item for which the step's late-interaction capacities have no room is dropped
+    whole, like one for which the rows have no room."""
+
+    query: np.ndarray
+    """[N] bool: the item plays the query side (Query or QueryAndDocument)."""
+    document: np.ndarray
+    """[N] bool: the item plays the document side (Document or QueryAndDocument)."""
+    prefix: np.ndarray
+    """[N] int64: its prefix length."""
+    span: int
+    """`max_query_span`."""
+    query_tokens: int
+    """`max_query_tokens_per_device` (Qt)."""
+    documents: int
+    """`max_documents_per_device` (Dd)."""
+    document_tokens: int
+    """`max_document_tokens_per_device` (Dt)."""
+
+    def needs(self, kept: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(query token rows, document columns, document token rows) [N] each item takes, from its kept
+        length (prefix + content cut to the row); an item with no token past its prefix takes none."""
+        tokens = np.maximum(kept - self.prefix, 0)
+        query = np.where(self.query, np.minimum(tokens, self.span), 0)
+        document = np.where(self.document, tokens, 0)
+        return query, (document > 0).astype(np.int64), document
+
+
 def plan(
     lengths: np.ndarray,
     bags: np.ndarray,
@@ -78,17 +109,24 @@ def plan(
     segments: int,
     max_bags: int,
     rng: np.random.Generator,
+    late: LateRoom | None = None,
 ) -> Layout:
     """Lays out N segments of `lengths` positions (prefix + content) into `rows` x `columns`.
 
     `bags` [N] gives each item's routing unit (items sharing one land on this device together); at most
     `max_bags` distinct bags are taken when it is positive, the rest dropped whole. Items marked in
     `skip` [N] (media that failed to decode) take no room and are neither placed nor counted as dropped.
+    `late`, where late interaction is on, bounds its token rows and documents (see `LateRoom`).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     count = len(lengths)
     kept = np.minimum(lengths, columns)
     truncated = lengths > columns
+    if late is not None:
+        need_query, need_documents, need_document_tokens = late.needs(kept)
+        room = np.array([late.query_tokens, late.documents, late.document_tokens], dtype=np.int64)
+        needs = np.stack([need_query, need_documents, need_document_tokens], axis=1)  # [N, 3]
+    used_late = np.zeros(3, dtype=np.int64)
     row = np.full(count, -1, dtype=np.int64)
     column = np.full(count, -1, dtype=np.int64)
 
@@ -112,9 +150,13 @@ def plan(
             need = kept[item]
             if used_segments >= segments:
                 break
+            if late is not None and np.any(used_late + needs[item] > room):
+                continue
             fits = np.flatnonzero(free >= need)
             if len(fits) == 0:
                 continue
+            if late is not None:
+                used_late += needs[item]
             r = int(fits[0])
             row[item] = r
             column[item] = columns - free[r]
@@ -192,3 +234,21 @@ def fill_units(
     rows.positions[r, c0 + p : c0 + n, :] = positions[:units] + p
     rows.segments[r, c0 : c0 + n] = layout.slot[item]
     return r * rows.tokens.shape[1] + c0 + p + np.arange(units, dtype=np.int64)
+
+
+def fill_state(rows: Rows, layout: Layout, item: int, prefix: list[int], content: bytes | memoryview) -> int:
+    """Writes a placed text item that makes a choice: prefix ids, then its bytes with a MASK appended,
+    the bytes' head cut where the segment is shorter (so the MASK always ends it). Answers the MASK's
+    flat index (row * C + column)."""
+    r, c0, n = int(layout.row[item]), int(layout.column[item]), int(layout.length[item])
+    p = len(prefix)
+    keep = max(0, min(len(content), n - p - 1))
+    body = np.frombuffer(content, dtype=np.uint8)[len(content) - keep :]
+    span = slice(c0, c0 + n)
+    rows.tokens[r, c0 : c0 + p] = prefix
+    rows.tokens[r, c0 + p : c0 + p + keep] = body
+    rows.tokens[r, c0 + p + keep] = vocab.MASK
+    rows.positions[r, span, :] = np.arange(n, dtype=np.int64)[:, None]
+    rows.segments[r, span] = layout.slot[item]
+    rows.content[r, c0 + p : c0 + n] = True
+    return r * rows.tokens.shape[1] + c0 + p + keep

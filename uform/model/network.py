@@ -1,6 +1,7 @@
 """The whole network of a run: embeddings, tower, heads per modality and objective, and its losses.
 
-Shape legend: R rows, C columns, S segment slots, D hidden, P covered positions, G temperature groups.
+Shape legend: R rows, C columns, S segment slots, D hidden, P covered positions, G temperature groups;
+Qt query token rows, Dt document token rows, Dd document columns, W token width, K legal bytes per choice.
 
 `Network.losses` is the function one device's step differentiates: from one forward of the (corrupted)
 rows it reads both the masked text head and the pooled embeddings off the same final-norm states, which
@@ -19,7 +20,9 @@ from torch import Tensor, nn
 from ..config import TrainerInitVramConfig
 from ..data.batch import media_features
 from ..enums import Objective, PairLossForm
+from ..losses.choices import choices_sum
 from ..losses.contrastive import contrastive_term
+from ..losses.late import late_interaction_term
 from ..losses.masked import masked_text_sum, masked_units_sum
 from .attention import DocumentMask
 from .embed import TokenEmbedding
@@ -107,11 +110,18 @@ class Network(nn.Module):
             cos, sin = self.rotary(batch["positions"], dtype)
         return self.tower(x, cos, sin, mask)
 
-    def losses(self, batch: dict[str, Tensor], mask: DocumentMask, positives: int | None = None) -> dict[str, Tensor]:
+    def losses(
+        self,
+        batch: dict[str, Tensor],
+        mask: DocumentMask,
+        positives: int | None = None,
+        late_positives: int | None = None,
+    ) -> dict[str, Tensor]:
         """Every term of the objective, as (sum, count) pairs, plus the scored embeddings [S, D].
 
-        `batch` holds the prepared tensors and the rotary code ("cos", "sin"); `positives` bounds the
-        positives per row for the ranked form (see `losses.contrastive.pair_loss`).
+        `batch` holds the prepared tensors and the rotary code ("cos", "sin"); `positives` and
+        `late_positives` bound the positives per row of the pooled and the late-interaction terms for
+        the ranked form (see `losses.contrastive.pair_loss`).
         """
         config = self.config
         states = self.states(batch, mask)  # [R, C, D]
@@ -151,8 +161,43 @@ class Network(nn.Module):
             )
         else:
             out["contrastive_sum"], out["contrastive_anchors"] = zero, zero
+        if self.token_head is not None and self.late_temperatures is not None:
+            out["late_interaction_sum"], out["late_interaction_anchors"] = self._late(states, batch, late_positives)
+        if config.choices.weight > 0:
+            flat = states.reshape(-1, hidden)
+            logits = self.text_head(flat[batch["choice.index"]])  # [S, 256]
+            out["choices_sum"], out["choices_count"] = choices_sum(
+                logits, batch["choice.bytes"], batch["choice.legal"], batch["choice.targets"], batch["choice.valid"]
+            )
         out["embeddings"] = F.normalize(pooled.detach(), dim=-1)
         return out
+
+    def _late(self, states: Tensor, batch: dict[str, Tensor], positives: int | None) -> tuple[Tensor, Tensor]:
+        """The late-interaction term (sum, anchors) off the final-norm states [R, C, D]."""
+        assert self.token_head is not None and self.late_temperatures is not None
+        li = self.config.late_interaction
+        flat = states.reshape(-1, states.shape[-1])  # [R*C, D]
+        slots = batch["late.z"].shape[0]
+        columns = batch["late.z"].shape[1]
+        query_slot, document_of = batch["late.query_slot"], batch["late.document_of"]
+        # Capacity padding reads position 0 and is zeroed; it belongs to no slot and no column.
+        queries = self.token_head(flat[batch["late.query_index"]])  # [Qt, W]
+        queries = queries * (query_slot < slots).unsqueeze(1).to(queries.dtype)
+        documents = self.token_head(flat[batch["late.document_index"]])  # [Dt, W]
+        documents = documents * (document_of < columns).unsqueeze(1).to(documents.dtype)
+        return late_interaction_term(
+            queries,
+            query_slot,
+            documents,
+            document_of,
+            batch["slot_group"],
+            self.late_temperatures.log_inverse_temperature,
+            self.late_temperatures.bias,
+            batch["late.z"],
+            batch["late.w"],
+            li.pair_loss,
+            positives=positives if li.pair_loss == PairLossForm.Ranked else None,
+        )
 
     def total(self, terms: dict[str, Tensor]) -> dict[str, Tensor]:
         """The per-term means and the weighted total the step minimises (DESIGN.md section 3)."""
@@ -165,5 +210,12 @@ class Network(nn.Module):
             term = terms[f"masked_{kind}_sum"] / terms[f"masked_{kind}_count"].clamp_min(1)
             out[f"masked_{kind}_loss"] = term
             loss = loss + getattr(masking, f"{kind}_weight") * term
+        if "late_interaction_sum" in terms:  # reported weighted, as the seed says
+            late = terms["late_interaction_sum"] / terms["late_interaction_anchors"].clamp_min(1)
+            out["late_interaction_loss"] = self.config.late_interaction.weight * late
+            loss = loss + out["late_interaction_loss"]
+        if "choices_sum" in terms:  # reported before its weight
+            out["choices_loss"] = terms["choices_sum"] / terms["choices_count"].clamp_min(1)
+            loss = loss + self.config.choices.weight * out["choices_loss"]
         out["loss"] = loss
         return out
