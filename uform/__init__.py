@@ -26,13 +26,19 @@ _WHERE = {
     "TrainerStepStats": "config",
     "VideoShape": "config",
     "resolve": "config",
+    "GPUClass": "enums",
     "LateInteractionSide": "enums",
     "Modality": "enums",
+    "MultimemTier": "enums",
     "Negatives": "enums",
     "Objective": "enums",
     "PairLossForm": "enums",
     "Scalar": "enums",
     "Executor": "executor",
+    "Mesh": "mesh",
+    "MeshDescription": "mesh",
+    "MeshError": "mesh",
+    "MeshOptions": "mesh",
     "Edges": "relations",
     "Relations": "relations",
     "Trainer": "trainer",
@@ -72,8 +78,9 @@ if TYPE_CHECKING:
         VideoShape,
         resolve,
     )
-    from .enums import LateInteractionSide, Modality, Negatives, Objective, PairLossForm, Scalar
+    from .enums import GPUClass, LateInteractionSide, Modality, MultimemTier, Negatives, Objective, PairLossForm, Scalar
     from .executor import Executor
+    from .mesh import Mesh, MeshDescription, MeshError, MeshOptions
     from .relations import Edges, Relations
     from .trainer import Trainer
 
@@ -88,11 +95,17 @@ __all__ = [
     "Contrastive",
     "Edges",
     "Executor",
+    "GPUClass",
     "ImageShape",
     "LateInteraction",
     "LateInteractionSide",
     "Masking",
+    "Mesh",
+    "MeshDescription",
+    "MeshError",
+    "MeshOptions",
     "Modality",
+    "MultimemTier",
     "Negatives",
     "Objective",
     "PairLossForm",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import os
 import threading
@@ -47,6 +48,7 @@ from .model.attention import block_tables, compiled_flex_available, document_mas
 from .model.network import Network
 from .optim import build_optimizer, learning_rate
 from .relations import check_relations
+from .world import GradientReducer, MeshError, World, reduction_order
 
 FORMAT = "uform.trainer.1"
 
@@ -76,6 +78,12 @@ class Trainer:
         self.config = config
         self.device = executor.device
         self.network = Network(config)
+        self.mesh = config.mesh
+        self.world: World | None = None if config.mesh is None else config.mesh.world
+        self.closed = False
+        self._reducer: GradientReducer | None = None
+        if self.world is not None and self.world.size > 1:
+            self.network.world = self.world
         self.optimizer: torch.optim.AdamW
         self._step_count = 0
         self._dropped = 0
@@ -115,18 +123,12 @@ class Trainer:
         if not isinstance(config, TrainerInitVramConfig):
             raise TypeError(f"config: expected a TrainerInitVramConfig, got {type(config).__name__}")
         if config.mesh is not None:
-            raise ValueError("mesh: this release trains one process alone; leave mesh None")
-        stored = None
-        if config.resume is not None:
-            stored = read_metadata(config.resume)
-            if stored.get("uform.format") != FORMAT:
-                raise ValueError(f"resume: {os.fsdecode(config.resume)} is not a uform trainer checkpoint")
-            if config.depth == 0 and config.hidden == 0:  # resume alone: the stored run's config,
-                config = _over_stored(config, from_dict(json.loads(stored["uform.config"])))  # and what was set
-        resolved = resolve(config)
-        _refuse_unbuilt(resolved)
-        if stored is not None:
-            _same_run(resolved, from_dict(json.loads(stored["uform.config"])))
+            _check_mesh(config.mesh, executor)
+        if executor.has_workers():
+            from .fleet import FleetTrainer
+
+            return FleetTrainer.start(executor, config, media)
+        resolved, stored = resolve_run(config)
         trainer = cls(executor, resolved, _token=_PRIVATE)
         trainer.media = media
         trainer.network.initialize(resolved.seed)
@@ -134,7 +136,47 @@ class Trainer:
         trainer.optimizer = build_optimizer(trainer.network, trainer.device)
         if stored is not None:
             trainer._resume(resolved)
+        if trainer.world is not None:
+            trainer._join_world()
         return trainer
+
+    def _join_world(self) -> None:
+        """Every process of the run checks that it builds the same run (a digest of the resolved config and
+        the step it starts from, all-gathered), then borrows the mesh and arms the gradient reduction."""
+        world = self.world
+        assert world is not None and self.mesh is not None
+        record = to_dict(self.config)
+        record.pop("progress_steps", None)  # how often this process reports is its own business
+        text = json.dumps(record, sort_keys=True)
+        digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], dtype=np.int64)
+        mine = torch.tensor([*digest.tolist(), self._step_count], dtype=torch.int64, device=world.device)
+        try:
+            every = world.all_gather(mine[None]).cpu().tolist()  # [W, 3]
+            if any(row[:2] != every[0][:2] for row in every):
+                texts: list[Any] = [None] * world.size
+                torch.distributed.all_gather_object(texts, text, group=world.group)
+        except Exception as error:
+            self.close()
+            raise MeshError(f"mesh: the processes of the run could not compare their configs ({error})") from error
+        for rank, row in enumerate(every):
+            if row[:2] != every[0][:2]:
+                self.close()
+                field, ours, theirs = _first_difference(json.loads(texts[0]), json.loads(texts[rank]))
+                raise ValueError(
+                    f"config: process {rank} builds another run than process 0: its {field} is {theirs!r}, "
+                    f"process 0's {ours!r}; every process of a run calls init_vram with the same geometry, "
+                    "objective, seed and schedule"
+                )
+        for rank, row in enumerate(every):
+            if row[2] != every[0][2]:
+                self.close()
+                raise ValueError(
+                    f"resume: process {rank} starts at step {row[2]}, process 0 at step {every[0][2]}; every "
+                    "process of a run resumes the same checkpoint"
+                )
+        self.mesh._borrow(self)
+        if world.size > 1:
+            self._reducer = GradientReducer([p for _, p in reduction_order(self.network)], world)
 
     def _resume(self, config: TrainerInitVramConfig) -> None:
         tensors, metadata = read_checkpoint(config.resume, config.progress, config.progress_steps, self.device)
@@ -183,12 +225,17 @@ class Trainer:
         return self._step_count
 
     def close(self) -> None:
-        """Waits for queued calls and stops the trainer's threads."""
+        """Waits for queued calls and stops the trainer's threads; a mesh it borrowed is free again."""
         self._queue.shutdown(wait=True)
         self._host.shutdown(wait=True)
         self._completion.shutdown(wait=True)
         if self._decoders is not None:
             self._decoders.close()
+        if self._reducer is not None:
+            self._reducer.close()
+        self.closed = True
+        if self.mesh is not None:
+            self.mesh._release(self)
 
     def _submit_step(self, checked: _Checked) -> Future:
         with self._lock:
@@ -209,37 +256,9 @@ class Trainer:
     def _check_step(
         self, modalities: Any, contents: Any, config: TrainerStepConfig | None, copy_buffers: bool
     ) -> _Checked:
-        config = TrainerStepConfig() if config is None else config
-        if not isinstance(config, TrainerStepConfig):
-            raise TypeError(f"config: expected a TrainerStepConfig, got {type(config).__name__}")
-        mods = parse_modalities(modalities)
-        items = parse_contents(contents, len(mods))
-        live = media_features(self.config)
-        for i, m in enumerate(mods):
-            if m != Modality.Text and MEDIA_KINDS[m] not in live:
-                slice_field = "chunk_samples" if m == Modality.Audio else "patch_side"
-                raise ValueError(
-                    f"modalities[{i}]: {m} items are out of this run (its batch.{m}.{slice_field} is zero)"
-                )
-        n = len(mods)
-        if n == 0:
-            raise ValueError("modalities: a step needs at least one item")
-        r = self.config
-        bags = per_item_integers(config.bags, n, "bags", below=2**32)
-        groups = per_item_integers(config.temperature_groups, n, "temperature_groups", r.contrastive.temperature_groups)
-        sides = parse_sides(config.sides, n)
-        if r.objective != Objective.Masked:
-            check_relations(config.relations, n, r.contrastive.max_edges_per_device)
-        if config.arena is not None and not isinstance(config.arena, Arena):
-            raise TypeError(f"arena: expected an Arena, got {type(config.arena).__name__}")
-        if config.stats is not None and not isinstance(config.stats, TrainerStepStats):
-            raise TypeError(f"stats: expected a TrainerStepStats, got {type(config.stats).__name__}")
-        scalar = Scalar.parse(config.outputs_scalar, "outputs_scalar")
-        relations = config.relations
-        if copy_buffers:
-            items = [bytes(c) for c in items]
-            relations = copy.deepcopy(relations)
-        return _Checked(mods, items, bags, groups, sides, relations, config.arena, scalar, config.stats)  # type: ignore[arg-type]
+        # In a world a process may have no items this step; it still takes its part in the collectives.
+        alone = self.world is None or self.world.size == 1
+        return check_step(self.config, modalities, contents, config, copy_buffers, allow_empty=not alone)
 
     # ---- the work ----------------------------------------------------------------------------------
 
@@ -333,10 +352,29 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = rate
         self.network.train()
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
-            terms = self._losses(tensors, mask, batch.positives)
-        totals = self.network.total(terms)
-        totals["loss"].backward()
+        world = self.world if self.world is not None and self.world.size > 1 else None
+        if world is not None and world.failed:
+            raise MeshError(world.failed[0])
+        try:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
+                terms = self._losses(tensors, mask, batch.positives)
+            if world is not None:  # every process divides its sums by the world's counts
+                terms = _world_counts(terms, world)
+            totals = self.network.total(terms)
+            if self._reducer is not None:
+                self._reducer.arm()
+            totals["loss"].backward()
+            if self._reducer is not None:
+                self._reducer.finish()  # the gradients of the world's loss, summed over its processes
+            world_stats = None
+            if world is not None:  # the world's means: each process's share, summed
+                zero = totals["loss"].new_zeros(())
+                world_stats = torch.stack([totals.get(k, zero).detach().float() for k in _STAT_TERMS])
+                world.all_reduce(world_stats)
+        except Exception as error:
+            if world is not None:
+                raise _broken(world, error, step) from error
+            raise
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._step_count = step
@@ -348,7 +386,11 @@ class Trainer:
         readback: dict[str, torch.Tensor] = {}
         if checked.stats is not None:
             zero = totals["loss"].new_zeros(())
-            readback["stats"] = torch.stack([totals.get(k, zero).detach().float() for k in _STAT_TERMS])
+            readback["stats"] = (
+                world_stats
+                if world_stats is not None
+                else torch.stack([totals.get(k, zero).detach().float() for k in _STAT_TERMS])
+            )
             dropped, self._dropped = self._dropped, 0
             skipped, self._skipped = self._skipped, 0
         if checked.arena is not None:
@@ -382,6 +424,8 @@ class Trainer:
         return finish
 
     def _run_save(self, config: TrainerSaveConfig) -> None:
+        if self.world is not None and self.world.rank != 0:
+            return  # only the process of index zero writes; every process holds the same weights
         names = dict(self.network.named_parameters())
         tensors: dict[str, torch.Tensor] = {f"weights.{k}": v.detach() for k, v in self.network.state_dict().items()}
         for name, p in names.items():
@@ -399,6 +443,110 @@ class Trainer:
             "uform.rng": json.dumps({"draws": "pcg64 keyed by (seed, step, stream)", "seed": self.config.seed}),
         }
         write_checkpoint(config.path, tensors, metadata, config.progress, config.progress_steps or 10)
+
+
+def check_step(
+    run: TrainerInitVramConfig,
+    modalities: Any,
+    contents: Any,
+    config: TrainerStepConfig | None,
+    copy_buffers: bool,
+    *,
+    allow_empty: bool = False,
+    edge_factor: int = 1,
+) -> _Checked:
+    """Every check of a step's arguments against the run `run` (nothing changes when one fails); answers
+    them owned by the trainer when `copy_buffers`. `edge_factor` devices share the step's edges."""
+    config = TrainerStepConfig() if config is None else config
+    if not isinstance(config, TrainerStepConfig):
+        raise TypeError(f"config: expected a TrainerStepConfig, got {type(config).__name__}")
+    mods = parse_modalities(modalities)
+    items = parse_contents(contents, len(mods))
+    live = media_features(run)
+    for i, m in enumerate(mods):
+        if m != Modality.Text and MEDIA_KINDS[m] not in live:
+            slice_field = "chunk_samples" if m == Modality.Audio else "patch_side"
+            raise ValueError(f"modalities[{i}]: {m} items are out of this run (its batch.{m}.{slice_field} is zero)")
+    n = len(mods)
+    if n == 0 and not allow_empty:
+        raise ValueError("modalities: a step needs at least one item")
+    bags = per_item_integers(config.bags, n, "bags", below=2**32)
+    groups = per_item_integers(config.temperature_groups, n, "temperature_groups", run.contrastive.temperature_groups)
+    sides = parse_sides(config.sides, n)
+    if run.objective != Objective.Masked:
+        check_relations(config.relations, n, run.contrastive.max_edges_per_device * edge_factor)
+    if config.arena is not None and not isinstance(config.arena, Arena):
+        raise TypeError(f"arena: expected an Arena, got {type(config.arena).__name__}")
+    if config.stats is not None and not isinstance(config.stats, TrainerStepStats):
+        raise TypeError(f"stats: expected a TrainerStepStats, got {type(config.stats).__name__}")
+    scalar = Scalar.parse(config.outputs_scalar, "outputs_scalar")
+    relations = config.relations
+    if copy_buffers:
+        items = [bytes(c) for c in items]
+        relations = copy.deepcopy(relations)
+    return _Checked(mods, items, bags, groups, sides, relations, config.arena, scalar, config.stats)  # type: ignore[arg-type]
+
+
+def resolve_run(config: TrainerInitVramConfig) -> tuple[TrainerInitVramConfig, dict[str, str] | None]:
+    """The resolved run of an init config (the stored run's, with what the caller set, on a resume alone),
+    checked against the checkpoint it resumes; answers it and the checkpoint's metadata."""
+    stored = None
+    if config.resume is not None:
+        stored = read_metadata(config.resume)
+        if stored.get("uform.format") != FORMAT:
+            raise ValueError(f"resume: {os.fsdecode(config.resume)} is not a uform trainer checkpoint")
+        if config.depth == 0 and config.hidden == 0:  # resume alone: the stored run's config,
+            config = _over_stored(config, from_dict(json.loads(stored["uform.config"])))  # and what was set
+    resolved = resolve(config)
+    _refuse_unbuilt(resolved)
+    if stored is not None:
+        _same_run(resolved, from_dict(json.loads(stored["uform.config"])))
+    return resolved, stored
+
+
+def _world_counts(terms: dict[str, torch.Tensor], world: World) -> dict[str, torch.Tensor]:
+    """The terms with every count summed over the world (one all-reduce, no gradient), so that each
+    process's sums divided by them add up, over the processes, to the world's means. A count is every
+    scalar term but the sums (`*_sum`): whatever (sum, count) pairs the network answers, they slot in."""
+    names = sorted(k for k, v in terms.items() if v.dim() == 0 and not k.endswith("_sum"))
+    if not names:
+        return terms
+    counts = world.all_reduce(torch.stack([terms[k].detach().float() for k in names]))
+    out = dict(terms)
+    out.update({k: counts[i].to(terms[k].dtype) for i, k in enumerate(names)})
+    return out
+
+
+def _broken(world: World, error: BaseException, step: int) -> MeshError:
+    """A step of the world failed mid-way: no process can know where the others stopped, so the world is
+    done; this and every later step raise the same error."""
+    message = (
+        f"mesh: step {step} failed on process {world.rank} of {world.size}: a peer process stopped, stalled "
+        f"past the {world.timeout:g} s deadline or failed ({type(error).__name__}: {error}); restart every "
+        "process, and init_vram with resume continues the run from its last checkpoint"
+    )
+    world.failed.append(message)
+    return MeshError(message)
+
+
+def _check_mesh(mesh: Any, executor: Executor) -> None:
+    from .mesh import Mesh
+
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a Mesh, got {type(mesh).__name__}")
+    if mesh.closed:
+        raise ValueError("mesh: this mesh was closed")
+    if mesh.executor is not executor:
+        raise ValueError(f"mesh: it was made over {mesh.executor}, not this trainer's executor {executor}")
+
+
+def _first_difference(ours: Any, theirs: Any, name: str = "") -> tuple[str, Any, Any]:
+    """The first field (dotted) where two config records differ, with both values."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        for key in sorted(set(ours) | set(theirs)):
+            if ours.get(key) != theirs.get(key):
+                return _first_difference(ours.get(key), theirs.get(key), f"{name}.{key}" if name else key)
+    return name or "config", ours, theirs
 
 
 _STAT_TERMS = (
@@ -446,7 +594,7 @@ class On:
     def save(self, config: Any) -> None:
         """Writes the checkpoint; `config` is a path or a `TrainerSaveConfig`."""
         t = self.trainer
-        return t._queue.submit(t._run_save, _save_config(config)).result()
+        return t._queue.submit(t._run_save, save_config(config)).result()
 
 
 class Deferred:
@@ -462,10 +610,10 @@ class Deferred:
 
     def save(self, config: Any) -> Future:
         t = self.trainer
-        return t._queue.submit(t._run_save, _save_config(config))
+        return t._queue.submit(t._run_save, save_config(config))
 
 
-def _save_config(config: Any) -> TrainerSaveConfig:
+def save_config(config: Any) -> TrainerSaveConfig:
     if isinstance(config, TrainerSaveConfig):
         saved = config
     elif isinstance(config, (str, bytes, os.PathLike)):

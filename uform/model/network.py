@@ -11,6 +11,7 @@ several devices, the world) divides once by global counts.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,7 @@ from torch import Tensor, nn
 
 from ..config import TrainerInitVramConfig
 from ..data.batch import media_features
-from ..enums import Objective, PairLossForm
+from ..enums import Negatives, Objective, PairLossForm
 from ..losses.contrastive import contrastive_term
 from ..losses.masked import masked_text_sum, masked_units_sum
 from .attention import DocumentMask
@@ -27,11 +28,16 @@ from .heads import MaskedTextHead, PooledHead, Temperatures, TokenHead
 from .media import MediaInput
 from .tower import Tower
 
+if TYPE_CHECKING:
+    from ..world import World
+
 
 class Network(nn.Module):
     def __init__(self, config: TrainerInitVramConfig) -> None:
         super().__init__()
         self.config = config
+        self.world: World | None = None
+        """The world whose items every contrastive anchor is scored against (None: this process alone)."""
         hidden = config.hidden
         self.embed = TokenEmbedding(hidden)
         self.tower = Tower(config.depth, hidden)
@@ -137,16 +143,28 @@ class Network(nn.Module):
         pooled = self.pooled(states, batch["segments"], batch["counts"]).float()  # [S, D]
         if config.objective != Objective.Masked:
             c = config.contrastive
+            z, w, columns, column_valid = batch["z"], batch["w"], None, None
+            world = self.world
+            if world is not None and world.size > 1:
+                # This process's rows against every process's columns: [S, W * S] scores, never [W S, W S].
+                from ..world import gather, gather_with_grad, world_pairs
+
+                columns = gather_with_grad(pooled, world)  # [W * S, D]
+                column_valid = gather(batch["slot_valid"].to(torch.uint8), world).bool()  # [W * S]
+                ambient = c.negatives == Negatives.Ambient
+                z, w = world_pairs(z, w, world.rank, world.size, ambient, c.ambient_repulsion_weight)
             out["contrastive_sum"], out["contrastive_anchors"] = contrastive_term(
                 pooled,
                 batch["slot_valid"],
                 batch["slot_group"],
                 self.temperatures.log_inverse_temperature,
                 self.temperatures.bias,
-                batch["z"],
-                batch["w"],
+                z,
+                w,
                 list(c.matryoshka_dimensions),
                 c.pair_loss,
+                columns=columns,
+                column_valid=column_valid,
                 positives=positives if c.pair_loss == PairLossForm.Ranked else None,
             )
         else:
