@@ -175,7 +175,7 @@ def invariance(args: argparse.Namespace, reports: Path) -> None:
     import uform.world
 
     uform.world.BUCKET_BYTES = 64 << 10  # several buckets even for the tiny tower
-    mesh = mesh_of(args, Executor.for_vram([args.host]) if args.cuda else None)
+    mesh = mesh_of(args, Executor.for_vram([args.host]) if args.cuda and not args.torchrun else None)
     description = mesh.describe()
     rank, size = description.ranks[0], description.world_size
     report: dict[str, Any] = {"description": _describe(description), "cases": {}}

@@ -101,7 +101,13 @@ class Trainer:
         cuda = self.device.type == "cuda"
         self.attention = "flex" if compiled_flex_available(self.device) else "dense"
         self._losses: Callable[..., dict[str, torch.Tensor]] = self.network.losses
-        if cuda:
+        if cuda and self.world is not None and self.world.size > 1 and _world_compile() == "blocks":
+            # Each block compiled on its own (one graph, reused by every block): backward then finishes the
+            # blocks' gradients one block at a time, so the gradient buckets reduce while earlier blocks are
+            # still differentiating. One graph over the whole step would hand every gradient back at once.
+            for block in self.network.tower.blocks:
+                block.compile(dynamic=False)
+        elif cuda:
             self._losses = torch.compile(self.network.losses, dynamic=False)
 
     # ---- construction --------------------------------------------------------------------------
@@ -502,6 +508,16 @@ def resolve_run(config: TrainerInitVramConfig) -> tuple[TrainerInitVramConfig, d
     if stored is not None:
         _same_run(resolved, from_dict(json.loads(stored["uform.config"])))
     return resolved, stored
+
+
+def _world_compile() -> str:
+    """How a world's step compiles on CUDA: 'blocks' (the default; gradient reduction overlaps backward) or
+    'whole' (one graph for the step, as one process alone compiles it; the reduction follows backward),
+    from UFORM_WORLD_COMPILE."""
+    mode = os.environ.get("UFORM_WORLD_COMPILE", "blocks")
+    if mode not in ("blocks", "whole"):
+        raise ValueError(f"UFORM_WORLD_COMPILE: expected 'blocks' or 'whole', got {mode!r}")
+    return mode
 
 
 def _world_counts(terms: dict[str, torch.Tensor], world: World) -> dict[str, torch.Tensor]:
