@@ -100,6 +100,8 @@ def test_a_mesh_over_the_workers_describes_them(two: Executor) -> None:
     with Mesh.bootstrap(two, MeshOptions(job="fleet", timeout_seconds=60)) as mesh:
         d = mesh.describe()
         assert (d.host_count, d.devices_per_host, d.world_size, d.ranks) == (1, 2, 2, (0, 1))
+        with pytest.raises(MeshError, match="already belong"):
+            Mesh.bootstrap(two, MeshOptions(job="again", timeout_seconds=60))
         trainer = Trainer.init_vram(two, wc.config(*wc.CASES[0][1:], mesh=mesh))
         texts, config = wc.step_inputs([0, 1], 1)
         trainer.step(["text"] * len(texts), texts, config)

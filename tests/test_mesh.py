@@ -268,3 +268,17 @@ def test_one_mesh_per_process(lone_mesh: Mesh, executor: Executor) -> None:
     with pytest.raises(MeshError, match="already belongs"):
         Mesh.bootstrap(executor, MeshOptions(timeout_seconds=5))
     assert torch.distributed.is_initialized()
+
+
+def test_a_rank_that_never_joins_the_store_is_named(tmp_path: Path) -> None:
+    """Past the rendezvous, every rank announces itself in the run's store before the process group forms:
+    one that never does is named with its host at the deadline (here rank 1 of host 1 never comes)."""
+    from uform.mesh import join
+
+    (tmp_path / "run-1").mkdir()
+    world = {"run": "run-1", "root": str(tmp_path), "store": {"kind": "file"}}
+    start = time.monotonic()
+    with pytest.raises(MeshError, match=r"ranks \[1\] \(hosts \[1\]\) never joined"):
+        join(world, 0, 2, torch.device("cpu"), 1.5, [0, 1])
+    assert time.monotonic() - start < 10
+    assert not torch.distributed.is_initialized()

@@ -192,6 +192,16 @@ def test_another_run_is_refused_on_every_process(worlds) -> None:
         assert mismatch is not None and "process 2 builds another run" in mismatch and "seed" in mismatch
 
 
+def test_a_process_that_cannot_build_the_run_fails_every_process_at_once(worlds) -> None:
+    for rank in range(3):
+        r = report(worlds, f"fault-{rank}")
+        assert r["failed_init"] is not None and r["failed_init_seconds"] < 10
+        if rank == 2:  # its own error
+            assert "missing.safetensors" in r["failed_init"], r["failed_init"]
+        else:
+            assert r["failed_init"].startswith("MeshError: mesh: processes [2] could not build the run")
+
+
 def test_a_killed_process_fails_the_others_clearly_within_the_deadline(worlds) -> None:
     for rank in (0, 2):
         r = report(worlds, f"fault-{rank}")

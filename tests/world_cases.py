@@ -199,6 +199,17 @@ def fault(args: argparse.Namespace, reports: Path) -> None:
     mesh = mesh_of(args)
     rank = mesh.describe().ranks[0]
     report: dict[str, Any] = {}
+    start = time.monotonic()
+    try:  # process 2 resumes a checkpoint that is not there: its init_vram raises, the others' must too
+        missing = str(reports / "missing.safetensors") if rank == 2 else None
+        Trainer.init_vram(
+            mesh.executor,
+            config(Objective.Contrastive, PairLossForm.Sigmoid, Negatives.Ambient, mesh=mesh, resume=missing),
+        )
+        report["failed_init"] = None
+    except Exception as error:
+        report["failed_init"] = f"{type(error).__name__}: {error}"
+    report["failed_init_seconds"] = time.monotonic() - start
     seed = 12 if rank == 2 else 11
     try:
         Trainer.init_vram(

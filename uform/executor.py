@@ -8,6 +8,8 @@ path computes the same function in fp32 with the dense reference attention).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +27,8 @@ class Executor:
             raise TypeError("Executor: make one with Executor.cpu() or Executor.for_vram([...])")
         self.devices = tuple(devices)
         self._fleet: Any = None
+        self.joined = False
+        """Whether this executor's workers belong to a world now (one mesh at a time)."""
         if _workers:
             from .fleet import Fleet
 
@@ -50,7 +54,10 @@ class Executor:
         for d in devices:
             if not 0 <= d < available:
                 raise ValueError(f"devices: CUDA device {d} does not exist; this machine has {available}")
-        return cls([torch.device("cuda", d) for d in devices], _token=_PRIVATE, _workers=len(devices) > 1)
+        threads = max(1, (os.cpu_count() or 1) // len(devices))  # the host's cores shared by the workers
+        return cls(
+            [torch.device("cuda", d) for d in devices], _token=_PRIVATE, _workers=len(devices) > 1, _threads=threads
+        )
 
     @classmethod
     def _cpu_workers(cls, count: int, threads: int = 1) -> Executor:
@@ -64,6 +71,10 @@ class Executor:
 
     def join_workers(self, *world: Any) -> None:
         """Makes worker i the rank `ranks[i]` of the world a rendezvous formed (see `Mesh.bootstrap`)."""
+        from .world import MeshError
+
+        if self.joined:
+            raise MeshError("mesh: this executor's devices already belong to a mesh; close it first")
         spec, ranks, size, timeout, hosts_of, description, tier = world
         commands = [("join", (spec, rank, size, timeout, hosts_of, description, tier)) for rank in ranks]
         futures = self._fleet.call(commands)
@@ -74,10 +85,14 @@ class Executor:
             except BaseException as error:
                 errors.append(error)
         if errors:
+            with contextlib.suppress(Exception):
+                self._fleet.everyone("leave")
             raise errors[0]
+        self.joined = True
 
     def leave_workers(self) -> None:
         """The workers leave their world (their trainers close)."""
+        self.joined = False
         self._fleet.everyone("leave")
 
     def close(self) -> None:

@@ -194,9 +194,9 @@ def _merge(futures: list[Future], plan: list[np.ndarray], count: int, checked: A
 
     def finish() -> None:
         errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            mesh = [e for e in errors if isinstance(e, MeshError)]
-            done.set_exception((mesh or errors)[-1] if len(errors) > 1 else errors[0])
+        if errors:  # a device's own error is the cause; its peers' MeshErrors (a stalled world) follow from it
+            causes = [e for e in errors if not isinstance(e, MeshError)]
+            done.set_exception((causes or errors)[0])
             return
         answers = [f.result() for f in futures]
         if checked.stats is not None:

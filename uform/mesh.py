@@ -485,7 +485,11 @@ class Mesh:
             if resolved.host_domain_count > 1:
                 raise ValueError("directory: several hosts meet in a directory they all see; name one")
             temporary = tempfile.mkdtemp(prefix="uform-mesh-")
-            mesh = cls._bootstrap(executor, dataclasses.replace(resolved, directory=temporary))
+            try:
+                mesh = cls._bootstrap(executor, dataclasses.replace(resolved, directory=temporary))
+            except BaseException:
+                shutil.rmtree(temporary, ignore_errors=True)
+                raise
             mesh._temporary = temporary
             return mesh
         return cls._bootstrap(executor, resolved)
@@ -657,9 +661,12 @@ class Mesh:
         if self.executor.has_workers():
             with contextlib.suppress(Exception):  # a dead worker has left already
                 self.executor.leave_workers()
-        if self.world is not None and self._owns_group and dist.is_initialized():
+        if self.world is not None and dist.is_initialized():
             with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+                if self._owns_group:
+                    dist.destroy_process_group()
+                else:  # the user's own default group stays; the gradient group was ours
+                    dist.destroy_process_group(self.world.gradients)
         self.world = None
         self._keep.clear()
         if self._temporary is not None:

@@ -9,6 +9,7 @@ so steps and saves apply in the order they were called.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -134,14 +135,21 @@ class Trainer:
             from .fleet import FleetTrainer
 
             return FleetTrainer.start(executor, config, media)
-        resolved, stored = resolve_run(config)
-        trainer = cls(executor, resolved, _token=_PRIVATE)
-        trainer.media = media
-        trainer.network.initialize(resolved.seed)
-        trainer.network.to(trainer.device)
-        trainer.optimizer = build_optimizer(trainer.network, trainer.device)
-        if stored is not None:
-            trainer._resume(resolved)
+        world = None if config.mesh is None else config.mesh.world
+        try:
+            resolved, stored = resolve_run(config)
+            trainer = cls(executor, resolved, _token=_PRIVATE)
+            trainer.media = media
+            trainer.network.initialize(resolved.seed)
+            trainer.network.to(trainer.device)
+            trainer.optimizer = build_optimizer(trainer.network, trainer.device)
+            if stored is not None:
+                trainer._resume(resolved)
+        except BaseException:
+            if world is not None:  # the others wait to compare runs: tell them this process has none
+                with contextlib.suppress(Exception):
+                    _compare_runs(world, None, 0)
+            raise
         if trainer.world is not None:
             trainer._join_world()
         return trainer
@@ -153,33 +161,11 @@ class Trainer:
         assert world is not None and self.mesh is not None
         record = to_dict(self.config)
         record.pop("progress_steps", None)  # how often this process reports is its own business
-        text = json.dumps(record, sort_keys=True)
-        digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], dtype=np.int64)
-        mine = torch.tensor([*digest.tolist(), self._step_count], dtype=torch.int64, device=world.device)
         try:
-            every = world.all_gather(mine[None]).cpu().tolist()  # [W, 3]
-            if any(row[:2] != every[0][:2] for row in every):
-                texts: list[Any] = [None] * world.size
-                torch.distributed.all_gather_object(texts, text, group=world.group)
-        except Exception as error:
+            _compare_runs(world, json.dumps(record, sort_keys=True), self._step_count)
+        except BaseException:
             self.close()
-            raise MeshError(f"mesh: the processes of the run could not compare their configs ({error})") from error
-        for rank, row in enumerate(every):
-            if row[:2] != every[0][:2]:
-                self.close()
-                field, ours, theirs = _first_difference(json.loads(texts[0]), json.loads(texts[rank]))
-                raise ValueError(
-                    f"config: process {rank} builds another run than process 0: its {field} is {theirs!r}, "
-                    f"process 0's {ours!r}; every process of a run calls init_vram with the same geometry, "
-                    "objective, seed and schedule"
-                )
-        for rank, row in enumerate(every):
-            if row[2] != every[0][2]:
-                self.close()
-                raise ValueError(
-                    f"resume: process {rank} starts at step {row[2]}, process 0 at step {every[0][2]}; every "
-                    "process of a run resumes the same checkpoint"
-                )
+            raise
         self.mesh._borrow(self)
         if world.size > 1:
             self._reducer = GradientReducer([p for _, p in reduction_order(self.network)], world)
@@ -508,6 +494,44 @@ def resolve_run(config: TrainerInitVramConfig) -> tuple[TrainerInitVramConfig, d
     if stored is not None:
         _same_run(resolved, from_dict(json.loads(stored["uform.config"])))
     return resolved, stored
+
+
+def _compare_runs(world: World, text: str | None, step: int) -> None:
+    """Every process of a world calls this in init_vram with its resolved run as JSON (None: this process
+    could not build one) and the step it starts from; raises on every process when they differ."""
+    digest = np.zeros(2, dtype=np.int64)
+    if text is not None:
+        digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], dtype=np.int64)
+    mine = torch.tensor([int(text is not None), *digest.tolist(), step], dtype=torch.int64, device=world.device)
+    try:
+        every = world.all_gather(mine[None]).cpu().tolist()  # [W, 4]
+        texts: list[Any] = [None] * world.size
+        if all(row[0] for row in every) and any(row[1:3] != every[0][1:3] for row in every):
+            torch.distributed.all_gather_object(texts, text, group=world.group)
+    except Exception as error:
+        raise MeshError(f"mesh: the processes of the run could not compare their runs ({error})") from error
+    if text is None:
+        return
+    failed = [rank for rank, row in enumerate(every) if not row[0]]
+    if failed:
+        raise MeshError(
+            f"mesh: processes {failed} could not build the run (their init_vram raised; see their errors); "
+            "every process of a run builds it, or none does"
+        )
+    for rank, row in enumerate(every):
+        if row[1:3] != every[0][1:3]:
+            field, ours, theirs = _first_difference(json.loads(texts[0]), json.loads(texts[rank]))
+            raise ValueError(
+                f"config: process {rank} builds another run than process 0: its {field} is {theirs!r}, "
+                f"process 0's {ours!r}; every process of a run calls init_vram with the same geometry, "
+                "objective, seed and schedule"
+            )
+    for rank, row in enumerate(every):
+        if row[3] != every[0][3]:
+            raise ValueError(
+                f"resume: process {rank} starts at step {row[3]}, process 0 at step {every[0][3]}; every "
+                "process of a run resumes the same checkpoint"
+            )
 
 
 def _world_compile() -> str:
