@@ -22,7 +22,7 @@ import itertools
 import multiprocessing
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from multiprocessing import shared_memory
 from typing import Any
@@ -185,8 +185,10 @@ class Fleet:
         self.started = False
 
 
-def _merge(futures: list[Future], plan: list[np.ndarray], count: int, checked: Any) -> Future:
-    """One future of the step's answer from the workers' answers."""
+def _merge(
+    futures: list[Future], plan: list[np.ndarray], count: int, checked: Any, succeeded: Callable[[], None]
+) -> Future:
+    """One future of the step's answer from the workers' answers; `succeeded` runs before it resolves."""
     done: Future = Future()
     done.set_running_or_notify_cancel()
     remaining = [len(futures)]
@@ -199,6 +201,7 @@ def _merge(futures: list[Future], plan: list[np.ndarray], count: int, checked: A
             done.set_exception((causes or errors)[0])
             return
         answers = [f.result() for f in futures]
+        succeeded()
         if checked.stats is not None:
             stats = checked.stats
             first = answers[0]["stats"]
@@ -391,15 +394,13 @@ class FleetTrainer(Trainer):
         except BaseException:
             _release(segments)
             raise
-        done = _merge(futures, plan, count, checked)
+        done = _merge(futures, plan, count, checked, self._count)
         done.add_done_callback(lambda _: _release(segments))
-        done.add_done_callback(self._count)
         return done
 
-    def _count(self, done: Future) -> None:
-        if done.exception() is None:
-            with self._lock:
-                self._steps += 1
+    def _count(self) -> None:
+        with self._lock:
+            self._steps += 1
 
     def _save(self, config: Any) -> Future:
         if self.closed:

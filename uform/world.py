@@ -7,7 +7,10 @@ Shape legend: S segment slots of one device's step, D hidden, W world size (proc
   gradient buckets, so that buckets launched from backward hooks can never interleave with the step's
   collectives in a different order on different processes.
 - `gather_with_grad`: every process's pooled embeddings, with a backward that sums the column gradients
-  of every process and hands each its own slice (the all-gather whose adjoint is a reduce-scatter).
+  of every process and hands each its own slice (the all-gather whose adjoint is a reduce-scatter). A
+  process scores its S rows against the world's W S columns, so memory grows as S x W S, never (W S)^2;
+  past that, SigLIP's chunked ring (Zhai et al. 2023: each process passes its column block around a ring
+  and scores one block at a time) is the way on.
 - `GradientReducer`: sums every parameter's gradient over the world, in buckets launched from
   post-accumulate-grad hooks while backward is still running (PyTorch DDP's Reducer design, Li et al.
   2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training"; written here from that
