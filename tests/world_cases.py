@@ -153,8 +153,11 @@ def run_steps(trainer: Trainer, bags: list[int], steps: list[int]) -> list[dict[
 
 
 def mesh_of(args: argparse.Namespace, executor: Executor | None = None) -> uform.Mesh:
-    if args.torchrun:
-        return uform.Mesh.from_env()
+    if args.torchrun:  # process 0 asks for the environment's mesh, the others bootstrap without a directory
+        if os.environ["RANK"] == "0":
+            return uform.Mesh.from_env()
+        local = int(os.environ["LOCAL_RANK"])
+        return uform.Mesh.bootstrap(Executor.for_vram([local]) if args.cuda else Executor.cpu(), uform.MeshOptions())
     options = uform.MeshOptions(
         host_domain_index=args.host,
         host_domain_count=args.hosts,
