@@ -282,3 +282,23 @@ def test_a_rank_that_never_joins_the_store_is_named(tmp_path: Path) -> None:
         join(world, 0, 2, torch.device("cpu"), 1.5, [0, 1])
     assert time.monotonic() - start < 10
     assert not torch.distributed.is_initialized()
+
+
+def test_the_gradient_reducer_keeps_unused_parameters_gradless(lone_mesh: Mesh) -> None:
+    """Buckets of one parameter each, backward reaching two of three: the sums land in .grad (a world of one
+    sums to the gradient itself) and the parameter no process used keeps grad None, step after step."""
+    from uform.world import GradientReducer
+
+    world = lone_mesh.world
+    assert world is not None
+    a, b, c = (torch.nn.Parameter(torch.randn(5)) for _ in range(3))
+    reducer = GradientReducer([c, b, a], world, bucket_bytes=1)
+    assert len(reducer.buckets) == 3
+    for scale in (1.0, 2.0):
+        reducer.arm()
+        (scale * (a * a).sum() + (b * 3).sum()).backward()
+        reducer.finish()
+        assert torch.allclose(a.grad, 2 * scale * a.detach()) and torch.allclose(b.grad, torch.full((5,), 3.0))
+        assert c.grad is None
+        a.grad = b.grad = None
+    reducer.close()
