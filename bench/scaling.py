@@ -13,7 +13,7 @@ and with --devices processes (one GPU each, `Mesh.from_env()`); --launcher execu
 process. Prints tokens/s of both and the efficiency, tokens/s(N) / (N x tokens/s(1)); the bar is 0.90.
 NCCL_NVLS_ENABLE stays 0 unless set (the library's default); UFORM_WORLD_COMPILE=whole compiles the world's
 step as one graph instead of block by block (then the gradient reduction cannot overlap backward).
-Writes bench-scaling.json under $OUT (or the current folder).
+Writes bench-scaling-<launcher>[-whole].json under $OUT (or the current folder).
 """
 
 from __future__ import annotations
@@ -200,7 +200,8 @@ def main() -> None:
         "efficiency": efficiency,
         "bar": BAR,
     }
-    out = os.path.join(os.environ.get("OUT", "."), "bench-scaling.json")
+    whole = "-whole" if results["world_compile"] == "whole" else ""
+    out = os.path.join(os.environ.get("OUT", "."), f"bench-scaling-{args.launcher}{whole}.json")
     with open(out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"\n{'GPUs':>5} {'ms/step':>9} {'tokens/s':>14}")

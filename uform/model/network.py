@@ -11,7 +11,6 @@ several devices, the world) divides once by global counts.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,14 +21,12 @@ from ..data.batch import media_features
 from ..enums import Negatives, Objective, PairLossForm
 from ..losses.contrastive import contrastive_term
 from ..losses.masked import masked_text_sum, masked_units_sum
+from ..world import World, gather, gather_with_grad, world_pairs
 from .attention import DocumentMask
 from .embed import TokenEmbedding
 from .heads import MaskedTextHead, PooledHead, Temperatures, TokenHead
 from .media import MediaInput
 from .tower import Tower
-
-if TYPE_CHECKING:
-    from ..world import World
 
 
 class Network(nn.Module):
@@ -147,8 +144,6 @@ class Network(nn.Module):
             world = self.world
             if world is not None and world.size > 1:
                 # This process's rows against every process's columns: [S, W * S] scores, never [W S, W S].
-                from ..world import gather, gather_with_grad, world_pairs
-
                 columns = gather_with_grad(pooled, world)  # [W * S, D]
                 column_valid = gather(batch["slot_valid"].to(torch.uint8), world).bool()  # [W * S]
                 ambient = c.negatives == Negatives.Ambient
