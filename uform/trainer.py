@@ -9,8 +9,10 @@ so steps and saves apply in the order they were called.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import hashlib
 import json
 import os
 import threading
@@ -47,6 +49,7 @@ from .model.attention import block_tables, compiled_flex_available, document_mas
 from .model.network import Network
 from .optim import build_optimizer, learning_rate
 from .relations import check_relations
+from .world import GradientReducer, MeshError, World, reduction_order
 
 FORMAT = "uform.trainer.1"
 
@@ -77,6 +80,12 @@ class Trainer:
         self.config = config
         self.device = executor.device
         self.network = Network(config)
+        self.mesh = config.mesh
+        self.world: World | None = None if config.mesh is None else config.mesh.world
+        self.closed = False
+        self._reducer: GradientReducer | None = None
+        if self.world is not None and self.world.size > 1:
+            self.network.world = self.world
         self.optimizer: torch.optim.AdamW
         self._step_count = 0
         self._dropped = 0
@@ -96,7 +105,13 @@ class Trainer:
         cuda = self.device.type == "cuda"
         self.attention = "flex" if compiled_flex_available(self.device) else "dense"
         self._losses: Callable[..., dict[str, torch.Tensor]] = self.network.losses
-        if cuda:
+        if cuda and self.world is not None and self.world.size > 1 and _world_compile() == "blocks":
+            # Each block compiled on its own (one graph, reused by every block): backward then finishes the
+            # blocks' gradients one block at a time, so the gradient buckets reduce while earlier blocks are
+            # still differentiating. One graph over the whole step would hand every gradient back at once.
+            for block in self.network.tower.blocks:
+                block.compile(dynamic=False)
+        elif cuda:
             self._losses = torch.compile(self.network.losses, dynamic=False)
 
     # ---- construction --------------------------------------------------------------------------
@@ -118,25 +133,45 @@ class Trainer:
         if not isinstance(config, TrainerInitVramConfig):
             raise TypeError(f"config: expected a TrainerInitVramConfig, got {type(config).__name__}")
         if config.mesh is not None:
-            raise ValueError("mesh: this release trains one process alone; leave mesh None")
-        stored = None
-        if config.resume is not None:
-            stored = read_metadata(config.resume)
-            if stored.get("uform.format") != FORMAT:
-                raise ValueError(f"resume: {os.fsdecode(config.resume)} is not a uform trainer checkpoint")
-            if config.depth == 0 and config.hidden == 0:  # resume alone: the stored run's config,
-                config = _over_stored(config, from_dict(json.loads(stored["uform.config"])))  # and what was set
-        resolved = resolve(config)
-        if stored is not None:
-            _same_run(resolved, from_dict(json.loads(stored["uform.config"])))
-        trainer = cls(executor, resolved, _token=_PRIVATE)
-        trainer.media = media
-        trainer.network.initialize(resolved.seed)
-        trainer.network.to(trainer.device)
-        trainer.optimizer = build_optimizer(trainer.network, trainer.device)
-        if stored is not None:
-            trainer._resume(resolved)
+            _check_mesh(config.mesh, executor)
+        if executor.has_workers():
+            from .fleet import FleetTrainer
+
+            return FleetTrainer.start(executor, config, media)
+        world = None if config.mesh is None else config.mesh.world
+        try:
+            resolved, stored = resolve_run(config)
+            trainer = cls(executor, resolved, _token=_PRIVATE)
+            trainer.media = media
+            trainer.network.initialize(resolved.seed)
+            trainer.network.to(trainer.device)
+            trainer.optimizer = build_optimizer(trainer.network, trainer.device)
+            if stored is not None:
+                trainer._resume(resolved)
+        except BaseException:
+            if world is not None:  # the others wait to compare runs: tell them this process has none
+                with contextlib.suppress(Exception):
+                    _compare_runs(world, None, 0)
+            raise
+        if trainer.world is not None:
+            trainer._join_world()
         return trainer
+
+    def _join_world(self) -> None:
+        """Every process of the run checks that it builds the same run (a digest of the resolved config and
+        the step it starts from, all-gathered), then borrows the mesh and arms the gradient reduction."""
+        world = self.world
+        assert world is not None and self.mesh is not None
+        record = to_dict(self.config)
+        record.pop("progress_steps", None)  # how often this process reports is its own business
+        try:
+            _compare_runs(world, json.dumps(record, sort_keys=True), self._step_count)
+        except BaseException:
+            self.close()
+            raise
+        self.mesh._borrow(self)
+        if world.size > 1:
+            self._reducer = GradientReducer([p for _, p in reduction_order(self.network)], world)
 
     def _resume(self, config: TrainerInitVramConfig) -> None:
         tensors, metadata = read_checkpoint(config.resume, config.progress, config.progress_steps, self.device)
@@ -185,12 +220,17 @@ class Trainer:
         return self._step_count
 
     def close(self) -> None:
-        """Waits for queued calls and stops the trainer's threads."""
+        """Waits for queued calls and stops the trainer's threads; a mesh it borrowed is free again."""
         self._queue.shutdown(wait=True)
         self._host.shutdown(wait=True)
         self._completion.shutdown(wait=True)
         if self._decoders is not None:
             self._decoders.close()
+        if self._reducer is not None:
+            self._reducer.close()
+        self.closed = True
+        if self.mesh is not None:
+            self.mesh._release(self)
 
     def _submit_step(self, checked: _Checked) -> Future:
         with self._lock:
@@ -211,40 +251,9 @@ class Trainer:
     def _check_step(
         self, modalities: Any, contents: Any, config: TrainerStepConfig | None, copy_buffers: bool
     ) -> _Checked:
-        config = TrainerStepConfig() if config is None else config
-        if not isinstance(config, TrainerStepConfig):
-            raise TypeError(f"config: expected a TrainerStepConfig, got {type(config).__name__}")
-        mods = parse_modalities(modalities)
-        items = parse_contents(contents, len(mods))
-        live = media_features(self.config)
-        for i, m in enumerate(mods):
-            if m != Modality.Text and MEDIA_KINDS[m] not in live:
-                slice_field = "chunk_samples" if m == Modality.Audio else "patch_side"
-                raise ValueError(
-                    f"modalities[{i}]: {m} items are out of this run (its batch.{m}.{slice_field} is zero)"
-                )
-        n = len(mods)
-        if n == 0:
-            raise ValueError("modalities: a step needs at least one item")
-        r = self.config
-        bags = per_item_integers(config.bags, n, "bags", below=2**32)
-        groups = per_item_integers(config.temperature_groups, n, "temperature_groups", r.contrastive.temperature_groups)
-        sides = parse_sides(config.sides, n)
-        choices = None
-        if r.choices.weight > 0:  # read only where the run trains choices (always a copy)
-            choices = parse_choices(config.choices, config.choice_targets, mods, r.batch.max_choices_per_item)
-        if r.objective != Objective.Masked or r.late_interaction.weight > 0:  # late pairs resolve through them
-            check_relations(config.relations, n, r.contrastive.max_edges_per_device)
-        if config.arena is not None and not isinstance(config.arena, Arena):
-            raise TypeError(f"arena: expected an Arena, got {type(config.arena).__name__}")
-        if config.stats is not None and not isinstance(config.stats, TrainerStepStats):
-            raise TypeError(f"stats: expected a TrainerStepStats, got {type(config.stats).__name__}")
-        scalar = Scalar.parse(config.outputs_scalar, "outputs_scalar")
-        relations = config.relations
-        if copy_buffers:
-            items = [bytes(c) for c in items]
-            relations = copy.deepcopy(relations)
-        return _Checked(mods, items, bags, groups, sides, choices, relations, config.arena, scalar, config.stats)  # type: ignore[arg-type]
+        # In a world a process may have no items this step; it still takes its part in the collectives.
+        alone = self.world is None or self.world.size == 1
+        return check_step(self.config, modalities, contents, config, copy_buffers, allow_empty=not alone)
 
     # ---- the work ----------------------------------------------------------------------------------
 
@@ -340,10 +349,29 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = rate
         self.network.train()
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
-            terms = self._losses(tensors, mask, batch.positives, batch.late_positives)
-        totals = self.network.total(terms)
-        totals["loss"].backward()
+        world = self.world if self.world is not None and self.world.size > 1 else None
+        if world is not None and world.failed:
+            raise MeshError(world.failed[0])
+        try:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
+                terms = self._losses(tensors, mask, batch.positives, batch.late_positives)
+            if world is not None:  # every process divides its sums by the world's counts
+                terms = _world_counts(terms, world)
+            totals = self.network.total(terms)
+            if self._reducer is not None:
+                self._reducer.arm()
+            totals["loss"].backward()
+            if self._reducer is not None:
+                self._reducer.finish()  # the gradients of the world's loss, summed over its processes
+            world_stats = None
+            if world is not None:  # the world's means: each process's share, summed
+                zero = totals["loss"].new_zeros(())
+                world_stats = torch.stack([totals.get(k, zero).detach().float() for k in _STAT_TERMS])
+                world.all_reduce(world_stats)
+        except Exception as error:
+            if world is not None:
+                raise _broken(world, error, step) from error
+            raise
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._step_count = step
@@ -355,7 +383,11 @@ class Trainer:
         readback: dict[str, torch.Tensor] = {}
         if checked.stats is not None:
             zero = totals["loss"].new_zeros(())
-            readback["stats"] = torch.stack([totals.get(k, zero).detach().float() for k in _STAT_TERMS])
+            readback["stats"] = (
+                world_stats
+                if world_stats is not None
+                else torch.stack([totals.get(k, zero).detach().float() for k in _STAT_TERMS])
+            )
             dropped, self._dropped = self._dropped, 0
             skipped, self._skipped = self._skipped, 0
         if checked.arena is not None:
@@ -389,6 +421,8 @@ class Trainer:
         return finish
 
     def _run_save(self, config: TrainerSaveConfig) -> None:
+        if self.world is not None and self.world.rank != 0:
+            return  # only the process of index zero writes; every process holds the same weights
         names = dict(self.network.named_parameters())
         tensors: dict[str, torch.Tensor] = {f"weights.{k}": v.detach() for k, v in self.network.state_dict().items()}
         for name, p in names.items():
@@ -406,6 +440,160 @@ class Trainer:
             "uform.rng": json.dumps({"draws": "pcg64 keyed by (seed, step, stream)", "seed": self.config.seed}),
         }
         write_checkpoint(config.path, tensors, metadata, config.progress, config.progress_steps or 10)
+
+
+def check_step(
+    run: TrainerInitVramConfig,
+    modalities: Any,
+    contents: Any,
+    config: TrainerStepConfig | None,
+    copy_buffers: bool,
+    *,
+    allow_empty: bool = False,
+    edge_factor: int = 1,
+) -> _Checked:
+    """Every check of a step's arguments against the run `run` (nothing changes when one fails); answers
+    them owned by the trainer when `copy_buffers`. `edge_factor` devices share the step's edges."""
+    config = TrainerStepConfig() if config is None else config
+    if not isinstance(config, TrainerStepConfig):
+        raise TypeError(f"config: expected a TrainerStepConfig, got {type(config).__name__}")
+    mods = parse_modalities(modalities)
+    items = parse_contents(contents, len(mods))
+    live = media_features(run)
+    for i, m in enumerate(mods):
+        if m != Modality.Text and MEDIA_KINDS[m] not in live:
+            slice_field = "chunk_samples" if m == Modality.Audio else "patch_side"
+            raise ValueError(f"modalities[{i}]: {m} items are out of this run (its batch.{m}.{slice_field} is zero)")
+    n = len(mods)
+    if n == 0 and not allow_empty:
+        raise ValueError("modalities: a step needs at least one item")
+    bags = per_item_integers(config.bags, n, "bags", below=2**32)
+    groups = per_item_integers(config.temperature_groups, n, "temperature_groups", run.contrastive.temperature_groups)
+    sides = parse_sides(config.sides, n)
+    choices = None
+    if run.choices.weight > 0:  # read only where the run trains choices (always a copy)
+        choices = parse_choices(config.choices, config.choice_targets, mods, run.batch.max_choices_per_item)
+    if run.objective != Objective.Masked or run.late_interaction.weight > 0:  # late pairs resolve through them
+        check_relations(config.relations, n, run.contrastive.max_edges_per_device * edge_factor)
+    if config.arena is not None and not isinstance(config.arena, Arena):
+        raise TypeError(f"arena: expected an Arena, got {type(config.arena).__name__}")
+    if config.stats is not None and not isinstance(config.stats, TrainerStepStats):
+        raise TypeError(f"stats: expected a TrainerStepStats, got {type(config.stats).__name__}")
+    scalar = Scalar.parse(config.outputs_scalar, "outputs_scalar")
+    relations = config.relations
+    if copy_buffers:
+        items = [bytes(c) for c in items]
+        relations = copy.deepcopy(relations)
+    return _Checked(mods, items, bags, groups, sides, choices, relations, config.arena, scalar, config.stats)  # type: ignore[arg-type]
+
+
+def resolve_run(config: TrainerInitVramConfig) -> tuple[TrainerInitVramConfig, dict[str, str] | None]:
+    """The resolved run of an init config (the stored run's, with what the caller set, on a resume alone),
+    checked against the checkpoint it resumes; answers it and the checkpoint's metadata."""
+    stored = None
+    if config.resume is not None:
+        stored = read_metadata(config.resume)
+        if stored.get("uform.format") != FORMAT:
+            raise ValueError(f"resume: {os.fsdecode(config.resume)} is not a uform trainer checkpoint")
+        if config.depth == 0 and config.hidden == 0:  # resume alone: the stored run's config,
+            config = _over_stored(config, from_dict(json.loads(stored["uform.config"])))  # and what was set
+    resolved = resolve(config)
+    if stored is not None:
+        _same_run(resolved, from_dict(json.loads(stored["uform.config"])))
+    return resolved, stored
+
+
+def _compare_runs(world: World, text: str | None, step: int) -> None:
+    """Every process of a world calls this in init_vram with its resolved run as JSON (None: this process
+    could not build one) and the step it starts from; raises on every process when they differ."""
+    digest = np.zeros(2, dtype=np.int64)
+    if text is not None:
+        digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], dtype=np.int64)
+    mine = torch.tensor([int(text is not None), *digest.tolist(), step], dtype=torch.int64, device=world.device)
+    try:
+        every = world.all_gather(mine[None]).cpu().tolist()  # [W, 4]
+        texts: list[Any] = [None] * world.size
+        if all(row[0] for row in every) and any(row[1:3] != every[0][1:3] for row in every):
+            torch.distributed.all_gather_object(texts, text, group=world.group)
+    except Exception as error:
+        raise MeshError(f"mesh: the processes of the run could not compare their runs ({error})") from error
+    if text is None:
+        return
+    failed = [rank for rank, row in enumerate(every) if not row[0]]
+    if failed:
+        raise MeshError(
+            f"mesh: processes {failed} could not build the run (their init_vram raised; see their errors); "
+            "every process of a run builds it, or none does"
+        )
+    for rank, row in enumerate(every):
+        if row[1:3] != every[0][1:3]:
+            field, ours, theirs = _first_difference(json.loads(texts[0]), json.loads(texts[rank]))
+            raise ValueError(
+                f"config: process {rank} builds another run than process 0: its {field} is {theirs!r}, "
+                f"process 0's {ours!r}; every process of a run calls init_vram with the same geometry, "
+                "objective, seed and schedule"
+            )
+    for rank, row in enumerate(every):
+        if row[3] != every[0][3]:
+            raise ValueError(
+                f"resume: process {rank} starts at step {row[3]}, process 0 at step {every[0][3]}; every "
+                "process of a run resumes the same checkpoint"
+            )
+
+
+def _world_compile() -> str:
+    """How a world's step compiles on CUDA: 'blocks' (the default; gradient reduction overlaps backward) or
+    'whole' (one graph for the step, as one process alone compiles it; the reduction follows backward),
+    from UFORM_WORLD_COMPILE."""
+    mode = os.environ.get("UFORM_WORLD_COMPILE", "blocks")
+    if mode not in ("blocks", "whole"):
+        raise ValueError(f"UFORM_WORLD_COMPILE: expected 'blocks' or 'whole', got {mode!r}")
+    return mode
+
+
+def _world_counts(terms: dict[str, torch.Tensor], world: World) -> dict[str, torch.Tensor]:
+    """The terms with every count summed over the world (one all-reduce, no gradient), so that each
+    process's sums divided by them add up, over the processes, to the world's means. A count is every
+    scalar term but the sums (`*_sum`): whatever (sum, count) pairs the network answers, they slot in."""
+    names = sorted(k for k, v in terms.items() if v.dim() == 0 and not k.endswith("_sum"))
+    if not names:
+        return terms
+    counts = world.all_reduce(torch.stack([terms[k].detach().float() for k in names]))
+    out = dict(terms)
+    out.update({k: counts[i].to(terms[k].dtype) for i, k in enumerate(names)})
+    return out
+
+
+def _broken(world: World, error: BaseException, step: int) -> MeshError:
+    """A step of the world failed mid-way: no process can know where the others stopped, so the world is
+    done; this and every later step raise the same error."""
+    message = (
+        f"mesh: step {step} failed on process {world.rank} of {world.size}: a peer process stopped, stalled "
+        f"past the {world.timeout:g} s deadline or failed ({type(error).__name__}: {error}); restart every "
+        "process, and init_vram with resume continues the run from its last checkpoint"
+    )
+    world.failed.append(message)
+    return MeshError(message)
+
+
+def _check_mesh(mesh: Any, executor: Executor) -> None:
+    from .mesh import Mesh
+
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a Mesh, got {type(mesh).__name__}")
+    if mesh.closed:
+        raise ValueError("mesh: this mesh was closed")
+    if mesh.executor is not executor:
+        raise ValueError(f"mesh: it was made over {mesh.executor}, not this trainer's executor {executor}")
+
+
+def _first_difference(ours: Any, theirs: Any, name: str = "") -> tuple[str, Any, Any]:
+    """The first field (dotted) where two config records differ, with both values."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        for key in sorted(set(ours) | set(theirs)):
+            if ours.get(key) != theirs.get(key):
+                return _first_difference(ours.get(key), theirs.get(key), f"{name}.{key}" if name else key)
+    return name or "config", ours, theirs
 
 
 _STAT_TERMS = (
@@ -455,7 +643,7 @@ class On:
     def save(self, config: Any) -> None:
         """Writes the checkpoint; `config` is a path or a `TrainerSaveConfig`."""
         t = self.trainer
-        return t._queue.submit(t._run_save, _save_config(config)).result()
+        return t._queue.submit(t._run_save, save_config(config)).result()
 
 
 class Deferred:
@@ -471,10 +659,10 @@ class Deferred:
 
     def save(self, config: Any) -> Future:
         t = self.trainer
-        return t._queue.submit(t._run_save, _save_config(config))
+        return t._queue.submit(t._run_save, save_config(config))
 
 
-def _save_config(config: Any) -> TrainerSaveConfig:
+def save_config(config: Any) -> TrainerSaveConfig:
     if isinstance(config, TrainerSaveConfig):
         saved = config
     elif isinstance(config, (str, bytes, os.PathLike)):

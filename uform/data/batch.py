@@ -7,11 +7,13 @@ columns and Dt document token rows; K legal bytes per choice (`max_choices_per_i
 Every array but the media units has a shape fixed by the run's capacities (never by the step's content),
 so the compiled step sees the same shapes every time; the media arrays' first axis U varies and is
 compiled as a dynamic size (padded to at least two units, so it never hits the sizes 0 and 1 that
-torch.compile specialises). Every draw comes from a generator keyed by (seed, step, stream).
+torch.compile specialises). Every draw comes from a generator keyed by (seed, step, stream), and an item's
+corruption and media mask by its own digest too (`item_key`), so they do not depend on its neighbours.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -67,9 +69,20 @@ def mask_units(kind: str, units: Units, ratio: float, rng: np.random.Generator) 
     return masked
 
 
-def keyed_rng(seed: int, step: int, stream: int) -> np.random.Generator:
-    """The generator of one (seed, step, stream): the same key gives the same draws on any machine."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, step, stream])))
+def keyed_rng(seed: int, step: int, stream: int, *key: int) -> np.random.Generator:
+    """The generator of one (seed, step, stream[, key...]): the same key gives the same draws on any machine."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, step, stream, *key])))
+
+
+def item_key(modality: Modality, content: bytes | memoryview) -> int:
+    """A 128-bit digest of an item's modality and bytes: the key of its own draws (corruption, media masks).
+
+    Keying an item's draws by what it is rather than where it sits makes them the same whichever items
+    share its step and whichever device or process it lands on, so the world's step is the same function
+    for any number of processes. Two equal items of one step draw alike.
+    """
+    digest = hashlib.blake2b(content, digest_size=16, person=b"uform.item" + bytes([int(modality)]))
+    return int.from_bytes(digest.digest(), "little")
 
 
 def covered_capacity(config: TrainerInitVramConfig) -> int:
@@ -208,7 +221,7 @@ def prepare(
     features = media_features(config)
     gathered: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {kind: [] for kind in features}
     masking = config.objective != Objective.Contrastive
-    media_rng = keyed_rng(config.seed, step, MEDIA_STREAM)
+    span_items: list[int] = []
     truncated = layout.truncated.copy()
     mask_at = np.zeros(n, dtype=np.int64)
     for i in np.flatnonzero(layout.placed).tolist():
@@ -219,11 +232,16 @@ def prepare(
         if modalities[i] == Modality.Text:
             fill_text(rows, layout, i, prefixes[i], contents[i])
             spans.append((int(layout.row[i]), int(layout.column[i]) + p, int(layout.length[i]) - p))
+            span_items.append(i)
             continue
         kind, item = MEDIA_KINDS[modalities[i]], units[i]
         index = fill_units(rows, layout, i, prefixes[i], vocab.MODALITY_MARKER[modalities[i]], item.positions)
         ratio = getattr(config.masking, f"{kind}_mask_ratio")
-        masked = mask_units(kind, item, ratio, media_rng) if masking else np.zeros(len(item), dtype=bool)
+        if masking:
+            rng = keyed_rng(config.seed, step, MEDIA_STREAM, item_key(modalities[i], contents[i]))
+            masked = mask_units(kind, item, ratio, rng)
+        else:
+            masked = np.zeros(len(item), dtype=bool)
         gathered[kind].append((item.values, index, masked))
         truncated[i] |= item.truncated
     media = {kind: _stack_units(gathered[kind], f, UNIT_DTYPES[kind]) for kind, f in features.items()}
@@ -234,7 +252,8 @@ def prepare(
     target_weight = np.zeros(capacity, dtype=np.float32)
     tokens = rows.tokens
     if config.objective != Objective.Contrastive:
-        tokens, covered = corrupt_text(rows.tokens, spans, config.masking, keyed_rng(config.seed, step, CORRUPT_STREAM))
+        rngs = [keyed_rng(config.seed, step, CORRUPT_STREAM, item_key(modalities[i], contents[i])) for i in span_items]
+        tokens, covered = corrupt_text(rows.tokens, spans, config.masking, rngs)
         where = np.flatnonzero(covered.reshape(-1))
         target_index[: len(where)] = where
         targets[: len(where)] = rows.tokens.reshape(-1)[where]
