@@ -124,6 +124,8 @@ def child(args: argparse.Namespace) -> None:
     d = mesh.describe()
     trainer = u.Trainer.init_vram(mesh.executor, run_config(args, mesh))
     result = measure(args, trainer, mesh.executor, 1, offset=d.ranks[0] * args.segments)
+    if args.profile:
+        profile(args, trainer, mesh.executor, d.ranks[0], offset=d.ranks[0] * args.segments)
     result["tokens_per_s"] *= d.world_size
     result["world_size"] = d.world_size
     result["gpu_class"] = str(d.gpu_class)
@@ -132,6 +134,25 @@ def child(args: argparse.Namespace) -> None:
     if d.ranks[0] == 0:
         Path(args.child).write_text(json.dumps(result))
     mesh.close()
+
+
+def profile(args: argparse.Namespace, trainer: Any, executor: Any, rank: int, offset: int) -> None:
+    """`args.profile` more steps under torch.profiler; the top operators by device and by host time go to
+    $OUT/profile-world<W>-rank<r>.txt (where a world's step spends what one process's does not)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    saved = args.steps, args.warmup
+    args.steps, args.warmup = args.profile, 0
+    with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as recorded:
+        measure(args, trainer, executor, 1, offset)
+    args.steps, args.warmup = saved
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    averages = recorded.key_averages()
+    text = averages.table(sort_by="self_cuda_time_total", row_limit=30)
+    text += "\n" + averages.table(sort_by="self_cpu_time_total", row_limit=30)
+    out = Path(os.environ.get("OUT", ".")) / f"profile-world{world}-rank{rank}.txt"
+    out.write_text(text)
 
 
 def with_torchrun(args: argparse.Namespace, processes: int) -> dict[str, Any]:
@@ -173,6 +194,7 @@ def main() -> None:
     parser.add_argument("--segments", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--profile", type=int, default=0, help="profile this many more steps per process")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)  # a smoke test of the script
     args = parser.parse_args()
