@@ -251,7 +251,10 @@ class GradientReducer:
             bucket.buffer[at : at + n].zero_()
             return
         bucket.buffer[at : at + n].copy_(p.grad.reshape(-1))
-        bucket.buffer[bucket.numel + index] = 1.0
+        # fill_, not `buffer[k] = 1.0`: assigning a Python number copies a host scalar from pageable memory,
+        # which synchronises the stream; once per parameter it stalled the host on every step (H200 profile:
+        # ~79 cudaStreamSynchronize per step, 2-GPU weak scaling 64-70%).
+        bucket.buffer[bucket.numel + index].fill_(1.0)
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
