@@ -620,7 +620,9 @@ def _worker_step(state: dict[str, Any], ident: int, argument: dict[str, Any], an
     future.add_done_callback(done)
 
 
-def _choice_share(choices: ChoiceTapes, items: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _choice_share(
+    choices: ChoiceTapes, items: Sequence[int] | np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One device's part of a step's checked choices: (data, offsets, targets, offsets) tapes of `items`."""
     parts = [choices.of(i) for i in items]
     offsets = np.cumsum([0] + [len(legal) for legal, _ in parts]).astype(np.int64)

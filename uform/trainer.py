@@ -41,8 +41,7 @@ from .data.batch import MEDIA_KINDS, Batch, media_features, prepare
 from .data.items import ChoiceTapes, parse_choices, parse_contents, parse_modalities, parse_sides, per_item_integers
 from .enums import LateInteractionSide, Modality, Objective, Scalar
 from .executor import Executor
-from .media.decode import MediaPolicy, decode_item
-from .media.limits import MediaError
+from .media.decode import MediaPolicy, decode_items
 from .media.pool import DecodePool
 from .media.units import Units
 from .model.attention import block_tables, compiled_flex_available, document_mask
@@ -290,24 +289,13 @@ class Trainer:
         with self._lock:
             if self._decoders is None:
                 self._decoders = DecodePool(self.media.workers, self.media.limits.timeout_seconds)
-        b = self.config.batch
         late = self.config.late_interaction.weight > 0
-        max_units = b.max_columns_per_row - (2 if late else 1)
-        geometry = {"image": vars(b.image), "video": vars(b.video), "audio": vars(b.audio)}
-        jobs: list[tuple[tuple, dict]] = []
-        for i in items:
-            kind = MEDIA_KINDS[checked.modalities[i]]
-            jobs.append(((kind, bytes(checked.contents[i]), dict(geometry[kind]), max_units, self.media.limits), {}))
-        outcomes = self._decoders.map(decode_item, jobs)
-        units: dict[int, Units] = {}
+        max_units = self.config.batch.max_columns_per_row - (2 if late else 1)
+        units, failed = decode_items(
+            self._decoders, self.media, self.config.batch, checked.modalities, checked.contents, items, max_units
+        )
         skipped = np.zeros(len(checked.modalities), dtype=bool)
-        for i, outcome in zip(items, outcomes, strict=True):
-            if outcome.error is None:
-                units[i] = outcome.value  # type: ignore[assignment]
-                continue
-            reason = outcome.error.removeprefix("MediaError: ")
-            if self.media.strict:
-                raise MediaError(reason, item=i)
+        for i, reason in failed:
             skipped[i] = True
             warnings.warn(
                 f"uform: skipped contents[{i}] ({checked.modalities[i]}): {reason}", MediaWarning, stacklevel=2
