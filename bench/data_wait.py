@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from decode import PHOTOS, photo  # a sibling script, not a package
+from common import joint_config, topic_text  # sibling scripts, not a package
+from decode import PHOTOS, photo
 
 
 def crops(count: int, side: int = 256) -> list[bytes]:
@@ -53,11 +54,9 @@ def crops(count: int, side: int = 256) -> list[bytes]:
 
 
 def step_items(args: argparse.Namespace) -> tuple[list[Any], list[bytes], Any]:
-    import pydoc_data.topics
-
     import uform as u
 
-    text = " ".join(" ".join(v.split()) for v in pydoc_data.topics.topics.values()).encode()
+    text = topic_text()
     modalities = [u.Modality.Image] * args.images + [u.Modality.Text] * args.texts
     contents = crops(args.images) + [text[i * args.text_bytes : (i + 1) * args.text_bytes] for i in range(args.texts)]
     pairs = min(args.images, args.texts)
@@ -117,19 +116,7 @@ def main() -> None:
     from uform.media.decode import MediaPolicy
 
     executor = u.Executor.for_vram([0]) if args.executor == "cuda" else u.Executor.cpu()
-    config = u.TrainerInitVramConfig(
-        depth=args.depth,
-        hidden=args.hidden,
-        objective=u.Objective.Joint,
-        batch=u.BatchShape(
-            max_rows_per_device=args.rows,
-            max_segments_per_device=args.segments,
-            max_columns_per_row=args.columns,
-            image=u.ImageShape(patch_side=16, channels=4),
-        ),
-        schedule=u.Schedule(steps=100_000),
-        seed=42,
-    )
+    config = joint_config(args, batch={"image": u.ImageShape(patch_side=16, channels=4)})
     modalities, contents, relations = step_items(args)
     trainer = u.Trainer.init_vram(executor, config, media=MediaPolicy(workers=args.workers))
     try:

@@ -192,27 +192,15 @@ def host_prepare_seconds(args: argparse.Namespace) -> dict[str, Any]:
     """Seconds per step of `Trainer._prepare` (and of its decode, `Trainer._decode`) for `args.images` 256 x 256
     JPEGs beside `args.texts` captions, on a trainer of the given geometry; the first step (pool start) is left
     out. This is the host-side work a step's device stage may wait on."""
-    import pydoc_data.topics
+    from common import joint_config, topic_text
 
     import uform as u
     from uform.media.decode import MediaPolicy
 
     executor = u.Executor.for_vram([0]) if args.executor == "cuda" else u.Executor.cpu()
-    config = u.TrainerInitVramConfig(
-        depth=args.depth,
-        hidden=args.hidden,
-        objective=u.Objective.Joint,
-        batch=u.BatchShape(
-            max_rows_per_device=args.rows,
-            max_segments_per_device=args.segments,
-            max_columns_per_row=args.columns,
-            image=u.ImageShape(patch_side=16, channels=4),
-        ),
-        schedule=u.Schedule(steps=10_000),
-        seed=42,
-    )
+    config = joint_config(args, batch={"image": u.ImageShape(patch_side=16, channels=4)})
     trainer = u.Trainer.init_vram(executor, config, media=MediaPolicy(workers=args.workers))
-    text = " ".join(" ".join(v.split()) for v in pydoc_data.topics.topics.values()).encode()
+    text = topic_text()
     images = jpegs(256)
     modalities = [u.Modality.Image] * args.images + [u.Modality.Text] * args.texts
     contents = [images[i % len(images)] for i in range(args.images)]
