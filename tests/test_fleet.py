@@ -242,3 +242,21 @@ def test_late_interaction_and_choices_route_with_their_items(two: Executor) -> N
         assert b.late_interaction_loss > 0 and b.choices_loss > 0
         for name in ("loss", "late_interaction_loss", "choices_loss", "masked_text_loss", "contrastive_loss"):
             assert getattr(a, name) == pytest.approx(getattr(b, name), rel=1e-5), name
+
+
+def test_progress_callbacks_are_refused_not_dropped(two: Executor, tmp_path: Path) -> None:
+    """The workers cannot relay progress yet: a callback is refused with a clear error, never ignored."""
+    from uform import TrainerSaveConfig
+
+    with pytest.raises(ValueError, match=r"^progress: an executor of several devices"):
+        Trainer.init_vram(two, wc.config(*wc.CASES[0][1:], progress=lambda done, total: True))
+    trainer = Trainer.init_vram(two, wc.config(*wc.CASES[0][1:]))
+    try:
+        path = tmp_path / "refused.safetensors"
+        with pytest.raises(ValueError, match=r"^progress: an executor of several devices"):
+            trainer.save(TrainerSaveConfig(path=str(path), progress=lambda done, total: True))
+        assert not path.exists()
+        trainer.save(str(path))
+        assert path.exists()
+    finally:
+        trainer.close()

@@ -287,6 +287,11 @@ class FleetTrainer(Trainer):
     def start(cls, executor: Any, config: TrainerInitVramConfig, media: Any) -> Any:
         from .mesh import Mesh, MeshOptions
 
+        if config.progress is not None:
+            raise ValueError(
+                "progress: an executor of several devices does not relay progress from its worker processes "
+                "yet; leave it None"
+            )
         resolved, _stored = resolve_run(config)
         mesh, owns = config.mesh, False
         if mesh is None:  # this process alone: a world of its own devices
@@ -408,7 +413,12 @@ class FleetTrainer(Trainer):
         if self.closed:
             raise ValueError("trainer: it was closed")
         saved = save_config(config)
-        shipped = dataclasses.replace(saved, progress=None)
+        if saved.progress is not None:
+            raise ValueError(
+                "progress: an executor of several devices does not relay progress from its worker processes "
+                "yet; leave it None"
+            )
+        shipped = saved
         futures = self._fleet.call([("save", shipped)] * len(self._fleet.devices))
         done: Future = Future()
         done.set_running_or_notify_cancel()
