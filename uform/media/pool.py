@@ -285,7 +285,7 @@ class DecodePool:
             try:
                 process.start()
             except BaseException:
-                _release_slab(slab, path)
+                release_slab(slab, path)
                 raise
             finally:
                 child_end.close()  # the parent keeps only its end, so a dead worker reads as end of file
@@ -299,7 +299,7 @@ class DecodePool:
                 data = worker.conn.recv_bytes()
                 now = time.monotonic()
                 try:
-                    message = _load_message(data, worker.slab)
+                    message = load_message(data, worker.slab)
                 except Exception as exc:  # a result whose class does not load here; the worker itself is fine
                     message = ("error", f"could not load the result: {_describe(exc)}")
                 del data
@@ -307,7 +307,7 @@ class DecodePool:
                 if kind == "ready" and worker.state == _BOOTING:
                     worker.state, worker.deadline = _IDLE, math.inf
                     self._boot_failures = 0
-                    _release_slab(None, worker.slab_path)  # the worker has mapped it: the name can go
+                    release_slab(None, worker.slab_path)  # the worker has mapped it: the name can go
                     worker.slab_path = None
                 elif kind == "started" and worker.state in (_LOADING, _RUNNING):
                     worker.state, worker.deadline = _RUNNING, now + self.timeout_seconds
@@ -356,7 +356,7 @@ class DecodePool:
             self._workers.remove(worker)
         with contextlib.suppress(OSError):
             worker.conn.close()
-        _release_slab(worker.slab, worker.slab_path)
+        release_slab(worker.slab, worker.slab_path)
         worker.slab, worker.slab_path = None, None
         if worker.state == _BOOTING:
             self._boot_failures += 1
@@ -381,7 +381,7 @@ class DecodePool:
                     self._workers.remove(worker)
                 with contextlib.suppress(OSError):
                     worker.conn.close()
-                _release_slab(worker.slab, worker.slab_path)
+                release_slab(worker.slab, worker.slab_path)
                 worker.slab, worker.slab_path = None, None
 
 
@@ -427,31 +427,53 @@ def _shutdown(workers: list[_Worker]) -> None:
             if worker.process.is_alive():
                 worker.process.kill()
                 worker.process.join(_REAP_SECONDS)
-        _release_slab(worker.slab, worker.slab_path)
+        release_slab(worker.slab, worker.slab_path)
         worker.slab, worker.slab_path = None, None
     workers.clear()
 
 
-def _new_slab(size: int) -> tuple[mmap.mmap | None, str | None]:
-    """A fresh zero-filled (sparse) slab file under /dev/shm, mapped here; (None, None) where there is none."""
+def create_slab(size: int, prefix: str = "uform-decoder-") -> tuple[mmap.mmap | None, str | None, int | None]:
+    """A fresh zero-filled (sparse) slab file of `size` bytes under /dev/shm, mapped here: (mapping, path, open
+    descriptor), or (None, None, None) where there is none. The caller unlinks the path once the other process has
+    mapped it (`release_slab`), and closes the descriptor when it no longer reserves pages (`reserve_slab`)."""
     if not os.path.isdir(_SLAB_FOLDER):
-        return None, None
+        return None, None, None
     try:
-        fd, path = tempfile.mkstemp(prefix="uform-decoder-", dir=_SLAB_FOLDER)
+        fd, path = tempfile.mkstemp(prefix=prefix, dir=_SLAB_FOLDER)
     except OSError:
-        return None, None
+        return None, None, None
     try:
         os.ftruncate(fd, size)
-        return mmap.mmap(fd, size), path
-    except OSError:
+        return mmap.mmap(fd, size), path, fd
+    except (OSError, ValueError, OverflowError):
         with contextlib.suppress(OSError):
             os.unlink(path)
-        return None, None
-    finally:
         os.close(fd)
+        return None, None, None
 
 
-def _release_slab(slab: mmap.mmap | None, path: str | None) -> None:
+def _new_slab(size: int) -> tuple[mmap.mmap | None, str | None]:
+    """A decoder's slab: `create_slab` without the descriptor (its results are bounded by the slab's size)."""
+    slab, path, fd = create_slab(size)
+    if fd is not None:
+        os.close(fd)
+    return slab, path
+
+
+def reserve_slab(fd: int, offset: int, length: int) -> bool:
+    """Backs `length` bytes of a slab file from `offset` with memory now (``posix_fallocate``), so that writing
+    them cannot fault with SIGBUS when /dev/shm is full; False when there is no room (the caller sends in band)."""
+    if length <= 0:
+        return True
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except (OSError, AttributeError):  # ENOSPC, or no posix_fallocate on this platform
+        return False
+    return True
+
+
+def release_slab(slab: mmap.mmap | None, path: str | None) -> None:
+    """Unlinks a slab's file (when `path` is not None) and closes the mapping (unless views of it live on)."""
     if path is not None:
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -460,17 +482,60 @@ def _release_slab(slab: mmap.mmap | None, path: str | None) -> None:
             slab.close()
 
 
-def _load_message(data: bytes, slab: mmap.mmap | None) -> Any:
-    """A worker's message: plain pickle, or ``("slab", header, spans)`` whose buffers wait in the worker's slab."""
+def load_message(data: bytes, slab: mmap.mmap | None, copy: bool = True) -> Any:
+    """A message: plain pickle, or ``("slab", header, spans)`` whose out-of-band buffers wait in `slab` at the
+    (offset, length) `spans`. `copy` takes each buffer out of the slab (the one copy); without it the message's
+    arrays are views of the slab, valid until the writer reuses those bytes."""
     message = pickle.loads(data)
     if isinstance(message, tuple) and len(message) == 3 and message[0] == "slab":
         if slab is None:
             raise ValueError("a slab message from a worker without a slab")
         _, header, spans = message
+        if not copy:
+            view = memoryview(slab)
+            return pickle.loads(header, buffers=[view[at : at + length] for at, length in spans])
         with memoryview(slab) as view:  # the one copy, out of the slab
             buffers = [bytearray(view[at : at + length]) for at, length in spans]
         return pickle.loads(header, buffers=buffers)
     return message
+
+
+def slab_payload(
+    message: Any,
+    slab: mmap.mmap,
+    start: int = 0,
+    end: int | None = None,
+    reserve: Callable[[int], bool] | None = None,
+    in_band_below: int = 0,
+) -> bytes | None:
+    """``("slab", header, spans)`` with the message's out-of-band buffers (those of `in_band_below` bytes or more)
+    written into `slab[start:end]`; None when it has none, or they do not fit, or `reserve(length)` (which backs
+    the first `length` bytes of that area) says there is no room: the message then crosses the pipe whole."""
+    buffers: list[pickle.PickleBuffer] = []
+
+    def out_of_band(buffer: pickle.PickleBuffer) -> bool:
+        with buffer.raw() as raw:  # raises for a non-contiguous buffer: the caller's fallback sends in band
+            if raw.nbytes < in_band_below:
+                return True
+        buffers.append(buffer)
+        return False
+
+    header = pickle.dumps(message, protocol=5, buffer_callback=out_of_band)
+    if not buffers:
+        return None
+    end = len(slab) if end is None else end
+    views = [b.raw() for b in buffers]
+    spans, at = [], start
+    for view in views:
+        if at + view.nbytes > end:
+            return None
+        spans.append((at, view.nbytes))
+        at += -(-view.nbytes // _SLAB_ALIGN) * _SLAB_ALIGN
+    if reserve is not None and not reserve(spans[-1][0] + spans[-1][1] - start):
+        return None
+    for view, (at, length) in zip(views, spans, strict=True):
+        slab[at : at + length] = view
+    return pickle.dumps(("slab", header, spans), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 # -- the worker process --------------------------------------------------------------------------------------------
@@ -483,7 +548,7 @@ def _send(conn: Connection, message: tuple[Any, ...], slab: mmap.mmap | None = N
         payload = None
         if slab is not None:
             with contextlib.suppress(Exception):  # e.g. a non-contiguous buffer: the message goes in band
-                payload = _slab_payload(message, slab)
+                payload = slab_payload(message, slab)
         if payload is None:
             payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # an unpicklable result (or one whose pickling raised)
@@ -493,24 +558,6 @@ def _send(conn: Connection, message: tuple[Any, ...], slab: mmap.mmap | None = N
     except OSError:
         return False
     return True
-
-
-def _slab_payload(message: tuple[Any, ...], slab: mmap.mmap) -> bytes | None:
-    """``("slab", header, spans)`` with the message's out-of-band buffers written into `slab`; None when it has
-    none, or they do not fit (the message then crosses the pipe whole)."""
-    buffers: list[pickle.PickleBuffer] = []
-    header = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
-    if not buffers:
-        return None
-    views = [b.raw() for b in buffers]  # raises for a non-contiguous buffer: the caller's fallback sends in band
-    spans, at = [], 0
-    for view in views:
-        if at + view.nbytes > len(slab):
-            return None
-        slab[at : at + view.nbytes] = view
-        spans.append((at, view.nbytes))
-        at += -(-view.nbytes // _SLAB_ALIGN) * _SLAB_ALIGN
-    return pickle.dumps(("slab", header, spans), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _worker_main(conn: Connection, slab_path: str | None = None, slab_bytes: int = _SLAB_BYTES) -> None:
