@@ -59,6 +59,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -107,6 +108,7 @@ _CLOSE_GRACE_SECONDS = 10.0
 _REAP_SECONDS = 5.0
 
 _DEFAULT_CONTEXT = "forkserver" if sys.platform.startswith("linux") else "spawn"
+_DECODER_PRELOAD = ["uform.media.decode", "uform.media.image", "uform.media.video", "uform.media.audio"]
 
 
 class HostProcessError(RuntimeError):
@@ -186,8 +188,8 @@ def adopt(answer: HostAnswer, pin: bool) -> dict[str, torch.Tensor]:
 
     host = answer.batch.host_tensors(pin, copy=True)
     for name, table in answer.tables.items():
-        t = torch.from_numpy(table)
-        host[f"block.{name}"] = t.pin_memory() if pin else t.clone()
+        t = torch.from_numpy(table) if pin else torch.from_numpy(np.array(table, order="C", copy=True))
+        host[f"block.{name}"] = t.pin_memory() if pin else t
     answer.batch.adopt(host)
     answer.tables = {}
     return host
@@ -582,6 +584,14 @@ def _host_main(
     """A host process's whole life: map the slab, say ready, then prepare each step it is sent on a thread of
     its own until an empty message (exit) or end of file (the trainer's process died)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's process's to handle
+    # The decoder processes this one starts need none of the trainer's main module (their jobs are uform's own
+    # functions), yet multiprocessing re-runs the main module in every child it starts (a forkserver or spawn
+    # child imports it as __mp_main__): a training script that imports torch at its top would load torch in
+    # each decoder (about 2 s and 300 MB apiece). This process's children see a main module without a file, and
+    # their fork server preloads the decoding libraries instead, once.
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    with contextlib.suppress(Exception):  # no fork server on this platform
+        multiprocessing.get_context("forkserver").set_forkserver_preload(_DECODER_PRELOAD)
     slab, fd = None, None
     if path is not None:
         try:

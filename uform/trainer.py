@@ -139,9 +139,8 @@ class Trainer:
         `host_processes` says where each step's host stage runs (decode, pack, corrupt, pair; `uform.host`):
         0 on two threads of this process, N >= 1 in N processes of its own (started on the first step, each
         with its share of `media.workers` decoders), which leave this process only the device stage, so its
-        interpreter lock is the device thread's. None (the default) takes one process for a run with a media
-        modality and none for a text-only run. Where it runs changes no result: the batches, and so the
-        training, are bitwise the same.
+        interpreter lock is the device thread's. None (the default) takes one process on CUDA and none on the
+        CPU. Where it runs changes no result: the batches, and so the training, are bitwise the same.
         """
         media = MediaPolicy() if media is None else media
         if not isinstance(media, MediaPolicy):
@@ -163,7 +162,7 @@ class Trainer:
         world = None if config.mesh is None else config.mesh.world
         try:
             resolved, stored = resolve_run(config)
-            hosts = default_host_processes(resolved) if host_processes is None else host_processes
+            hosts = default_host_processes(executor) if host_processes is None else host_processes
             trainer = cls(executor, resolved, host_processes=hosts, _token=_PRIVATE)
             trainer.media = media
             trainer.network.initialize(resolved.seed)
@@ -505,10 +504,13 @@ def check_step(
     return _Checked(mods, items, bags, groups, sides, choices, relations, config.arena, scalar, config.stats)  # type: ignore[arg-type]
 
 
-def default_host_processes(config: TrainerInitVramConfig) -> int:
-    """Host processes of a run that does not say (`Trainer.init_vram`): one where the run has a media modality
-    (decoding and packing media is most of a step's host work), none for text only, whose host stage is short."""
-    return 1 if media_features(config) else 0
+def default_host_processes(executor: Executor) -> int:
+    """Host processes of a trainer that does not say (`Trainer.init_vram`): one on CUDA, where the device thread
+    needs the interpreter lock to launch kernels and the host stage's Python would hold it (media or text: at the
+    seed's geometry 256 texts cost 16 ms of this process's CPU a step in process, 1 ms through a host process,
+    bench/data_wait.py), none on the CPU, where the device stage's kernels run without the lock and a process
+    would only cost its start."""
+    return 1 if executor.device.type == "cuda" else 0
 
 
 def resolve_run(config: TrainerInitVramConfig) -> tuple[TrainerInitVramConfig, dict[str, str] | None]:
