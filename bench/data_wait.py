@@ -26,6 +26,8 @@ needs a GPU that runs the device stage without the interpreter):
 
   host       the host stage alone: `Trainer._prepare` of `--host-steps` steps, two at a time (the trainer's
              two host threads), nothing else running: the cleanest reading of the host stage's own pressure.
+             Read with the probe running; the JSON also holds a reading without it (`without_probe`), which
+             on a small virtual machine bills more CPU to every thread's wake-up from an idle core.
 
 `--host-only` skips the two trained runs (the host stage at the seed's geometry needs no device).
 
@@ -214,13 +216,9 @@ def idle_probe() -> dict[str, float]:
 
 def describe(name: str, row: dict[str, Any]) -> str:
     probe = row["probe"]
-    quiet = row.get("without_probe")
-    alone = (
-        "" if quiet is None else f" ({quiet['main_cpu_ms_per_step']:.1f} unprobed, {quiet['ms_per_step']:.1f} ms/step)"
-    )
     return (
         f"  {name:<9} {row['ms_per_step']:6.1f} ms/step  main CPU outside the device thread "
-        f"{row['main_cpu_ms_per_step']:5.1f} ms/step{alone}  probe late p50 {probe['p50_us']:5.0f} us, p99 "
+        f"{row['main_cpu_ms_per_step']:5.1f} ms/step  probe late p50 {probe['p50_us']:5.0f} us, p99 "
         f"{probe['p99_us']:5.0f} us, p99.9 {probe['p999_us']:5.0f} us"
     )
 
@@ -242,6 +240,9 @@ def main() -> None:
     parser.add_argument(
         "--switch-interval", type=float, default=0.0, help="sys.setswitchinterval seconds (0: Python's 5 ms)"
     )
+    parser.add_argument(
+        "--host-processes", type=int, default=None, help="Trainer.init_vram(host_processes=); default: the trainer's"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave torch's default)")
     parser.add_argument("--host-steps", type=int, default=20, help="steps of the host stage measured alone")
     parser.add_argument("--host-only", action="store_true", help="measure the host stage alone, no training")
@@ -260,7 +261,8 @@ def main() -> None:
     executor = u.Executor.for_vram([0]) if args.executor == "cuda" else u.Executor.cpu()
     config = joint_config(args, batch={"image": u.ImageShape(patch_side=16, channels=4)})
     modalities, contents, relations = step_items(args)
-    trainer = u.Trainer.init_vram(executor, config, media=MediaPolicy(workers=args.workers))
+    media = MediaPolicy(workers=args.workers)
+    trainer = u.Trainer.init_vram(executor, config, media=media, host_processes=args.host_processes)
     pressure: dict[str, Any] = {"idle": idle_probe()}
     try:
         checked = trainer._check_step(modalities, contents, u.TrainerStepConfig(relations=relations), False)
@@ -278,6 +280,8 @@ def main() -> None:
             fed, _, pressure["fed"] = timed_steps(trainer, modalities, contents, relations, args)
             trainer._prepare = real_prepare  # type: ignore[method-assign]
         workers = trainer._decoders.workers if trainer._decoders is not None else args.workers
+        if trainer._hosts is not None:
+            workers = trainer._hosts.decoders * trainer.host_processes
     finally:
         trainer.close()
     batch = prepared[0]
@@ -287,6 +291,7 @@ def main() -> None:
         "cores": len(os.sched_getaffinity(0)),
         "decode_workers": workers,
         "torch_threads": torch.get_num_threads(),
+        "host_processes": trainer.host_processes,
         "geometry": {"depth": args.depth, "hidden": args.hidden, "rows": args.rows, "columns": args.columns},
         "items": {"images": args.images, "texts": args.texts, "text_bytes": args.text_bytes},
         "placed": int(batch.layout.placed.sum()),
@@ -299,7 +304,7 @@ def main() -> None:
     print(
         f"{args.images} JPEGs 256x256 + {args.texts} texts of {args.text_bytes} B, {result['placed']} placed, "
         f"{result['dropped']} dropped, {tokens} tokens/step, {workers} decoders on {result['cores']} cores, "
-        f"{result['device']}:"
+        f"{trainer.host_processes} host processes, {result['device']}:"
     )
     if not args.host_only:
         result.update(

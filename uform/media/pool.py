@@ -25,7 +25,9 @@ worker pickles with protocol 5, writes the out-of-band buffers into its slab and
 spans)``; the parent copies them out once and unpickles around them. A pipe moves 64 KiB per round trip between
 the two processes, which made the parent the bottleneck of a 16-worker pool (about 0.45 GB/s in all); the slab is
 a memcpy. The parent reads a worker's slab before giving it another job, so one slab per worker suffices; a result
-larger than the slab goes through the pipe. The slab's file is unlinked as soon as the worker has mapped it.
+larger than the slab goes through the pipe. The slab's file is unlinked as soon as the worker has mapped it. The
+slab helpers (`create_slab`, `reserve_slab`, `slab_payload`, `load_message`, `release_slab`) also carry a trainer's
+steps to and from its host processes (`uform.host`).
 
 This module imports only the standard library at top level, so the worker entry stays light. (Importing it as
 ``uform.media.pool`` still runs the package's ``__init__``; a job function that lives in a module importing torch
