@@ -379,7 +379,7 @@ def test_close_leaves_nothing_behind(executor: Executor) -> None:
     assert len(family) >= 4
     threads = [trainer._queue, trainer._host, trainer._completion]
     readers = [h.reader for h in trainer._hosts._hosts if h is not None]
-    assert host_files() == before  # the slabs' names went as soon as both sides mapped them
+    assert host_files() == before  # the slabs never keep a name
     trainer.close()
     assert not wait_gone(family), "close() left processes running"
     assert all(r is not None and not r.is_alive() for r in readers)
@@ -400,7 +400,7 @@ def test_the_transport_answers_the_same_whichever_way_it_goes(monkeypatch: pytes
     config = resolve(run_config(choices=Choices(), late_interaction=LateInteraction()))
     policy = MediaPolicy(workers=1)
     if how == "no shared memory":
-        monkeypatch.setattr(uform.host, "create_slab", lambda size, prefix: (None, None, None))
+        monkeypatch.setattr(uform.host, "create_slab", lambda size, prefix: (None, None))
     hosts = HostProcesses(1, config, policy, "flex", pin=False)  # "flex": the block tables cross too
     if how == "areas too small":
         hosts.input_bytes, hosts.output_bytes = 64, 4096

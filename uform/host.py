@@ -24,8 +24,8 @@ The processes (``host_processes=N``, started on the first step that needs one):
   end of file (the trainer's process died), killing its decoders, and is ended by `close` (also run at interpreter
   exit, before multiprocessing joins its children, and when the object is collected).
 - A step travels as one message: its contents are copied once, back to back, into the input area of one of the
-  process's slots in a shared-memory slab (`media.pool.create_slab`: a sparse file under /dev/shm, unlinked as soon
-  as both sides mapped it), and the rest of its checked arguments (modalities, bags, groups, sides, choices,
+  process's slots in a shared-memory slab (`media.pool.create_slab`: a sparse file under /dev/shm, unlinked at
+  once and mapped by the host process through its descriptor, so no name outlives a killed process), and the rest of its checked arguments (modalities, bags, groups, sides, choices,
   relations) pickled beside them with protocol 5, large buffers out of band into the same area. The host process
   reads the contents as views of the slab (no copy) and answers the `Batch`, the block tables and the skipped
   items the same way, into the slot's output area (`media.pool.slab_payload`, the decode workers' own mechanism).
@@ -60,6 +60,7 @@ import threading
 import time
 import traceback
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -77,6 +78,7 @@ from .media.decode import MediaPolicy, decode_items
 from .media.limits import MediaError
 from .media.pool import (
     DecodePool,
+    SlabFile,
     create_slab,
     decode_parallelism,
     load_message,
@@ -207,6 +209,9 @@ class _Host:
         self.conn = conn
         self.slab = slab  # None: everything crosses the pipe
         self.fd = fd  # the slab file's descriptor here, to reserve pages of the input areas
+        # Closed when nothing can reserve through it any more: at shutdown, or once this record is collected
+        # (a process that died may still have a step writing its job).
+        self.close_fd = weakref.finalize(self, os.close, fd) if fd is not None else None
         self.free = list(range(HOST_SLOTS))
         self.reserved = [0] * HOST_SLOTS  # bytes of each input area backed so far
         self.pending: dict[int, tuple[Future, int]] = {}  # ident -> (its reply, the step)
@@ -258,14 +263,15 @@ class HostProcesses:
         `HostProcessError` when the process died holding the step."""
         for _attempt in range(3):
             host, slot, ident, future = self._acquire(step)
+            slab = host.slab  # ours until the answer is copied, even if the process dies meanwhile
             try:
-                sent = self._send(host, slot, ident, job, step)
+                sent = self._send(host, slab, slot, ident, job, step)
                 if not sent:  # it died before the job reached it: the job may go to a new process
                     continue
                 kind, payload = future.result()
                 if kind == "error":
                     raise _load_error(payload)
-                answer: HostAnswer = load_message(payload, host.slab, copy=False)
+                answer: HostAnswer = load_message(payload, slab, copy=False)
                 tensors = adopt(answer, self.pin)
                 return answer.batch, tensors, answer.failed
             finally:
@@ -323,13 +329,13 @@ class HostProcesses:
 
     def _start(self, index: int) -> _Host:
         size = HOST_SLOTS * (self.input_bytes + self.output_bytes)
-        slab, path, fd = create_slab(size, prefix="uform-host-")
+        slab, fd = create_slab(size, prefix="uform-host-")
         ours, theirs = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
             target=_host_main,
             args=(
                 theirs,
-                path,
+                None if fd is None else SlabFile(fd),
                 size,
                 self.input_bytes,
                 self.output_bytes,
@@ -352,13 +358,12 @@ class HostProcesses:
                 process.kill()
                 process.join(_REAP_SECONDS)
             ours.close()
-            release_slab(slab, path)
+            release_slab(slab)
             if fd is not None:
                 os.close(fd)
             raise
-        release_slab(None, path)  # both sides mapped it (or never will): the name can go
         if not mapped and slab is not None:  # it could not map the slab: everything crosses the pipe
-            release_slab(slab, None)
+            release_slab(slab)
             os.close(fd)  # type: ignore[arg-type]
             slab, fd = None, None
         host = _Host(index, process, ours, slab, fd)
@@ -370,9 +375,9 @@ class HostProcesses:
         host.reader.start()
         return host
 
-    def _send(self, host: _Host, slot: int, ident: int, job: HostJob, step: int) -> bool:
+    def _send(self, host: _Host, slab: mmap.mmap | None, slot: int, ident: int, job: HostJob, step: int) -> bool:
         """Writes the job into the slot's input area and sends it; False when the process is gone."""
-        payload = self._job_payload(host, slot, job)
+        payload = self._job_payload(host, slab, slot, job)
         message = pickle.dumps(("step", ident, slot, step, payload), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             with host.send_lock:
@@ -385,7 +390,7 @@ class HostProcesses:
             return False
         return True
 
-    def _job_payload(self, host: _Host, slot: int, job: HostJob) -> bytes:
+    def _job_payload(self, host: _Host, slab: mmap.mmap | None, slot: int, job: HostJob) -> bytes:
         """The job as bytes: the contents back to back at the start of the slot's input area, the rest pickled
         (large buffers after the contents, in the same area); everything in band where the slab has no room."""
         contents = job.contents
@@ -395,9 +400,8 @@ class HostProcesses:
         total = int(offsets[-1])
         start = slot * (self.input_bytes + self.output_bytes)
         end = start + self.input_bytes
-        shared = host.slab is not None and total <= self.input_bytes and self._reserve(host, slot, total)
+        shared = slab is not None and total <= self.input_bytes and self._reserve(host, slot, total)
         if shared:
-            slab = host.slab
             assert slab is not None
             for content, a, b in zip(contents, offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
                 slab[start + a : start + b] = content  # the one copy of the contents
@@ -411,11 +415,11 @@ class HostProcesses:
             job.choices,
             _portable_relations(job.relations),
         )
-        if host.slab is not None:
+        if slab is not None:
             at = start + -(-total // _ALIGN) * _ALIGN
             payload = slab_payload(
                 record,
-                host.slab,
+                slab,
                 start=at,
                 end=end,
                 reserve=lambda length: self._reserve(host, slot, at - start + length),
@@ -430,8 +434,7 @@ class HostProcesses:
         if length <= host.reserved[slot]:
             return True
         start = slot * (self.input_bytes + self.output_bytes)
-        assert host.fd is not None
-        if not reserve_slab(host.fd, start + host.reserved[slot], length - host.reserved[slot]):
+        if host.fd is None or not reserve_slab(host.fd, start + host.reserved[slot], length - host.reserved[slot]):
             return False
         host.reserved[slot] = length
         return True
@@ -444,6 +447,10 @@ def _read(host: _Host, cond: threading.Condition) -> None:
         try:
             kind, ident, payload = pickle.loads(host.conn.recv_bytes())
         except (EOFError, OSError):
+            break
+        except Exception:  # not a message of ours: the process is broken
+            with contextlib.suppress(OSError, ValueError):
+                host.process.kill()
             break
         with cond:
             entry = host.pending.get(ident)
@@ -466,7 +473,7 @@ def _read(host: _Host, cond: threading.Condition) -> None:
                     )
                 )
         cond.notify_all()
-    _bury(host)
+    _bury(host, unmap=False)  # a step may still be copying its answer out of the slab: the mapping goes with it
 
 
 def _await_ready(process: Any, conn: Connection) -> bool:
@@ -492,16 +499,18 @@ def _await_ready(process: Any, conn: Connection) -> bool:
     )
 
 
-def _bury(host: _Host) -> None:
-    """Frees what the trainer's process held of a host process that ended (idempotent)."""
+def _bury(host: _Host, unmap: bool) -> None:
+    """Frees what the trainer's process held of a host process that ended (idempotent); the slab is unmapped
+    now when `unmap`, else when the last step that reads it lets it go."""
     with host.send_lock, contextlib.suppress(OSError):  # never while a step is being sent
         host.conn.close()
-    release_slab(host.slab, None)
-    host.slab = None
-    if host.fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(host.fd)
+    if unmap:
+        release_slab(host.slab)
+        if host.close_fd is not None:
+            with contextlib.suppress(OSError):
+                host.close_fd()
         host.fd = None
+    host.slab = None
 
 
 def _shutdown(hosts: list[_Host | None], owner: int) -> None:
@@ -521,7 +530,7 @@ def _shutdown(hosts: list[_Host | None], owner: int) -> None:
                 host.process.join(_REAP_SECONDS)
         if host.reader is not None and host.reader is not threading.current_thread():
             host.reader.join(_REAP_SECONDS)
-        _bury(host)
+        _bury(host, unmap=True)
     hosts[:] = [None] * len(hosts)
 
 
@@ -572,7 +581,7 @@ def _error_payload(error: BaseException) -> bytes:
 
 def _host_main(
     conn: Connection,
-    path: str | None,
+    slab_file: SlabFile | None,
     size: int,
     input_bytes: int,
     output_bytes: int,
@@ -593,14 +602,11 @@ def _host_main(
     with contextlib.suppress(Exception):  # no fork server on this platform
         multiprocessing.get_context("forkserver").set_forkserver_preload(_DECODER_PRELOAD)
     slab, fd = None, None
-    if path is not None:
+    if slab_file is not None:
         try:
-            fd = os.open(path, os.O_RDWR)
-            slab = mmap.mmap(fd, size)
+            slab, fd = slab_file.map(size), slab_file.fd  # the descriptor stays open: it reserves output pages
         except (OSError, ValueError):
-            if fd is not None:
-                os.close(fd)
-            slab, fd = None, None
+            slab_file.close()
     state = _HostState(conn, slab, fd, input_bytes, output_bytes, config, policy, attention, decoders)
     if not state.send(pickle.dumps(("ready", slab is not None))):
         return
@@ -727,6 +733,6 @@ class _HostState:
         if self.pool is not None:
             self.pool.close()
         if self.slab is not None:
-            release_slab(self.slab, None)
+            release_slab(self.slab)
         if self.fd is not None:
             os.close(self.fd)
