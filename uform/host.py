@@ -247,6 +247,7 @@ class HostProcesses:
         self.input_bytes = _INPUT_BYTES
         self.output_bytes = _OUTPUT_BYTES
         self._hosts: list[_Host | None] = [None] * count
+        self._starting: set[int] = set()  # indices whose process is starting (outside the lock)
         self._cond = threading.Condition()
         self._ids = itertools.count()
         self._closed = False
@@ -294,8 +295,9 @@ class HostProcesses:
     # -- slots ----------------------------------------------------------------------------------------------
 
     def _acquire(self, step: int) -> tuple[_Host, int, int, Future]:
-        """A free slot of the least busy live host process (started or restarted here), registered for a new
-        job; waits while every slot is taken."""
+        """A free slot of the least busy live host process (started or restarted here, outside the lock, so the
+        other processes' answers keep flowing meanwhile), registered for a new job; waits while every slot is
+        taken or starting."""
         with self._cond:
             while True:
                 if self._closed:
@@ -305,18 +307,42 @@ class HostProcesses:
                 for index, host in enumerate(self._hosts):
                     if host is not None and host.dead is not None:  # its reader frees it
                         self._hosts[index] = None
-                candidates = [(len(h.pending) if h else 0, i) for i, h in enumerate(self._hosts) if h is None or h.free]
+                candidates = [
+                    (len(h.pending) if h else 0, i)
+                    for i, h in enumerate(self._hosts)
+                    if (h is None and i not in self._starting) or (h is not None and h.free)
+                ]
                 if candidates:
                     _, index = min(candidates)
                     host = self._hosts[index]
-                    if host is None:
-                        host = self._hosts[index] = self._start(index)
-                    slot = host.free.pop()
-                    ident = next(self._ids)
-                    future: Future = Future()
-                    host.pending[ident] = (future, step)
-                    return host, slot, ident, future
+                    if host is not None:
+                        return self._register(host, step)
+                    self._starting.add(index)
+                    break
                 self._cond.wait()
+        try:
+            started = self._start(index)
+        except BaseException:
+            with self._cond:
+                self._starting.discard(index)
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._starting.discard(index)
+            self._cond.notify_all()
+            if not self._closed:
+                self._hosts[index] = started
+                return self._register(started, step)
+        _shutdown([started], self._owner)  # closed while it started: the finalizer already ran, so end it here
+        raise RuntimeError("uform: the trainer's host processes were closed")
+
+    def _register(self, host: _Host, step: int) -> tuple[_Host, int, int, Future]:
+        """Takes one of the host's free slots for a new job (under the lock)."""
+        slot = host.free.pop()
+        ident = next(self._ids)
+        future: Future = Future()
+        host.pending[ident] = (future, step)
+        return host, slot, ident, future
 
     def _release(self, host: _Host, slot: int, ident: int) -> None:
         with self._cond:
