@@ -1,7 +1,8 @@
 """The trainer: one run's network, optimizer and step counter on its executor, and its verbs.
 
 A step goes: check every argument (nothing changes if one is refused) -> prepare the host arrays
-(`data/batch.py`: pack, corrupt, pair) -> copy them to the device -> forward and losses (compiled on
+(`host.py`: decode the media, then `data/batch.py`: pack, corrupt, pair; in a host process of the trainer's
+own on CUDA, on the trainer's host threads on the CPU) -> copy them to the device -> forward and losses (compiled on
 CUDA, with FlexAttention document masks and bf16 autocast) -> backward -> AdamW at the scheduled rate ->
 stats and the arena. The blocking and the deferred receivers queue onto one worker thread per trainer,
 so steps and saves apply in the order they were called.
