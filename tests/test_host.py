@@ -208,6 +208,7 @@ def test_host_batches_are_bitwise_the_in_process_ones(twins: tuple[Trainer, Trai
         assert sorted(ta) == sorted(tb)
         for name in ta:
             assert ta[name].dtype == tb[name].dtype and torch.equal(ta[name], tb[name]), name
+            assert ta[name].stride() == tb[name].stride(), name
         arrays = b.arrays()
         for name, array in a.arrays().items():
             assert array.dtype == arrays[name].dtype and np.array_equal(array, arrays[name]), name
@@ -278,6 +279,7 @@ def test_on_cuda_the_host_tensors_are_pinned_and_bitwise_the_in_process_ones() -
         assert sorted(ours) == sorted(theirs) and any(k.startswith("block.") for k in theirs)
         for name, tensor in theirs.items():
             assert tensor.is_pinned() and torch.equal(tensor, ours[name]), name
+            assert tensor.stride() == ours[name].stride(), name  # the block tables' head axis keeps a real stride
         stats = TrainerStepStats()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
