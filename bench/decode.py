@@ -10,8 +10,9 @@ Two measurements:
                 channels 3) and pygame's house recording as WAV and MP3 (7 s at 11025 Hz; resampled to 16 kHz,
                 frames of 320).
   prepare       `Trainer._prepare` (the host stage of a step: decode in the pool, pack, corrupt, pair, host
-                tensors, and the flex block tables on CUDA) per step, for a batch of 256 x 256 JPEGs beside
-                text at a given geometry, with its decode part (`Trainer._decode`) alone. Run it on the GPU
+                tensors, and the flex block tables on CUDA; in process unless `--host-processes`) per step, for
+                a batch of 256 x 256 JPEGs beside text at a given geometry, with its decode part
+                (`Trainer._decode`, always in process) alone. Run it on the GPU
                 machine (`--executor cuda`) beside bench/step.py's step time: the host stage runs ahead of
                 the device stage on its own thread, so the data wait of a step is whatever of this time the
                 device stage does not cover.
@@ -199,7 +200,8 @@ def host_prepare_seconds(args: argparse.Namespace) -> dict[str, Any]:
 
     executor = u.Executor.for_vram([0]) if args.executor == "cuda" else u.Executor.cpu()
     config = joint_config(args, batch={"image": u.ImageShape(patch_side=16, channels=4)})
-    trainer = u.Trainer.init_vram(executor, config, media=MediaPolicy(workers=args.workers))
+    media = MediaPolicy(workers=args.workers)
+    trainer = u.Trainer.init_vram(executor, config, media=media, host_processes=args.host_processes)
     text = topic_text()
     images = jpegs(256)
     modalities = [u.Modality.Image] * args.images + [u.Modality.Text] * args.texts
@@ -270,6 +272,9 @@ def main() -> None:
     parser.add_argument("--texts", type=int, default=128)
     parser.add_argument("--text-bytes", type=int, default=200)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--host-processes", type=int, default=0, help="where Trainer._prepare runs (0: in process, decode timed apart)"
+    )
     args = parser.parse_args()
 
     report: dict[str, Any] = {

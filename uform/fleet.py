@@ -284,7 +284,7 @@ class FleetTrainer(Trainer):
         self._lock = threading.Lock()
 
     @classmethod
-    def start(cls, executor: Any, config: TrainerInitVramConfig, media: Any) -> Any:
+    def start(cls, executor: Any, config: TrainerInitVramConfig, media: Any, host_processes: int | None = None) -> Any:
         from .mesh import Mesh, MeshOptions
 
         if config.progress is not None:
@@ -299,7 +299,7 @@ class FleetTrainer(Trainer):
         fleet = _fleet_of(executor)
         shipped = dataclasses.replace(config, mesh=None, progress=None)
         try:
-            steps = fleet.everyone("init", (shipped, media))
+            steps = fleet.everyone("init", (shipped, media, host_processes))
         except BaseException:
             with contextlib.suppress(BaseException):
                 fleet.everyone("close_trainer")
@@ -536,13 +536,14 @@ def _worker_leave(state: dict[str, Any], device: torch.device, argument: Any) ->
 def _worker_init(state: dict[str, Any], device: torch.device, argument: Any) -> int:
     from .trainer import Trainer
 
-    config, media = argument
+    config, media, host_processes = argument
     mesh = state["mesh"]
     if mesh is None:
         raise MeshError("mesh: this device's worker belongs to no world; bootstrap a mesh over the executor first")
     if state["trainer"] is not None:
         state["trainer"].close()
-    trainer = Trainer.init_vram(mesh.executor, dataclasses.replace(config, mesh=mesh), media=media)
+    run = dataclasses.replace(config, mesh=mesh)
+    trainer = Trainer.init_vram(mesh.executor, run, media=media, host_processes=host_processes)
     state["trainer"] = trainer
     return trainer.steps_taken
 

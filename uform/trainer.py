@@ -1,7 +1,8 @@
 """The trainer: one run's network, optimizer and step counter on its executor, and its verbs.
 
 A step goes: check every argument (nothing changes if one is refused) -> prepare the host arrays
-(`data/batch.py`: pack, corrupt, pair) -> copy them to the device -> forward and losses (compiled on
+(`host.py`: decode the media, then `data/batch.py`: pack, corrupt, pair; in a host process of the trainer's
+own on CUDA, on the trainer's host threads on the CPU) -> copy them to the device -> forward and losses (compiled on
 CUDA, with FlexAttention document masks and bf16 autocast) -> backward -> AdamW at the scheduled rate ->
 stats and the arena. The blocking and the deferred receivers queue onto one worker thread per trainer,
 so steps and saves apply in the order they were called.
@@ -37,14 +38,15 @@ from .config import (
     to_dict,
     to_json,
 )
-from .data.batch import MEDIA_KINDS, Batch, media_features, prepare
+from .data.batch import MEDIA_KINDS, Batch, media_features
 from .data.items import ChoiceTapes, parse_choices, parse_contents, parse_modalities, parse_sides, per_item_integers
 from .enums import LateInteractionSide, Modality, Objective, Scalar
 from .executor import Executor
+from .host import HostJob, HostProcesses, host_stage
 from .media.decode import MediaPolicy, decode_items
 from .media.pool import DecodePool
 from .media.units import Units
-from .model.attention import block_tables, compiled_flex_available, document_mask
+from .model.attention import compiled_flex_available, document_mask
 from .model.network import Network
 from .optim import build_optimizer, learning_rate
 from .relations import check_relations
@@ -72,7 +74,9 @@ class _Checked:
 class Trainer:
     """A training run on one executor; make it with `Trainer.init_vram`."""
 
-    def __init__(self, executor: Executor, config: TrainerInitVramConfig, *, _token: object = None) -> None:
+    def __init__(
+        self, executor: Executor, config: TrainerInitVramConfig, *, host_processes: int = 0, _token: object = None
+    ) -> None:
         if _token is not _PRIVATE:
             raise TypeError("Trainer: make one with Trainer.init_vram(executor, config)")
         self.executor = executor
@@ -91,13 +95,17 @@ class Trainer:
         self._skipped = 0
         self.media = MediaPolicy()
         self._decoders: DecodePool | None = None
+        self.host_processes = host_processes
+        """Host processes that prepare the steps (`uform.host`); 0: the host stage runs on this process's threads."""
+        self._hosts: HostProcesses | None = None
         # Two stages: the host stage packs and corrupts step n + 1 while the device stage runs step n, so the
         # GPU never waits on Python (the draws are keyed by the step number, which is fixed when the step is
         # called, so preparing ahead changes nothing). The host stage has two threads: while one waits for its
         # step's media in the decode pool, the other packs the step before (with 128 JPEGs beside text at the
-        # seed's geometry each half is about as long as the other; bench/data_wait.py).
+        # seed's geometry each half is about as long as the other; bench/data_wait.py). With host processes the
+        # threads only send each step to a host process and copy its answer (each process prepares two at once).
         self._queue = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uform-device")
-        self._host = ThreadPoolExecutor(max_workers=2, thread_name_prefix="uform-host")
+        self._host = ThreadPoolExecutor(max_workers=max(2, 2 * host_processes), thread_name_prefix="uform-host")
         self._completion = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uform-completion")
         self._lock = threading.Lock()
         self._next_step = 1
@@ -117,16 +125,31 @@ class Trainer:
 
     @classmethod
     def init_vram(
-        cls, executor: Executor, config: TrainerInitVramConfig, *, media: MediaPolicy | None = None
+        cls,
+        executor: Executor,
+        config: TrainerInitVramConfig,
+        *,
+        media: MediaPolicy | None = None,
+        host_processes: int | None = None,
     ) -> Trainer:
         """Builds the run on `executor`, from `config.seed` or resumed from `config.resume`.
 
         `media` bounds and reports the media items of every step (limits, strictness, decoding workers);
         the default skips a broken item with a warning and counts it in `TrainerStepStats.skipped`.
+
+        `host_processes` says where each step's host stage runs (decode, pack, corrupt, pair; `uform.host`):
+        0 on two threads of this process, N >= 1 in N processes of its own (started on the first step, each
+        with its share of `media.workers` decoders), which leave this process only the device stage, so its
+        interpreter lock is the device thread's. None (the default) takes one process on CUDA and none on the
+        CPU. Where it runs changes no result: the batches, and so the training, are bitwise the same.
         """
         media = MediaPolicy() if media is None else media
         if not isinstance(media, MediaPolicy):
             raise TypeError(f"media: expected a MediaPolicy, got {type(media).__name__}")
+        if host_processes is not None and (isinstance(host_processes, bool) or not isinstance(host_processes, int)):
+            raise TypeError(f"host_processes: expected None or an int, got {type(host_processes).__name__}")
+        if host_processes is not None and host_processes < 0:
+            raise ValueError(f"host_processes: must not be negative, got {host_processes}")
         if not isinstance(executor, Executor):
             raise TypeError(f"executor: expected an Executor, got {type(executor).__name__}")
         if not isinstance(config, TrainerInitVramConfig):
@@ -136,11 +159,12 @@ class Trainer:
         if executor.has_workers():
             from .fleet import FleetTrainer
 
-            return FleetTrainer.start(executor, config, media)
+            return FleetTrainer.start(executor, config, media, host_processes)
         world = None if config.mesh is None else config.mesh.world
         try:
             resolved, stored = resolve_run(config)
-            trainer = cls(executor, resolved, _token=_PRIVATE)
+            hosts = default_host_processes(executor) if host_processes is None else host_processes
+            trainer = cls(executor, resolved, host_processes=hosts, _token=_PRIVATE)
             trainer.media = media
             trainer.network.initialize(resolved.seed)
             trainer.network.to(trainer.device)
@@ -223,6 +247,8 @@ class Trainer:
         self._queue.shutdown(wait=True)
         self._host.shutdown(wait=True)
         self._completion.shutdown(wait=True)
+        if self._hosts is not None:
+            self._hosts.close()
         if self._decoders is not None:
             self._decoders.close()
         if self._reducer is not None:
@@ -257,50 +283,54 @@ class Trainer:
     # ---- the work ----------------------------------------------------------------------------------
 
     def _prepare(self, checked: _Checked, step: int) -> tuple[Batch, dict[str, torch.Tensor]]:
-        """The host stage: pack, corrupt and pair, then page-locked tensors for the copy."""
-        units, skipped = self._decode(checked)
-        batch = prepare(
-            self.config,
-            checked.modalities,
-            checked.contents,
+        """The host stage (`host.host_stage`: decode, pack, corrupt and pair, block tables), here or in a host
+        process, then page-locked tensors for the copy; a media item that did not decode is warned about here."""
+        job = HostJob(
+            modalities=checked.modalities,
+            contents=checked.contents,
             bags=checked.bags,
             groups=checked.groups,
             sides=checked.sides,
-            relations=checked.relations,
-            step=step,
-            units=units,
-            skipped=skipped,
             choices=checked.choices,
+            relations=checked.relations,
         )
         pin = self.device.type == "cuda"
-        host = batch.host_tensors(pin)
-        if self.attention == "flex":
-            for name, table in block_tables(batch.segments).items():
+        if self.host_processes:
+            with self._lock:
+                if self._hosts is None:
+                    self._hosts = HostProcesses(self.host_processes, self.config, self.media, self.attention, pin)
+            batch, host, failed = self._hosts.prepare(job, step)
+        else:
+            answer = host_stage(self.config, self.media, self.attention, self._decode_pool, job, step)
+            batch, failed = answer.batch, answer.failed
+            host = batch.host_tensors(pin)
+            for name, table in answer.tables.items():
                 t = torch.from_numpy(table)
                 host[f"block.{name}"] = t.pin_memory() if pin else t
-        return batch, host
-
-    def _decode(self, checked: _Checked) -> tuple[dict[int, Units], np.ndarray | None]:
-        """Decodes the step's media items in the worker pool; answers the units of those that decoded and
-        the mask of those that did not (or raises `MediaError` for the first of them when strict)."""
-        items = [i for i, m in enumerate(checked.modalities) if m != Modality.Text]
-        if not items:
-            return {}, None
-        with self._lock:
-            if self._decoders is None:
-                self._decoders = DecodePool(self.media.workers, self.media.limits.timeout_seconds)
-        late = self.config.late_interaction.weight > 0
-        max_units = self.config.batch.max_columns_per_row - (2 if late else 1)
-        units, failed = decode_items(
-            self._decoders, self.media, self.config.batch, checked.modalities, checked.contents, items, max_units
-        )
-        skipped = np.zeros(len(checked.modalities), dtype=bool)
         for i, reason in failed:
-            skipped[i] = True
             warnings.warn(
                 f"uform: skipped contents[{i}] ({checked.modalities[i]}): {reason}", MediaWarning, stacklevel=2
             )
-        return units, skipped
+        return batch, host
+
+    def _decode_pool(self) -> DecodePool:
+        """This process's decoder pool (the in-process host stage's), started on first need."""
+        with self._lock:
+            if self._decoders is None:
+                self._decoders = DecodePool(self.media.workers, self.media.limits.timeout_seconds)
+            return self._decoders
+
+    def _decode(self, checked: _Checked) -> tuple[dict[int, Units], list[tuple[int, str]]]:
+        """Decodes the step's media items in this process's pool (the host stage's first half, for the benches);
+        answers the units of those that decoded and (index, reason) of those that did not."""
+        items = [i for i, m in enumerate(checked.modalities) if m != Modality.Text]
+        if not items:
+            return {}, []
+        late = self.config.late_interaction.weight > 0
+        max_units = self.config.batch.max_columns_per_row - (2 if late else 1)
+        return decode_items(
+            self._decode_pool(), self.media, self.config.batch, checked.modalities, checked.contents, items, max_units
+        )
 
     def _device_stage(self, checked: _Checked, host: Future, step: int, done: Future) -> None:
         """Copy, forward, backward, update; the readback is left to the completion thread, so this
@@ -473,6 +503,15 @@ def check_step(
         items = [bytes(c) for c in items]
         relations = copy.deepcopy(relations)
     return _Checked(mods, items, bags, groups, sides, choices, relations, config.arena, scalar, config.stats)  # type: ignore[arg-type]
+
+
+def default_host_processes(executor: Executor) -> int:
+    """Host processes of a trainer that does not say (`Trainer.init_vram`): one on CUDA, where the device thread
+    needs the interpreter lock to launch kernels and the host stage's Python would hold it (media or text: at the
+    seed's geometry 256 texts cost 16 ms of this process's CPU a step in process, 1 ms through a host process,
+    bench/data_wait.py), none on the CPU, where the device stage's kernels run without the lock and a process
+    would only cost its start."""
+    return 1 if executor.device.type == "cuda" else 0
 
 
 def resolve_run(config: TrainerInitVramConfig) -> tuple[TrainerInitVramConfig, dict[str, str] | None]:

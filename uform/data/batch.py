@@ -16,10 +16,11 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
+from copy import deepcopy
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .. import vocab
 from ..config import TrainerInitVramConfig
@@ -29,6 +30,9 @@ from ..relations import pair_targets
 from .corrupt import corrupt_text
 from .items import ChoiceTapes
 from .pack import LateRoom, Layout, Rows, fill_state, fill_text, fill_units, plan
+
+if TYPE_CHECKING:  # torch loads where host tensors are made, never in the host process that prepares steps
+    import torch
 
 PACK_STREAM = 1
 CORRUPT_STREAM = 2
@@ -141,18 +145,39 @@ class Batch:
         "w",
     )
 
-    def host_tensors(self, pin: bool) -> dict[str, torch.Tensor]:
-        """The arrays as host tensors, page-locked when `pin` (so the copy to a GPU runs asynchronously)."""
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every array the device stage reads, by its host tensor's name ("tokens", "image.values", "late.z"...)."""
         arrays = {name: getattr(self, name) for name in self.TENSORS}
         for kind, parts in self.media.items():
             arrays.update({f"{kind}.{part}": array for part, array in parts.items()})
         arrays.update({f"late.{part}": array for part, array in self.late.items()})
         arrays.update({f"choice.{part}": array for part, array in self.choice.items()})
+        return arrays
+
+    def host_tensors(self, pin: bool, copy: bool = False) -> dict[str, torch.Tensor]:
+        """The arrays as host tensors, page-locked when `pin` (so the copy to a GPU runs asynchronously);
+        unpinned tensors share the arrays' memory unless `copy`."""
+        import torch
+
         out = {}
-        for name, array in arrays.items():
+        for name, array in self.arrays().items():
+            if copy and not pin:  # numpy's copy: about three times torch's clone into fresh memory, measured
+                array = np.array(array, order="C", copy=True)
             t = torch.from_numpy(np.ascontiguousarray(array))
             out[name] = t.pin_memory() if pin else t
         return out
+
+    def adopt(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Makes the batch hold its own memory: every array becomes a view of its tensor in `tensors` (as
+        `host_tensors` named them, copies), and the layout a deep copy. The batch then keeps nothing of the
+        buffers it was unpickled from (a host process's shared slab, which the next step reuses)."""
+        for name in self.TENSORS:
+            setattr(self, name, tensors[name].numpy())
+        for kind, parts in self.media.items():
+            self.media[kind] = {part: tensors[f"{kind}.{part}"].numpy() for part in parts}
+        self.late = {part: tensors[f"late.{part}"].numpy() for part in self.late}
+        self.choice = {part: tensors[f"choice.{part}"].numpy() for part in self.choice}
+        self.layout = deepcopy(self.layout)
 
 
 def prepare(
