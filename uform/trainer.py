@@ -140,8 +140,8 @@ class Trainer:
         `host_processes` says where each step's host stage runs (decode, pack, corrupt, pair; `uform.host`):
         0 on two threads of this process, N >= 1 in N processes of its own (started on the first step, each
         with its share of `media.workers` decoders), which leave this process only the device stage, so its
-        interpreter lock is the device thread's. None (the default) takes one process on CUDA and none on the
-        CPU. Where it runs changes no result: the batches, and so the training, are bitwise the same.
+        interpreter lock is the device thread's. None (the default) is 0 for now (see `default_host_processes`).
+        Where it runs changes no result: the batches, and so the training, are bitwise the same.
         """
         media = MediaPolicy() if media is None else media
         if not isinstance(media, MediaPolicy):
@@ -506,12 +506,15 @@ def check_step(
 
 
 def default_host_processes(executor: Executor) -> int:
-    """Host processes of a trainer that does not say (`Trainer.init_vram`): one on CUDA, where the device thread
-    needs the interpreter lock to launch kernels and the host stage's Python would hold it (media or text: at the
-    seed's geometry 256 texts cost 16 ms of this process's CPU a step in process, 1 ms through a host process,
-    bench/data_wait.py), none on the CPU, where the device stage's kernels run without the lock and a process
-    would only cost its start."""
-    return 1 if executor.device.type == "cuda" else 0
+    """Host processes of a trainer that does not say (`Trainer.init_vram`): none yet, on any device.
+
+    On CUDA one host process should win (the device thread needs the interpreter lock to launch kernels and the
+    host stage's Python holds it: at the seed's geometry 256 texts cost 16 ms of this process's CPU a step in
+    process, 1 ms through a host process, bench/data_wait.py on the CPU), but that is a CPU proxy: the default
+    moves to one on CUDA once the GPU's data wait has been measured with it. On the CPU the device stage's
+    kernels run without the lock and a process would only cost its start."""
+    del executor
+    return 0
 
 
 def resolve_run(config: TrainerInitVramConfig) -> tuple[TrainerInitVramConfig, dict[str, str] | None]:
