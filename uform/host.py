@@ -81,6 +81,7 @@ from .media.pool import (
     SlabFile,
     create_slab,
     decode_parallelism,
+    exit_status,
     load_message,
     release_slab,
     reserve_slab,
@@ -487,7 +488,7 @@ def _read(host: _Host, cond: threading.Condition) -> None:
         with contextlib.suppress(OSError, ValueError):
             host.process.kill()
             host.process.join(_REAP_SECONDS)
-    status = _exit_status(host.process.exitcode)
+    status = exit_status(host.process.exitcode)
     with cond:
         host.dead = f"the host process (pid {host.process.pid}) died ({status})"
         for future, step in host.pending.values():
@@ -518,7 +519,7 @@ def _await_ready(process: Any, conn: Connection) -> bool:
         if process.sentinel in ready or timeout <= 0:
             break
     process.join(_REAP_SECONDS if not process.is_alive() else 0)
-    status = "it did not answer" if process.is_alive() else f"it exited ({_exit_status(process.exitcode)})"
+    status = "it did not answer" if process.is_alive() else f"it exited ({exit_status(process.exitcode)})"
     raise HostProcessError(
         f"uform: a host process failed to start: {status} (does the main module start the trainer outside "
         "`if __name__ == '__main__':`?)"
@@ -558,14 +559,6 @@ def _shutdown(hosts: list[_Host | None], owner: int) -> None:
             host.reader.join(_REAP_SECONDS)
         _bury(host, unmap=True)
     hosts[:] = [None] * len(hosts)
-
-
-def _exit_status(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "exit status unknown"
-    if exitcode < 0:
-        return f"signal {-exitcode}"
-    return f"exit code {exitcode}"
 
 
 def _portable_relations(relations: Any) -> Any:

@@ -335,7 +335,7 @@ class DecodePool:
         if worker.process.is_alive():  # a broken pipe but a live process: make sure it is gone
             worker.process.kill()
             worker.process.join(_REAP_SECONDS)
-        status = _exit_status(worker.process.exitcode)
+        status = exit_status(worker.process.exitcode)
         return self._discard(
             worker,
             outcomes,
@@ -399,7 +399,7 @@ def _describe(exc: BaseException) -> str:
     return f"{name}: {message}" if message else name
 
 
-def _exit_status(exitcode: int | None) -> str:
+def exit_status(exitcode: int | None) -> str:
     if exitcode is None:
         return "exit status unknown"
     if exitcode < 0:
