@@ -87,6 +87,7 @@ from .media.pool import (
     reserve_slab,
     slab_payload,
 )
+from .media.units import Units
 from .relations import Edges, Relations
 
 if TYPE_CHECKING:
@@ -145,6 +146,20 @@ class HostAnswer:
     failed: list[tuple[int, str]]
 
 
+def decode_media(
+    config: TrainerInitVramConfig, policy: MediaPolicy, decoders: Callable[[], DecodePool], job: HostJob
+) -> tuple[dict[int, Units], list[tuple[int, str]]]:
+    """The host stage's first half: the step's media items decoded in `decoders()` (the pool, made only when
+    the step has media), each to at most a row past its prefix; the units of those that decoded and (index,
+    reason) of those that did not (`MediaError` for the first of them under a strict `policy`)."""
+    items = [i for i, m in enumerate(job.modalities) if m != Modality.Text]
+    if not items:
+        return {}, []
+    late = config.late_interaction.weight > 0
+    max_units = config.batch.max_columns_per_row - (2 if late else 1)  # the prefix: marker (+ side marker)
+    return decode_items(decoders(), policy, config.batch, job.modalities, job.contents, items, max_units)
+
+
 def host_stage(
     config: TrainerInitVramConfig,
     policy: MediaPolicy,
@@ -156,14 +171,9 @@ def host_stage(
     """Decodes the step's media items in `decoders()` (the pool, made on first need), then packs, corrupts and
     pairs the step (`data.batch.prepare`) and, on the flex attention path, builds its block tables. Raises
     `MediaError` naming the first item that failed under a strict `policy`."""
-    items = [i for i, m in enumerate(job.modalities) if m != Modality.Text]
-    units: dict = {}
+    units, failed = decode_media(config, policy, decoders, job)
     skipped = None
-    failed: list[tuple[int, str]] = []
-    if items:
-        late = config.late_interaction.weight > 0
-        max_units = config.batch.max_columns_per_row - (2 if late else 1)
-        units, failed = decode_items(decoders(), policy, config.batch, job.modalities, job.contents, items, max_units)
+    if units or failed:
         skipped = np.zeros(len(job.modalities), dtype=bool)
         for i, _ in failed:
             skipped[i] = True

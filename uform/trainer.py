@@ -42,8 +42,8 @@ from .data.batch import MEDIA_KINDS, Batch, media_features
 from .data.items import ChoiceTapes, parse_choices, parse_contents, parse_modalities, parse_sides, per_item_integers
 from .enums import LateInteractionSide, Modality, Objective, Scalar
 from .executor import Executor
-from .host import HostJob, HostProcesses, host_stage
-from .media.decode import MediaPolicy, decode_items
+from .host import HostJob, HostProcesses, decode_media, host_stage
+from .media.decode import MediaPolicy
 from .media.pool import DecodePool
 from .media.units import Units
 from .model.attention import compiled_flex_available, document_mask
@@ -323,14 +323,8 @@ class Trainer:
     def _decode(self, checked: _Checked) -> tuple[dict[int, Units], list[tuple[int, str]]]:
         """Decodes the step's media items in this process's pool (the host stage's first half, for the benches);
         answers the units of those that decoded and (index, reason) of those that did not."""
-        items = [i for i, m in enumerate(checked.modalities) if m != Modality.Text]
-        if not items:
-            return {}, []
-        late = self.config.late_interaction.weight > 0
-        max_units = self.config.batch.max_columns_per_row - (2 if late else 1)
-        return decode_items(
-            self._decode_pool(), self.media, self.config.batch, checked.modalities, checked.contents, items, max_units
-        )
+        job = HostJob(modalities=checked.modalities, contents=checked.contents)
+        return decode_media(self.config, self.media, self._decode_pool, job)
 
     def _device_stage(self, checked: _Checked, host: Future, step: int, done: Future) -> None:
         """Copy, forward, backward, update; the readback is left to the completion thread, so this
