@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 
@@ -32,3 +33,23 @@ def joint_config(args: Any, *, batch: dict[str, Any] | None = None, **fields: An
         seed=42,
         **fields,
     )
+
+
+def add_geometry(
+    parser: argparse.ArgumentParser,
+    *,
+    depth: int = 12,
+    hidden: int = 512,
+    rows: int = 64,
+    columns: int = 1024,
+    segments: int = 256,
+) -> None:
+    """--depth, --hidden, --rows, --columns and --segments, defaulting to the seed's geometry unless given."""
+    for name, default in (
+        ("depth", depth),
+        ("hidden", hidden),
+        ("rows", rows),
+        ("columns", columns),
+        ("segments", segments),
+    ):
+        parser.add_argument(f"--{name}", type=int, default=default)

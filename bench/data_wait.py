@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from common import joint_config, topic_text  # sibling scripts, not a package
+from common import add_geometry, joint_config, topic_text  # sibling scripts, not a package
 from decode import PHOTOS, photo
 
 
@@ -227,11 +227,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--executor", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--workers", type=int, default=0, help="decoder processes; 0: one per core")
-    parser.add_argument("--depth", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--columns", type=int, default=1024)
-    parser.add_argument("--segments", type=int, default=256)
+    add_geometry(parser)
     parser.add_argument("--images", type=int, default=128)
     parser.add_argument("--texts", type=int, default=128)
     parser.add_argument("--text-bytes", type=int, default=200)

@@ -38,6 +38,7 @@ import time
 from typing import Any
 
 import numpy as np
+from common import add_geometry, joint_config, topic_text  # a sibling module of the bench scripts
 
 os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")  # pygame greets on import otherwise
 
@@ -193,8 +194,6 @@ def host_prepare_seconds(args: argparse.Namespace) -> dict[str, Any]:
     """Seconds per step of `Trainer._prepare` (and of its decode, `Trainer._decode`) for `args.images` 256 x 256
     JPEGs beside `args.texts` captions, on a trainer of the given geometry; the first step (pool start) is left
     out. This is the host-side work a step's device stage may wait on."""
-    from common import joint_config, topic_text
-
     import uform as u
     from uform.media.decode import MediaPolicy
 
@@ -263,11 +262,7 @@ def main() -> None:
     parser.add_argument("--skip-decode", action="store_true", help="only the prepare measurement")
     parser.add_argument("--skip-prepare", action="store_true", help="only the decode measurement")
     parser.add_argument("--executor", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--columns", type=int, default=1024)
-    parser.add_argument("--segments", type=int, default=256)
+    add_geometry(parser, depth=2, hidden=128)
     parser.add_argument("--images", type=int, default=128)
     parser.add_argument("--texts", type=int, default=128)
     parser.add_argument("--text-bytes", type=int, default=200)

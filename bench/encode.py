@@ -34,8 +34,10 @@ from typing import Any
 import numpy as np
 import torch
 
-# Run as a script, the checkout's uform wins over an installed one.
+# Run as a script, the checkout's uform wins over an installed one; its sibling `common` is found when loaded too.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import add_geometry
 
 
 def topic_slices(count: int, length: int) -> list[bytes]:
@@ -112,11 +114,7 @@ def timed(call: Any, repeats: int) -> tuple[float, float]:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--depth", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--columns", type=int, default=1024)
-    parser.add_argument("--segments", type=int, default=256)
+    add_geometry(parser)
     parser.add_argument("--patch-side", type=int, default=16)
     parser.add_argument("--texts", type=int, default=8192)
     parser.add_argument("--text-bytes", type=int, default=255)

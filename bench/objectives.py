@@ -23,7 +23,7 @@ import sys
 import time
 
 import torch
-from common import joint_config, topic_text  # a sibling module of the bench scripts
+from common import add_geometry, joint_config, topic_text  # a sibling module of the bench scripts
 
 
 def topic_slices(count: int, length: int) -> list[bytes]:
@@ -81,11 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--seed-geometry", action="store_true")
-    parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--rows", type=int, default=8)
-    parser.add_argument("--columns", type=int, default=256)
-    parser.add_argument("--segments", type=int, default=32)
+    add_geometry(parser, depth=2, hidden=128, rows=8, columns=256, segments=32)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--runs", default="base,late,choices,both")

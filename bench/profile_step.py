@@ -11,6 +11,7 @@ import os
 import time
 
 import torch
+from common import add_geometry  # type: ignore[import-not-found]
 from step import topic_slices  # type: ignore[import-not-found]
 from torch.profiler import ProfilerActivity, profile
 
@@ -19,11 +20,7 @@ import uform as u
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--depth", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--columns", type=int, default=1024)
-    parser.add_argument("--segments", type=int, default=256)
+    add_geometry(parser)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--objective", default="joint")
     args = parser.parse_args()

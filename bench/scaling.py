@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import add_geometry  # a sibling module of the bench scripts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -187,11 +188,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--launcher", choices=("torchrun", "executor"), default="torchrun")
-    parser.add_argument("--depth", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--columns", type=int, default=1024)
-    parser.add_argument("--segments", type=int, default=256)
+    add_geometry(parser)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--profile", type=int, default=0, help="profile this many more steps per process")

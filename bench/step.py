@@ -23,6 +23,7 @@ import sys
 import time
 
 import torch
+from common import add_geometry  # a sibling module of the bench scripts
 
 
 def topic_slices(count: int, length: int) -> list[bytes]:
@@ -131,11 +132,7 @@ def bench_bert(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--depth", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--columns", type=int, default=1024)
-    parser.add_argument("--segments", type=int, default=256)
+    add_geometry(parser)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--skip-bert", action="store_true")
