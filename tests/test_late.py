@@ -28,6 +28,7 @@ from uform import (
 )
 from uform.config import resolve
 from uform.data.batch import prepare
+from uform.losses import late
 from uform.losses.late import (
     block_layout,
     late_interaction_term,
@@ -315,9 +316,11 @@ def test_scatter_rows_sums_each_destination(by_sorting: bool) -> None:
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit's, from inside the inductor
-@pytest.mark.parametrize("precision", ["float32", "float16"])
-def test_maxsim_compiles_whole(precision: str) -> None:
-    """torch.compile(fullgraph=True), as the trainer compiles the step: no graph break, the eager answer."""
+@pytest.mark.parametrize(("precision", "sorted_scatter"), [("float32", None), ("float16", False)])
+def test_maxsim_compiles_whole(monkeypatch, precision: str, sorted_scatter) -> None:
+    """torch.compile(fullgraph=True), as the trainer compiles the step: no graph break, the eager answer; with
+    the CPU's sorted scatter and with CUDA's index_add (and float16 selection, emulated here)."""
+    monkeypatch.setattr(late, "SORTED_SCATTER", sorted_scatter)
     queries, documents, of, columns = _long_case(CONTIGUOUS)
     upstream = torch.randn(9, columns, generator=torch.Generator().manual_seed(9))
 
