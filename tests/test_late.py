@@ -31,6 +31,7 @@ from uform.data.batch import prepare
 from uform.losses import late
 from uform.losses.late import (
     block_layout,
+    chunk_elements,
     late_interaction_term,
     maxsim,
     maxsim_chunk,
@@ -123,8 +124,8 @@ def test_maxsim_sends_a_tie_to_the_lowest_token() -> None:
 
 
 def test_maxsim_chunks_stay_bounded_at_the_seed_geometry() -> None:
-    """At the seed's geometry (64 x 1024 rows, 256 segments, span 64) a chunk holds at most 2^25 floats in any
-    intermediate: the block layout's 4336 blocks of 16 slots (65536 tokens, each of 256 columns padded up to
+    """At the seed's geometry (64 x 1024 rows, 256 segments, span 64) a chunk holds at most 2^25 floats (2^27 on
+    CUDA) in any intermediate: the block layout's 4336 blocks of 16 slots (65536 tokens, each of 256 columns padded up to
     whole blocks) and a grid of 64 blocks per column (1023 tokens at most past a prefix)."""
     seed = resolve(
         uform.TrainerInitVramConfig(
@@ -147,6 +148,8 @@ def test_maxsim_chunks_stay_bounded_at_the_seed_geometry() -> None:
     chunk = maxsim_chunk(qt, row)
     assert row == 4336 * 16 and chunk * row <= 1 << 25
     assert math.ceil(qt / chunk) == 34
+    cuda = maxsim_chunk(qt, row, chunk_elements(torch.device("cuda")))  # 512 MiB: a quarter of the chunks
+    assert cuda * row <= 1 << 27 and math.ceil(qt / cuda) == 9
 
 
 def reference_layout(document_of: list[int], columns: int, block: int) -> tuple[list[int], list[list[int]], list[bool]]:
@@ -322,6 +325,9 @@ def test_maxsim_compiles_whole(monkeypatch, precision: str, sorted_scatter) -> N
     the CPU's sorted scatter and with CUDA's index_add (and float16 selection, emulated here)."""
     monkeypatch.setattr(late, "SORTED_SCATTER", sorted_scatter)
     queries, documents, of, columns = _long_case(CONTIGUOUS)
+    # float16 holds these exactly, so the answer does not depend on whether the CPU inductor keeps the
+    # rounding (it elides a float16 round trip inside a fused kernel; on CUDA the GEMM reads float16 buffers).
+    queries, documents = queries.half().float(), documents.half().float()
     upstream = torch.randn(9, columns, generator=torch.Generator().manual_seed(9))
 
     def fn(q, d):

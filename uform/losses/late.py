@@ -38,6 +38,16 @@ CHUNK_ELEMENTS = 1 << 25
 """The most elements one chunk of MaxSim holds in any [chunk, ...] intermediate (128 MiB in float32): the
 similarities [chunk, Nb x B], the block grid [chunk, Dd, K], the gathered vectors [chunk, Dd, W]."""
 
+CUDA_CHUNK_ELEMENTS = 1 << 27
+"""The same on CUDA (512 MiB): a GPU of the H100 / H200 class holds it easily, and a quarter of the chunks
+means a quarter of the kernels to launch and to compile (the chunk loop is unrolled into the graph)."""
+
+
+def chunk_elements(device: torch.device) -> int:
+    """`CUDA_CHUNK_ELEMENTS` on CUDA, else `CHUNK_ELEMENTS`."""
+    return CUDA_CHUNK_ELEMENTS if device.type == "cuda" else CHUNK_ELEMENTS
+
+
 SORTED_SCATTER: bool | None = None
 """How MaxSim's backward sums the document gradient (`scatter_rows`'s `by_sorting`; None: by device)."""
 
@@ -230,7 +240,7 @@ def scatter_rows(index: Tensor, weight: Tensor, rows: Tensor, size: int, by_sort
             include_last_offset=True,
         )
     out = rows.new_zeros(size + 1, width)
-    chunk = maxsim_chunk(t_count, j_count * width)
+    chunk = maxsim_chunk(t_count, j_count * width, chunk_elements(index.device))
     for begin in range(0, t_count, chunk):  # the [c * J, W] products, chunked in eager mode
         spread = weight[begin : begin + chunk].unsqueeze(2) * rows[begin : begin + chunk].unsqueeze(1)
         out = out.index_add(0, index[begin : begin + chunk].reshape(-1), spread.reshape(-1, width))
@@ -256,7 +266,7 @@ def maxsim(
 
     `longest` bounds any column's token count (default Dt): it sets the block grid's width K =
     ceil(longest / block), so a tight bound keeps the [chunk, Dd, K] grid small. `chunk` query tokens
-    are scored at a time (default: as many as keep each intermediate within `CHUNK_ELEMENTS`).
+    are scored at a time (default: as many as keep each intermediate within `chunk_elements`).
 
     `precision` says what the maxima are selected over. "float32" (None's choice on the CPU and wherever
     autocast is off): float32 similarities, so `best` is exactly the brute force's. "float16" (None's
@@ -283,7 +293,9 @@ def maxsim(
     columns, block = int(columns), max(1, int(block))
     layout = block_layout(document_of, columns, block, longest)
     row = maxsim_row(documents.shape[0], columns, queries.shape[1], block, longest)
-    chunk = maxsim_chunk(queries.shape[0], row) if chunk is None else max(1, int(chunk))
+    if chunk is None:
+        chunk = maxsim_chunk(queries.shape[0], row, chunk_elements(queries.device))
+    chunk = max(1, int(chunk))
     return MaxSim.apply(queries, documents, *layout, block, chunk, precision)  # type: ignore[no-any-return]
 
 
