@@ -4,7 +4,9 @@
 Geometry (default the seed's: Qt 16384 query tokens, Dt 65536 document tokens, Dd 256 columns, W 128; `--scale`
 multiplies Qt, Dt and Dd): half the query capacity holds real (unit) vectors, the rest is zero padding, as the
 network gives it; `Dd / 2` documents of random lengths (at most `--longest`, 1023 = a 1024-column row less its
-prefix) fill about half of Dt, contiguous and in column order as the host packs them, the rest padding.
+prefix) fill about half of Dt, contiguous and in column order as the host packs them, the rest padding. The
+upstream gradient is random where a real query token meets a real document, zero elsewhere (as the late
+term's is: no pair scores a padding token or an empty column).
 
 Runs (each forward + backward of `(best * upstream).sum()`, median of `--steps` after `--warmup`):
 
@@ -133,7 +135,10 @@ def geometry(args: argparse.Namespace) -> dict[str, Tensor | int]:
     document_of = torch.full((dt,), dd, dtype=torch.long)
     document_of[: int(lengths.sum())] = torch.repeat_interleave(torch.arange(count), lengths)
     documents[document_of == dd] = 0
+    # The late term's gradient of best: zero for padding query tokens and empty columns (no pair scores them).
     upstream = torch.randn(qt, dd, generator=g)
+    upstream[qt // 2 :] = 0
+    upstream[:, count:] = 0
     device = torch.device(args.device)
     return {
         "queries": queries.to(device),

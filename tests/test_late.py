@@ -302,13 +302,15 @@ def test_half_precision_selection_answers_a_real_similarity(precision: str) -> N
 
 @pytest.mark.parametrize("by_sorting", [True, False])
 def test_scatter_rows_sums_each_destination(by_sorting: bool) -> None:
-    """Both ways of summing the document gradient equal a loop, repeated destinations and dropped ones
-    (index == size) included."""
+    """Both ways of summing the document gradient equal a loop, repeated destinations, dropped ones (index ==
+    size) and entries of weight 0 included."""
     g = torch.Generator().manual_seed(8)
     index = torch.randint(0, 6, (7, 5), generator=g)
     index[0] = 3  # a hot destination
     index[1, :2] = 6  # dropped
+    index[2, :3] = 3
     weight = torch.randn(7, 5, generator=g)
+    weight[2, :2] = 0  # adds nothing: moved to a spare row
     rows = torch.randn(7, 4, generator=g)
     expected = torch.zeros(7, 4)
     for t in range(7):

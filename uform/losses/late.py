@@ -218,19 +218,27 @@ def scatter_rows(index: Tensor, weight: Tensor, rows: Tensor, size: int, by_sort
     """out [size, W]: out[u] = sum over (t, j) with index[t, j] = u of weight[t, j] rows[t]; index [T, J] in
     [0, size], `size` dropping its entry. float32 sums either way, in different orders.
 
-    `by_sorting` (None: on the CPU): sort the T x J entries by destination and sum each destination's run as
-    one bag (deterministic; on the CPU over ten times faster than the scatter). Otherwise an accumulating
-    index_add (float atomics on a GPU, fused with the products under torch.compile), which stays fast when
-    many entries share a destination (a bag's sum is one serial loop, slow for a long run on a GPU).
+    Entries that add nothing (dropped, or of weight 0: in the late term every pair the host did not name,
+    every empty column and every padding query token) are first moved to a spare row of their own, size + t,
+    so that they make no hot spot: every padding query token picks the first token of every column (its
+    similarities all tie at 0), and every empty column's entry would otherwise share one row.
+
+    `by_sorting` (None: on the CPU): sort the entries by destination and sum each destination's run as one
+    bag, the spare rows left out (deterministic; on the CPU over ten times faster than the scatter).
+    Otherwise an accumulating index_add (float atomics on a GPU, fused with the products under
+    torch.compile), which stays fast when many entries share a destination, where a bag's sum is one serial
+    loop (slow for a long run on a GPU).
     """
     t_count, j_count = index.shape
     width = rows.shape[1]
+    spare = size + torch.arange(t_count, device=index.device).unsqueeze(1)  # [T, 1]
+    index = torch.where((index < size) & (weight != 0), index, spare)  # [T, J]
     if by_sorting is None:
         by_sorting = index.device.type == "cpu"
     if by_sorting:
         key, entry = torch.sort(index.reshape(-1), stable=True)  # [T * J] each
         offsets = torch.searchsorted(key, torch.arange(size + 1, device=index.device))  # [size + 1]
-        # include_last_offset: bag u spans offsets[u]:offsets[u + 1], so the entries of `size` are left out.
+        # include_last_offset: bag u spans offsets[u]:offsets[u + 1]; the spare rows' entries come after.
         return F.embedding_bag(
             entry // j_count,
             rows,
@@ -239,7 +247,7 @@ def scatter_rows(index: Tensor, weight: Tensor, rows: Tensor, size: int, by_sort
             per_sample_weights=weight.reshape(-1)[entry],
             include_last_offset=True,
         )
-    out = rows.new_zeros(size + 1, width)
+    out = rows.new_zeros(size + t_count, width)
     chunk = maxsim_chunk(t_count, j_count * width, chunk_elements(index.device))
     for begin in range(0, t_count, chunk):  # the [c * J, W] products, chunked in eager mode
         spread = weight[begin : begin + chunk].unsqueeze(2) * rows[begin : begin + chunk].unsqueeze(1)
