@@ -284,7 +284,8 @@ def maxsim(
     similarities, and `best` is the chosen token's similarity recomputed in float32 from the unrounded
     vectors, so the value and the gradient describe the same token and `best` can fall short of the true
     maximum only by the rounding (about 2^-11 x |q| |d|). "bfloat16" likewise with 8 bits. Backward is
-    float32 in every case.
+    float32 in every case. (Off CUDA the half GEMM is emulated by widening the rounded operands; the CPU
+    inductor may fuse the rounding away, which only makes the selection exact.)
     """
     if queries.dim() != 2 or documents.dim() != 2 or queries.shape[1] != documents.shape[1]:
         raise ValueError(
