@@ -13,26 +13,48 @@ each a different crop so no two items are the same bytes) beside `--texts` capti
 The data wait is the difference: wait share = 1 - fed / pipeline (per step, medians over the timed
 steps). The host stage's time alone (`Trainer._prepare`, decode included) is printed beside it.
 
+Interpreter-lock pressure, measured on any executor (the CPU proxy of the data wait, since the wait itself
+needs a GPU that runs the device stage without the interpreter):
+
+  main CPU   CPU seconds per step this process spends outside its device thread (every thread's CPU time,
+             `CLOCK_PROCESS_CPUTIME_ID`, less the device thread's and the probe's own, read through
+             `time.pthread_getcpuclockid`); children (the decoders, a host process) are not counted. On the
+             CPU executor run it with `--threads 1`, so the device stage's kernels run on the device thread.
+  probe      a thread that sleeps 1e-4 s in a loop and records how late it wakes: beyond the timer's own
+             slack (the `idle` row), that is how long a thread waits to take the interpreter back, so how long
+             the device thread would wait to launch its next kernel. p50 / p99 in microseconds.
+
+  host       the host stage alone: `Trainer._prepare` of `--host-steps` steps, two at a time (the trainer's
+             two host threads), nothing else running: the cleanest reading of the host stage's own pressure.
+             Read with the probe running; the JSON also holds a reading without it (`without_probe`), which
+             on a small virtual machine bills more CPU to every thread's wake-up from an idle core.
+
+`--host-only` skips the two trained runs (the host stage at the seed's geometry needs no device).
+
 Prints a table and writes bench-data-wait.json under $OUT (or the current folder). Usage:
   python bench/data_wait.py [--executor cuda] [--images 128 --texts 128 --steps 20 --warmup 5 --workers 0]
+  python bench/data_wait.py --executor cpu --threads 1 --host-only --host-steps 20
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
 import pathlib
 import sys
+import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from decode import PHOTOS, photo  # a sibling script, not a package
+from common import joint_config, topic_text  # sibling scripts, not a package
+from decode import PHOTOS, photo
 
 
 def crops(count: int, side: int = 256) -> list[bytes]:
@@ -53,11 +75,9 @@ def crops(count: int, side: int = 256) -> list[bytes]:
 
 
 def step_items(args: argparse.Namespace) -> tuple[list[Any], list[bytes], Any]:
-    import pydoc_data.topics
-
     import uform as u
 
-    text = " ".join(" ".join(v.split()) for v in pydoc_data.topics.topics.values()).encode()
+    text = topic_text()
     modalities = [u.Modality.Image] * args.images + [u.Modality.Text] * args.texts
     contents = crops(args.images) + [text[i * args.text_bytes : (i + 1) * args.text_bytes] for i in range(args.texts)]
     pairs = min(args.images, args.texts)
@@ -68,8 +88,90 @@ def step_items(args: argparse.Namespace) -> tuple[list[Any], list[bytes], Any]:
     return modalities, contents, relations
 
 
+class Probe:
+    """A thread that sleeps `period` seconds in a loop and records how late each wake-up is (seconds)."""
+
+    def __init__(self, period: float = 1e-4) -> None:
+        self.period = period
+        self.late: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gil-probe", daemon=True)
+        self.cpu = 0.0
+
+    def _run(self) -> None:
+        clock = time.pthread_getcpuclockid(threading.get_ident())
+        first = time.clock_gettime(clock)
+        period, late = self.period, self.late
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            time.sleep(period)
+            late.append(time.perf_counter() - started - period)
+        self.cpu = time.clock_gettime(clock) - first
+
+    def __enter__(self) -> Probe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict[str, float]:
+        late = np.asarray(self.late) * 1e6
+        return {
+            "wakeups": len(late),
+            "p50_us": float(np.percentile(late, 50)),
+            "p99_us": float(np.percentile(late, 99)),
+            "p999_us": float(np.percentile(late, 99.9)),
+            "max_us": float(late.max()),
+        }
+
+
+def thread_cpu(name_prefix: str) -> float:
+    """CPU seconds of this process's live threads whose name starts with `name_prefix`."""
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.name.startswith(name_prefix) and thread.ident is not None:
+            with contextlib.suppress(OSError):  # it ended meanwhile
+                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return total
+
+
+class Pressure:
+    """The interpreter-lock pressure of a stretch of work: this process's CPU time outside the device thread
+    (and the probe) per step, and the probe's lateness."""
+
+    def __init__(self, steps: int, probe: bool = True) -> None:
+        self.steps = steps
+        self.probe = Probe() if probe else None
+
+    def __enter__(self) -> Pressure:
+        self.cpu = time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID)
+        self.device = thread_cpu("uform-device")
+        self.wall = time.perf_counter()
+        if self.probe is not None:
+            self.probe.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.probe is not None:
+            self.probe.__exit__()
+        self.wall = time.perf_counter() - self.wall
+        device = thread_cpu("uform-device") - self.device
+        total = time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID) - self.cpu
+        probe_cpu = 0.0 if self.probe is None else self.probe.cpu
+        self.result = {
+            "ms_per_step": self.wall / self.steps * 1e3,
+            "main_cpu_ms_per_step": (total - device - probe_cpu) / self.steps * 1e3,
+            "device_cpu_ms_per_step": device / self.steps * 1e3,
+        }
+        if self.probe is not None:
+            self.result["probe"] = self.probe.summary()
+
+
 def timed_steps(trainer: Any, modalities: list[Any], contents: list[bytes], relations: Any, args: argparse.Namespace):
-    """Seconds per step over the timed steps (two in flight), after `args.warmup` untimed ones."""
+    """Seconds per step over the timed steps (two in flight), after `args.warmup` untimed ones; the stats of
+    the last step and the pressure of the timed ones."""
     import uform as u
 
     verbs = trainer.deferred(trainer.executor)
@@ -87,7 +189,38 @@ def timed_steps(trainer: Any, modalities: list[Any], contents: list[bytes], rela
         return (time.perf_counter() - started) / count
 
     run(args.warmup)
-    return run(args.steps), stats
+    with Pressure(args.steps) as pressure:
+        seconds = run(args.steps)
+    return seconds, stats, pressure.result
+
+
+def host_stage(trainer: Any, checked: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """`Trainer._prepare` of `args.host_steps` numbered steps, two at a time, after two untimed ones."""
+    with ThreadPoolExecutor(2, thread_name_prefix="bench-host") as pool:
+        list(pool.map(lambda step: trainer._prepare(checked, step), range(20_000, 20_006)))
+        first = 20_006
+        with Pressure(args.host_steps, probe=False) as quiet:
+            list(pool.map(lambda step: trainer._prepare(checked, step), range(first, first + args.host_steps)))
+        first += args.host_steps
+        with Pressure(args.host_steps) as probed:
+            list(pool.map(lambda step: trainer._prepare(checked, step), range(first, first + args.host_steps)))
+    return {**probed.result, "without_probe": quiet.result}
+
+
+def idle_probe() -> dict[str, float]:
+    """The probe's lateness with nothing else running: the timer's own slack."""
+    with Probe() as probe:
+        time.sleep(0.5)
+    return probe.summary()
+
+
+def describe(name: str, row: dict[str, Any]) -> str:
+    probe = row["probe"]
+    return (
+        f"  {name:<9} {row['ms_per_step']:6.1f} ms/step  main CPU outside the device thread "
+        f"{row['main_cpu_ms_per_step']:5.1f} ms/step  probe late p50 {probe['p50_us']:5.0f} us, p99 "
+        f"{probe['p99_us']:5.0f} us, p99.9 {probe['p999_us']:5.0f} us"
+    )
 
 
 def main() -> None:
@@ -107,44 +240,48 @@ def main() -> None:
     parser.add_argument(
         "--switch-interval", type=float, default=0.0, help="sys.setswitchinterval seconds (0: Python's 5 ms)"
     )
+    parser.add_argument(
+        "--host-processes", type=int, default=None, help="Trainer.init_vram(host_processes=); default: the trainer's"
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave torch's default)")
+    parser.add_argument("--host-steps", type=int, default=20, help="steps of the host stage measured alone")
+    parser.add_argument("--host-only", action="store_true", help="measure the host stage alone, no training")
     args = parser.parse_args()
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
 
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
     import uform as u
     from uform.media.decode import MediaPolicy
 
     executor = u.Executor.for_vram([0]) if args.executor == "cuda" else u.Executor.cpu()
-    config = u.TrainerInitVramConfig(
-        depth=args.depth,
-        hidden=args.hidden,
-        objective=u.Objective.Joint,
-        batch=u.BatchShape(
-            max_rows_per_device=args.rows,
-            max_segments_per_device=args.segments,
-            max_columns_per_row=args.columns,
-            image=u.ImageShape(patch_side=16, channels=4),
-        ),
-        schedule=u.Schedule(steps=100_000),
-        seed=42,
-    )
+    config = joint_config(args, batch={"image": u.ImageShape(patch_side=16, channels=4)})
     modalities, contents, relations = step_items(args)
-    trainer = u.Trainer.init_vram(executor, config, media=MediaPolicy(workers=args.workers))
+    media = MediaPolicy(workers=args.workers)
+    trainer = u.Trainer.init_vram(executor, config, media=media, host_processes=args.host_processes)
+    pressure: dict[str, Any] = {"idle": idle_probe()}
     try:
-        pipeline, stats = timed_steps(trainer, modalities, contents, relations, args)
         checked = trainer._check_step(modalities, contents, u.TrainerStepConfig(relations=relations), False)
+        pressure["host"] = host_stage(trainer, checked, args)
+        if not args.host_only:
+            pipeline, stats, pressure["pipeline"] = timed_steps(trainer, modalities, contents, relations, args)
         prepare = []
         for step in range(3):
             started = time.perf_counter()
             prepared = trainer._prepare(checked, 10_000 + step)
             prepare.append(time.perf_counter() - started)
-        real_prepare = trainer._prepare
-        trainer._prepare = lambda checked, step: prepared  # type: ignore[method-assign]
-        fed, _ = timed_steps(trainer, modalities, contents, relations, args)
-        trainer._prepare = real_prepare  # type: ignore[method-assign]
-        workers = trainer._decoders.workers if trainer._decoders is not None else 0
+        if not args.host_only:
+            real_prepare = trainer._prepare
+            trainer._prepare = lambda checked, step: prepared  # type: ignore[method-assign]
+            fed, _, pressure["fed"] = timed_steps(trainer, modalities, contents, relations, args)
+            trainer._prepare = real_prepare  # type: ignore[method-assign]
+        workers = trainer._decoders.workers if trainer._decoders is not None else args.workers
+        if trainer._hosts is not None:
+            workers = trainer._hosts.decoders * trainer.host_processes
     finally:
         trainer.close()
     batch = prepared[0]
@@ -153,27 +290,40 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if args.executor == "cuda" else "cpu",
         "cores": len(os.sched_getaffinity(0)),
         "decode_workers": workers,
+        "torch_threads": torch.get_num_threads(),
+        "host_processes": trainer.host_processes,
         "geometry": {"depth": args.depth, "hidden": args.hidden, "rows": args.rows, "columns": args.columns},
         "items": {"images": args.images, "texts": args.texts, "text_bytes": args.text_bytes},
         "placed": int(batch.layout.placed.sum()),
         "dropped": batch.dropped,
         "tokens_per_step": tokens,
-        "pipeline_ms": pipeline * 1e3,
-        "fed_ms": fed * 1e3,
-        "wait_share": max(0.0, 1 - fed / pipeline),
         "prepare_ms": float(np.median(prepare) * 1e3),
         "switch_interval_s": sys.getswitchinterval(),
-        "loss": stats.loss,
-        "masked_image_loss": stats.masked_image_loss,
+        "pressure": pressure,
     }
     print(
         f"{args.images} JPEGs 256x256 + {args.texts} texts of {args.text_bytes} B, {result['placed']} placed, "
         f"{result['dropped']} dropped, {tokens} tokens/step, {workers} decoders on {result['cores']} cores, "
-        f"{result['device']}:\n"
-        f"  pipeline {result['pipeline_ms']:.1f} ms/step, fed {result['fed_ms']:.1f} ms/step -> data wait "
-        f"{100 * result['wait_share']:.1f}% of the step; host stage alone {result['prepare_ms']:.1f} ms/step; "
-        f"loss {stats.loss:.3f} (image {stats.masked_image_loss:.3f})"
+        f"{trainer.host_processes} host processes, {result['device']}:"
     )
+    if not args.host_only:
+        result.update(
+            pipeline_ms=pipeline * 1e3,
+            fed_ms=fed * 1e3,
+            wait_share=max(0.0, 1 - fed / pipeline),
+            loss=stats.loss,
+            masked_image_loss=stats.masked_image_loss,
+        )
+        print(
+            f"  pipeline {result['pipeline_ms']:.1f} ms/step, fed {result['fed_ms']:.1f} ms/step -> data wait "
+            f"{100 * result['wait_share']:.1f}% of the step; host stage alone {result['prepare_ms']:.1f} ms/step; "
+            f"loss {stats.loss:.3f} (image {stats.masked_image_loss:.3f})"
+        )
+    idle = pressure["idle"]
+    print(f"  interpreter-lock pressure (probe idle: p50 {idle['p50_us']:.0f} us, p99 {idle['p99_us']:.0f} us):")
+    for name in ("host", "pipeline", "fed"):
+        if name in pressure:
+            print(describe(name, pressure[name]))
     path = os.path.join(os.environ.get("OUT") or ".", "bench-data-wait.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=2)

@@ -10,8 +10,9 @@ Two measurements:
                 channels 3) and pygame's house recording as WAV and MP3 (7 s at 11025 Hz; resampled to 16 kHz,
                 frames of 320).
   prepare       `Trainer._prepare` (the host stage of a step: decode in the pool, pack, corrupt, pair, host
-                tensors, and the flex block tables on CUDA) per step, for a batch of 256 x 256 JPEGs beside
-                text at a given geometry, with its decode part (`Trainer._decode`) alone. Run it on the GPU
+                tensors, and the flex block tables on CUDA; in process unless `--host-processes`) per step, for
+                a batch of 256 x 256 JPEGs beside text at a given geometry, with its decode part
+                (`Trainer._decode`, always in process) alone. Run it on the GPU
                 machine (`--executor cuda`) beside bench/step.py's step time: the host stage runs ahead of
                 the device stage on its own thread, so the data wait of a step is whatever of this time the
                 device stage does not cover.
@@ -192,27 +193,16 @@ def host_prepare_seconds(args: argparse.Namespace) -> dict[str, Any]:
     """Seconds per step of `Trainer._prepare` (and of its decode, `Trainer._decode`) for `args.images` 256 x 256
     JPEGs beside `args.texts` captions, on a trainer of the given geometry; the first step (pool start) is left
     out. This is the host-side work a step's device stage may wait on."""
-    import pydoc_data.topics
+    from common import joint_config, topic_text
 
     import uform as u
     from uform.media.decode import MediaPolicy
 
     executor = u.Executor.for_vram([0]) if args.executor == "cuda" else u.Executor.cpu()
-    config = u.TrainerInitVramConfig(
-        depth=args.depth,
-        hidden=args.hidden,
-        objective=u.Objective.Joint,
-        batch=u.BatchShape(
-            max_rows_per_device=args.rows,
-            max_segments_per_device=args.segments,
-            max_columns_per_row=args.columns,
-            image=u.ImageShape(patch_side=16, channels=4),
-        ),
-        schedule=u.Schedule(steps=10_000),
-        seed=42,
-    )
-    trainer = u.Trainer.init_vram(executor, config, media=MediaPolicy(workers=args.workers))
-    text = " ".join(" ".join(v.split()) for v in pydoc_data.topics.topics.values()).encode()
+    config = joint_config(args, batch={"image": u.ImageShape(patch_side=16, channels=4)})
+    media = MediaPolicy(workers=args.workers)
+    trainer = u.Trainer.init_vram(executor, config, media=media, host_processes=args.host_processes)
+    text = topic_text()
     images = jpegs(256)
     modalities = [u.Modality.Image] * args.images + [u.Modality.Text] * args.texts
     contents = [images[i % len(images)] for i in range(args.images)]
@@ -282,6 +272,9 @@ def main() -> None:
     parser.add_argument("--texts", type=int, default=128)
     parser.add_argument("--text-bytes", type=int, default=200)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--host-processes", type=int, default=0, help="where Trainer._prepare runs (0: in process, decode timed apart)"
+    )
     args = parser.parse_args()
 
     report: dict[str, Any] = {

@@ -23,12 +23,11 @@ import sys
 import time
 
 import torch
+from common import joint_config, topic_text  # a sibling module of the bench scripts
 
 
 def topic_slices(count: int, length: int) -> list[bytes]:
-    import pydoc_data.topics
-
-    text = " ".join(" ".join(v.split()) for v in pydoc_data.topics.topics.values()).encode()
+    text = topic_text()
     return [text[i * length : (i + 1) * length] for i in range(count)]
 
 
@@ -38,20 +37,11 @@ def run(args: argparse.Namespace, name: str) -> dict:
     late = name in ("late", "both")
     choices = name in ("choices", "both")
     executor = u.Executor.cpu() if args.device == "cpu" else u.Executor.for_vram([0])
-    config = u.TrainerInitVramConfig(
-        depth=args.depth,
-        hidden=args.hidden,
-        objective=u.Objective.Joint,
-        batch=u.BatchShape(
-            max_rows_per_device=args.rows,
-            max_segments_per_device=args.segments,
-            max_columns_per_row=args.columns,
-            max_choices_per_item=4 if choices else 0,
-        ),
+    config = joint_config(
+        args,
+        batch={"max_choices_per_item": 4 if choices else 0},
         late_interaction=u.LateInteraction(weight=1.0 if late else 0.0),
         choices=u.Choices(weight=1.0 if choices else 0.0),
-        schedule=u.Schedule(steps=10_000),
-        seed=42,
     )
     trainer = u.Trainer.init_vram(executor, config)
     n = args.segments

@@ -171,3 +171,33 @@ def make_trainer(executor: Executor) -> Iterator[Callable[..., Trainer]]:
 
 def stats_dict(stats: TrainerStepStats) -> dict[str, Any]:
     return dataclasses.asdict(stats)
+
+
+def naive_row_loss(
+    positives: list[tuple[torch.Tensor, float]], negatives: list[tuple[torch.Tensor, float]], form: Any
+) -> torch.Tensor | None:
+    """One row's pair loss as DESIGN.md section 3 writes it, scalar by scalar, from its scored cells as
+    (logit, weight) pairs; None when the row is not an anchor (no scored cell; for Ranked, no positive and
+    negative both). The loss tests (pooled and late interaction) share it."""
+
+    def sp(x: torch.Tensor) -> torch.Tensor:  # written out, not F.softplus: no code shared with the module
+        return torch.log1p(torch.exp(-x.abs())) + x.clamp_min(0)
+
+    if form == uform.PairLossForm.Sigmoid:
+        if not positives and not negatives:
+            return None
+        total = sum((weight * sp(-logit) for logit, weight in positives), torch.zeros(()))
+        return total + sum((weight * sp(logit) for logit, weight in negatives), torch.zeros(()))
+    if form == uform.PairLossForm.Balanced:
+        if not positives and not negatives:
+            return None
+        total = torch.zeros(())
+        if positives:
+            total = total + sum(w * sp(-lg) for lg, w in positives) / sum(w for _, w in positives)
+        if negatives:
+            total = total + sum(w * sp(lg) for lg, w in negatives) / sum(w for _, w in negatives)
+        return total
+    if not positives or not negatives:
+        return None
+    numerator = sum(wp * wn * sp(ln - lp) for lp, wp in positives for ln, wn in negatives)
+    return numerator / sum(wp * wn for _, wp in positives for _, wn in negatives)  # type: ignore[no-any-return]

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import naive_row_loss
 
 import uform.losses.contrastive as contrastive
 from uform.enums import Negatives, PairLossForm
@@ -14,11 +15,6 @@ from uform.losses.contrastive import contrastive_loss, contrastive_term, pair_lo
 from uform.relations import Edges, Relations, check_relations, pair_targets
 
 FORMS = [PairLossForm.Sigmoid, PairLossForm.Balanced, PairLossForm.Ranked]
-
-
-def _sp(x: torch.Tensor) -> torch.Tensor:
-    """softplus of a 0-d tensor, written out (not F.softplus) so the reference shares no code with the module."""
-    return torch.log1p(torch.exp(-x.abs())) + x.clamp_min(0)
 
 
 def reference_term(
@@ -57,34 +53,10 @@ def reference_term(
                 c = columns[j, :width] / torch.sqrt((columns[j, :width] ** 2).sum())
                 logit = t * torch.dot(e, c) + b
                 (positives if z[i, j] > 0 else negatives).append((logit, float(w[i, j])))
-            if form == PairLossForm.Sigmoid:
-                if not positives and not negatives:
-                    continue
+            row = naive_row_loss(positives, negatives, form)
+            if row is not None:
                 anchors += 1
-                for logit, weight in positives:
-                    total = total + weight * _sp(-logit)
-                for logit, weight in negatives:
-                    total = total + weight * _sp(logit)
-            elif form == PairLossForm.Balanced:
-                if not positives and not negatives:
-                    continue
-                anchors += 1
-                if positives:
-                    part = sum(weight * _sp(-logit) for logit, weight in positives)
-                    total = total + part / sum(weight for _, weight in positives)
-                if negatives:
-                    part = sum(weight * _sp(logit) for logit, weight in negatives)
-                    total = total + part / sum(weight for _, weight in negatives)
-            else:
-                if not positives or not negatives:
-                    continue
-                anchors += 1
-                numerator, denominator = 0.0, 0.0
-                for lp, wp in positives:
-                    for ln, wn in negatives:
-                        numerator = numerator + wp * wn * _sp(ln - lp)
-                        denominator += wp * wn
-                total = total + numerator / denominator
+                total = total + row
         totals.append(total)
     return sum(totals) / len(widths), anchors
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import COLUMNS, ROWS, SEGMENTS, make_config, pair_relations, snapshot
+from conftest import COLUMNS, ROWS, SEGMENTS, make_config, naive_row_loss, pair_relations, snapshot
 from conftest import TEXTS as CAPTIONS
 
 import uform
@@ -49,11 +49,6 @@ Q, D, N, QD = (
     LateInteractionSide.None_,
     LateInteractionSide.QueryAndDocument,
 )
-
-
-def _sp(x: torch.Tensor) -> torch.Tensor:
-    """softplus written out, so the reference shares no code with the module."""
-    return torch.log1p(torch.exp(-x.abs())) + x.clamp_min(0)
 
 
 def _unit(rows: int, width: int, generator: torch.Generator) -> torch.Tensor:
@@ -377,28 +372,10 @@ def reference_late(
                 score = score + torch.stack([torch.dot(queries[t], documents[u]) for u in theirs]).max()
             logit = torch.exp(log_t[groups[i]]) * score + bias[groups[i]]
             (positives if z[i, j] > 0 else negatives).append((logit, float(w[i, j])))
-        if form == PairLossForm.Sigmoid:
-            if not positives and not negatives:
-                continue
+        row = naive_row_loss(positives, negatives, form)
+        if row is not None:
             anchors += 1
-            for logit, weight in positives:
-                total = total + weight * _sp(-logit)
-            for logit, weight in negatives:
-                total = total + weight * _sp(logit)
-        elif form == PairLossForm.Balanced:
-            if not positives and not negatives:
-                continue
-            anchors += 1
-            if positives:
-                total = total + sum(wt * _sp(-lg) for lg, wt in positives) / sum(wt for _, wt in positives)
-            if negatives:
-                total = total + sum(wt * _sp(lg) for lg, wt in negatives) / sum(wt for _, wt in negatives)
-        else:
-            if not positives or not negatives:
-                continue
-            anchors += 1
-            numerator = sum(wp * wn * _sp(ln - lp) for lp, wp in positives for ln, wn in negatives)
-            total = total + numerator / sum(wp * wn for _, wp in positives for _, wn in negatives)
+            total = total + row
     return total, anchors
 
 

@@ -434,7 +434,7 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
         "contrastive.matryoshka_dimensions",
     ),
     ("progress_steps negative", {"progress_steps": -1}, ValueError, "progress_steps"),
-    ("a mesh", {"mesh": object()}, ValueError, "mesh"),
+    ("a mesh of a wrong type", {"mesh": object()}, TypeError, "mesh"),
 ]
 
 

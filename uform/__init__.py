@@ -26,14 +26,20 @@ _WHERE = {
     "TrainerStepStats": "config",
     "VideoShape": "config",
     "resolve": "config",
+    "GPUClass": "enums",
     "LateInteractionSide": "enums",
     "Modality": "enums",
+    "MultimemTier": "enums",
     "Negatives": "enums",
     "Objective": "enums",
     "PairLossForm": "enums",
     "Scalar": "enums",
     "evaluate_retrieval": "evaluate",
     "Executor": "executor",
+    "Mesh": "mesh",
+    "MeshDescription": "mesh",
+    "MeshError": "mesh",
+    "MeshOptions": "mesh",
     "Edges": "relations",
     "Relations": "relations",
     "Model": "serve",
@@ -75,9 +81,10 @@ if TYPE_CHECKING:
         VideoShape,
         resolve,
     )
-    from .enums import LateInteractionSide, Modality, Negatives, Objective, PairLossForm, Scalar
+    from .enums import GPUClass, LateInteractionSide, Modality, MultimemTier, Negatives, Objective, PairLossForm, Scalar
     from .evaluate import evaluate_retrieval
     from .executor import Executor
+    from .mesh import Mesh, MeshDescription, MeshError, MeshOptions
     from .relations import Edges, Relations
     from .serve import Model, load
     from .trainer import Trainer
@@ -93,12 +100,18 @@ __all__ = [
     "Contrastive",
     "Edges",
     "Executor",
+    "GPUClass",
     "ImageShape",
     "LateInteraction",
     "LateInteractionSide",
     "Masking",
+    "Mesh",
+    "MeshDescription",
+    "MeshError",
+    "MeshOptions",
     "Modality",
     "Model",
+    "MultimemTier",
     "Negatives",
     "Objective",
     "PairLossForm",

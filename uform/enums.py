@@ -129,3 +129,53 @@ class Scalar(_Worded):
     """bfloat16."""
     I8 = 3
     """Signed bytes: each L2-normalised value times 127, rounded (UForm's search-engine format)."""
+
+
+class MultimemTier(_Worded):
+    """How far NVLink multicast (NVLS, the switch-side `multimem` reductions of Hopper and later) reaches in
+    a run's collectives. It stays `Off` unless the user turns it on (`MeshOptions.multimem`, or
+    `NCCL_NVLS_ENABLE=1` in the environment); the library sets `NCCL_NVLS_ENABLE=0` otherwise."""
+
+    Off = 0
+    """No multicast: the collectives use NVLink and the network point to point."""
+    Host = 1
+    """Multicast among one host's GPUs, through its NVSwitch."""
+    Domain = 2
+    """Multicast across every host of one multi-node NVLink domain (as on NVL72 racks)."""
+
+
+class GPUClass(_Worded):
+    """The kernel family a device dispatches as, from its compute capability; a run dispatches as the
+    lowest class of any of its devices, so that every process compiles the same kernels."""
+
+    CPU = 0
+    """No GPU: the development path (dense reference attention, fp32)."""
+    Legacy = 1
+    """Compute capability below 7.0 (Pascal and older): no tensor cores."""
+    Volta = 2
+    """7.0 and 7.2: fp16 tensor cores."""
+    Turing = 3
+    """7.5."""
+    Ampere = 4
+    """8.0 to 8.7: bf16 tensor cores, asynchronous copies."""
+    Ada = 5
+    """8.9: fp8 tensor cores."""
+    Hopper = 6
+    """9.x: TMA, warp-group MMA, thread-block clusters, NVLink multicast."""
+    Blackwell = 7
+    """10.x and 11.x: tensor memory and fifth-generation tensor cores."""
+
+    @classmethod
+    def from_capability(cls, major: int, minor: int) -> GPUClass:
+        """The class of a CUDA device of compute capability `major.minor`."""
+        if major == 12:  # consumer Blackwell lacks 10.x's tensor memory and Hopper's warp-group MMA
+            return cls.Ada
+        if major >= 10:
+            return cls.Blackwell
+        if major == 9:
+            return cls.Hopper
+        if major == 8:
+            return cls.Ada if minor >= 9 else cls.Ampere
+        if major == 7:
+            return cls.Turing if minor >= 5 else cls.Volta
+        return cls.Legacy

@@ -1,13 +1,18 @@
 """Executors: where a trainer's replicas live.
 
-`Executor.for_vram([i])` names CUDA device i; `Executor.cpu()` is the development executor the tests
-and CI use (the seed trains on GPUs only; the CPU path computes the same function in fp32 with the
-dense reference attention).
+`Executor.for_vram([i])` names CUDA device i, in this process; `Executor.for_vram([0, 1, ...])` names
+several, each driven by a worker process of its own that is a rank of the run's world (`uform.fleet`).
+`Executor.cpu()` is the development executor the tests and CI use (the seed trains on GPUs only; the CPU
+path computes the same function in fp32 with the dense reference attention).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -15,10 +20,20 @@ import torch
 class Executor:
     """The devices a trainer runs on, one replica per device."""
 
-    def __init__(self, devices: Sequence[torch.device], *, _token: object = None) -> None:
+    def __init__(
+        self, devices: Sequence[torch.device], *, _token: object = None, _workers: bool = False, _threads: int = 0
+    ) -> None:
         if _token is not _PRIVATE:
             raise TypeError("Executor: make one with Executor.cpu() or Executor.for_vram([...])")
         self.devices = tuple(devices)
+        self._fleet: Any = None
+        self.joined = False
+        """Whether this executor's workers belong to a world now (one mesh at a time)."""
+        if _workers:
+            from .fleet import Fleet
+
+            self._fleet = Fleet(self.devices, _threads)
+            weakref.finalize(self, self._fleet.close)
 
     @classmethod
     def cpu(cls) -> Executor:
@@ -39,16 +54,55 @@ class Executor:
         for d in devices:
             if not 0 <= d < available:
                 raise ValueError(f"devices: CUDA device {d} does not exist; this machine has {available}")
-        if len(devices) > 1:
-            raise ValueError(
-                "devices: an executor of several devices needs the mesh, which this release does not have yet; "
-                "use one device per executor"
-            )
-        return cls([torch.device("cuda", d) for d in devices], _token=_PRIVATE)
+        threads = max(1, (os.cpu_count() or 1) // len(devices))  # the host's cores shared by the workers
+        return cls(
+            [torch.device("cuda", d) for d in devices], _token=_PRIVATE, _workers=len(devices) > 1, _threads=threads
+        )
+
+    @classmethod
+    def _cpu_workers(cls, count: int, threads: int = 1) -> Executor:
+        """An executor of `count` CPU "devices", each a worker process of `threads` threads: the multi-device
+        path (routing, the workers, merged stats) on a machine without GPUs, for the tests."""
+        return cls([torch.device("cpu")] * count, _token=_PRIVATE, _workers=True, _threads=threads)
+
+    def has_workers(self) -> bool:
+        """Whether this executor drives its devices through worker processes (several devices)."""
+        return self._fleet is not None
+
+    def join_workers(self, *world: Any) -> None:
+        """Makes worker i the rank `ranks[i]` of the world a rendezvous formed (see `Mesh.bootstrap`)."""
+        from .world import MeshError
+
+        if self.joined:
+            raise MeshError("mesh: this executor's devices already belong to a mesh; close it first")
+        spec, ranks, size, timeout, hosts_of, description, tier = world
+        commands = [("join", (spec, rank, size, timeout, hosts_of, description, tier)) for rank in ranks]
+        futures = self._fleet.call(commands)
+        errors = []
+        for future in futures:
+            try:
+                future.result()
+            except BaseException as error:
+                errors.append(error)
+        if errors:
+            with contextlib.suppress(Exception):
+                self._fleet.everyone("leave")
+            raise errors[0]
+        self.joined = True
+
+    def leave_workers(self) -> None:
+        """The workers leave their world (their trainers close)."""
+        self.joined = False
+        self._fleet.everyone("leave")
+
+    def close(self) -> None:
+        """Stops the worker processes of an executor of several devices (a no-op otherwise)."""
+        if self._fleet is not None:
+            self._fleet.close()
 
     @property
     def device(self) -> torch.device:
-        """The first (in this release, the only) device."""
+        """The first device (the only one of an executor that runs in this process)."""
         return self.devices[0]
 
     def __repr__(self) -> str:

@@ -242,3 +242,47 @@ def pair_targets(
     z[w == 0] = 0
     w[z == 0] = 0
     return z, w
+
+
+# --------------------------------------------------------------------------------------------------
+# Routing a step's relations to devices
+
+
+def first_crossing(relations: Relations | None, count: int, bags: np.ndarray) -> tuple[str, int, int] | None:
+    """The first edge (set name, i, j) of checked relations whose items lie in different bags, or None."""
+    if relations is None:
+        return None
+    for set_name in _SETS:
+        edges = getattr(relations, set_name)
+        rows, cols, _ = _edge_cells(edges, count, with_weights=False)
+        crossing = bags[rows] != bags[cols]
+        if crossing.any():
+            at = int(np.argmax(crossing))
+            return set_name, int(rows[at]), int(cols[at])
+    return None
+
+
+def restrict(relations: Relations | None, items: np.ndarray, count: int) -> Relations:
+    """The edges of checked relations among `items` (ascending indices into the step's `count` items),
+    renumbered to positions in `items`; edges leaving `items` are left out."""
+    if relations is None:
+        return Relations()
+    local = np.full(count, -1, dtype=np.int64)
+    local[items] = np.arange(len(items))
+    out = {}
+    for set_name in _SETS:
+        edges = getattr(relations, set_name)
+        if len(edges.offsets) == 0:
+            out[set_name] = Edges()
+            continue
+        rows, cols, weights = _edge_cells(edges, count, with_weights=True)
+        keep = (local[rows] >= 0) & (local[cols] >= 0)
+        rows, cols, weights = local[rows[keep]], local[cols[keep]], weights[keep]
+        offsets = np.zeros(len(items) + 1, dtype=np.int64)
+        np.add.at(offsets, rows + 1, 1)
+        out[set_name] = Edges(
+            offsets=np.cumsum(offsets).tolist(),
+            ids=cols.tolist(),
+            weights=weights.tolist() if len(edges.weights) else [],
+        )
+    return Relations(**out)

@@ -60,8 +60,7 @@ from .data.batch import MEDIA_KINDS, Batch, media_features, prepare
 from .data.items import is_tape, parse_contents, parse_modalities, parse_sides, tape_items
 from .enums import LateInteractionSide, Modality, Objective, Scalar
 from .executor import Executor
-from .media.decode import MediaPolicy, decode_item
-from .media.limits import MediaError
+from .media.decode import MediaPolicy, decode_items
 from .media.pool import DecodePool
 from .media.units import Units
 from .model.attention import block_tables, compiled_flex_available, document_mask
@@ -600,24 +599,10 @@ class Model:
             return {}, []
         if self._decoders is None:
             self._decoders = DecodePool(self.media.workers, self.media.limits.timeout_seconds)
-        b = self.config.batch
-        geometry = {"image": vars(b.image), "video": vars(b.video), "audio": vars(b.audio)}
         max_units = self.columns - self._prefix
-        jobs: list[tuple[tuple, dict]] = []
-        for i in items:
-            kind = MEDIA_KINDS[job.modalities[i]]
-            jobs.append(((kind, bytes(job.contents[i]), dict(geometry[kind]), max_units, self.media.limits), {}))
-        units: dict[int, Units] = {}
-        failed: list[tuple[int, str]] = []
-        for i, outcome in zip(items, self._decoders.map(decode_item, jobs), strict=True):
-            if outcome.error is None:
-                units[i] = outcome.value  # type: ignore[assignment]
-                continue
-            reason = outcome.error.removeprefix("MediaError: ")
-            if self.media.strict:
-                raise MediaError(reason, item=i)
-            failed.append((i, reason))
-        return units, failed
+        return decode_items(
+            self._decoders, self.media, self.config.batch, job.modalities, job.contents, items, max_units
+        )
 
     def _prepare(self, job: _Job, members: list[int], rows: int, units: dict[int, Units]) -> _Prepared:
         """One batch through the trainer's packing; on the CPU only the rows it uses, on a compiled model the

@@ -1,7 +1,8 @@
 """The trainer: one run's network, optimizer and step counter on its executor, and its verbs.
 
 A step goes: check every argument (nothing changes if one is refused) -> prepare the host arrays
-(`data/batch.py`: pack, corrupt, pair) -> copy them to the device -> forward and losses (compiled on
+(`host.py`: decode the media, then `data/batch.py`: pack, corrupt, pair; in a host process of the trainer's
+own on CUDA, on the trainer's host threads on the CPU) -> copy them to the device -> forward and losses (compiled on
 CUDA, with FlexAttention document masks and bf16 autocast) -> backward -> AdamW at the scheduled rate ->
 stats and the arena. The blocking and the deferred receivers queue onto one worker thread per trainer,
 so steps and saves apply in the order they were called.
@@ -9,8 +10,10 @@ so steps and saves apply in the order they were called.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import hashlib
 import json
 import os
 import threading
@@ -35,18 +38,19 @@ from .config import (
     to_dict,
     to_json,
 )
-from .data.batch import MEDIA_KINDS, Batch, media_features, prepare
+from .data.batch import MEDIA_KINDS, Batch, media_features
 from .data.items import ChoiceTapes, parse_choices, parse_contents, parse_modalities, parse_sides, per_item_integers
 from .enums import LateInteractionSide, Modality, Objective, Scalar
 from .executor import Executor
-from .media.decode import MediaPolicy, decode_item
-from .media.limits import MediaError
+from .host import HostJob, HostProcesses, host_stage
+from .media.decode import MediaPolicy, decode_items
 from .media.pool import DecodePool
 from .media.units import Units
-from .model.attention import block_tables, compiled_flex_available, document_mask
+from .model.attention import compiled_flex_available, document_mask
 from .model.network import Network
 from .optim import build_optimizer, learning_rate
 from .relations import check_relations
+from .world import GradientReducer, MeshError, World, reduction_order
 
 FORMAT = "uform.trainer.1"
 
@@ -70,73 +74,127 @@ class _Checked:
 class Trainer:
     """A training run on one executor; make it with `Trainer.init_vram`."""
 
-    def __init__(self, executor: Executor, config: TrainerInitVramConfig, *, _token: object = None) -> None:
+    def __init__(
+        self, executor: Executor, config: TrainerInitVramConfig, *, host_processes: int = 0, _token: object = None
+    ) -> None:
         if _token is not _PRIVATE:
             raise TypeError("Trainer: make one with Trainer.init_vram(executor, config)")
         self.executor = executor
         self.config = config
         self.device = executor.device
         self.network = Network(config)
+        self.mesh = config.mesh
+        self.world: World | None = None if config.mesh is None else config.mesh.world
+        self.closed = False
+        self._reducer: GradientReducer | None = None
+        if self.world is not None and self.world.size > 1:
+            self.network.world = self.world
         self.optimizer: torch.optim.AdamW
         self._step_count = 0
         self._dropped = 0
         self._skipped = 0
         self.media = MediaPolicy()
         self._decoders: DecodePool | None = None
+        self.host_processes = host_processes
+        """Host processes that prepare the steps (`uform.host`); 0: the host stage runs on this process's threads."""
+        self._hosts: HostProcesses | None = None
         # Two stages: the host stage packs and corrupts step n + 1 while the device stage runs step n, so the
         # GPU never waits on Python (the draws are keyed by the step number, which is fixed when the step is
         # called, so preparing ahead changes nothing). The host stage has two threads: while one waits for its
         # step's media in the decode pool, the other packs the step before (with 128 JPEGs beside text at the
-        # seed's geometry each half is about as long as the other; bench/data_wait.py).
+        # seed's geometry each half is about as long as the other; bench/data_wait.py). With host processes the
+        # threads only send each step to a host process and copy its answer (each process prepares two at once).
         self._queue = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uform-device")
-        self._host = ThreadPoolExecutor(max_workers=2, thread_name_prefix="uform-host")
+        self._host = ThreadPoolExecutor(max_workers=max(2, 2 * host_processes), thread_name_prefix="uform-host")
         self._completion = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uform-completion")
         self._lock = threading.Lock()
         self._next_step = 1
         cuda = self.device.type == "cuda"
         self.attention = "flex" if compiled_flex_available(self.device) else "dense"
         self._losses: Callable[..., dict[str, torch.Tensor]] = self.network.losses
-        if cuda:
+        if cuda and self.world is not None and self.world.size > 1 and _world_compile() == "blocks":
+            # Each block compiled on its own (one graph, reused by every block): backward then finishes the
+            # blocks' gradients one block at a time, so the gradient buckets reduce while earlier blocks are
+            # still differentiating. One graph over the whole step would hand every gradient back at once.
+            for block in self.network.tower.blocks:
+                block.compile(dynamic=False)
+        elif cuda:
             self._losses = torch.compile(self.network.losses, dynamic=False)
 
     # ---- construction --------------------------------------------------------------------------
 
     @classmethod
     def init_vram(
-        cls, executor: Executor, config: TrainerInitVramConfig, *, media: MediaPolicy | None = None
+        cls,
+        executor: Executor,
+        config: TrainerInitVramConfig,
+        *,
+        media: MediaPolicy | None = None,
+        host_processes: int | None = None,
     ) -> Trainer:
         """Builds the run on `executor`, from `config.seed` or resumed from `config.resume`.
 
         `media` bounds and reports the media items of every step (limits, strictness, decoding workers);
         the default skips a broken item with a warning and counts it in `TrainerStepStats.skipped`.
+
+        `host_processes` says where each step's host stage runs (decode, pack, corrupt, pair; `uform.host`):
+        0 on two threads of this process, N >= 1 in N processes of its own (started on the first step, each
+        with its share of `media.workers` decoders), which leave this process only the device stage, so its
+        interpreter lock is the device thread's. None (the default) is 0 for now (see `default_host_processes`).
+        Where it runs changes no result: the batches, and so the training, are bitwise the same.
         """
         media = MediaPolicy() if media is None else media
         if not isinstance(media, MediaPolicy):
             raise TypeError(f"media: expected a MediaPolicy, got {type(media).__name__}")
+        if host_processes is not None and (isinstance(host_processes, bool) or not isinstance(host_processes, int)):
+            raise TypeError(f"host_processes: expected None or an int, got {type(host_processes).__name__}")
+        if host_processes is not None and host_processes < 0:
+            raise ValueError(f"host_processes: must not be negative, got {host_processes}")
         if not isinstance(executor, Executor):
             raise TypeError(f"executor: expected an Executor, got {type(executor).__name__}")
         if not isinstance(config, TrainerInitVramConfig):
             raise TypeError(f"config: expected a TrainerInitVramConfig, got {type(config).__name__}")
         if config.mesh is not None:
-            raise ValueError("mesh: this release trains one process alone; leave mesh None")
-        stored = None
-        if config.resume is not None:
-            stored = read_metadata(config.resume)
-            if stored.get("uform.format") != FORMAT:
-                raise ValueError(f"resume: {os.fsdecode(config.resume)} is not a uform trainer checkpoint")
-            if config.depth == 0 and config.hidden == 0:  # resume alone: the stored run's config,
-                config = _over_stored(config, from_dict(json.loads(stored["uform.config"])))  # and what was set
-        resolved = resolve(config)
-        if stored is not None:
-            _same_run(resolved, from_dict(json.loads(stored["uform.config"])))
-        trainer = cls(executor, resolved, _token=_PRIVATE)
-        trainer.media = media
-        trainer.network.initialize(resolved.seed)
-        trainer.network.to(trainer.device)
-        trainer.optimizer = build_optimizer(trainer.network, trainer.device)
-        if stored is not None:
-            trainer._resume(resolved)
+            _check_mesh(config.mesh, executor)
+        if executor.has_workers():
+            from .fleet import FleetTrainer
+
+            return FleetTrainer.start(executor, config, media, host_processes)
+        world = None if config.mesh is None else config.mesh.world
+        try:
+            resolved, stored = resolve_run(config)
+            hosts = default_host_processes(executor) if host_processes is None else host_processes
+            trainer = cls(executor, resolved, host_processes=hosts, _token=_PRIVATE)
+            trainer.media = media
+            trainer.network.initialize(resolved.seed)
+            trainer.network.to(trainer.device)
+            trainer.optimizer = build_optimizer(trainer.network, trainer.device)
+            if stored is not None:
+                trainer._resume(resolved)
+        except BaseException:
+            if world is not None:  # the others wait to compare runs: tell them this process has none
+                with contextlib.suppress(Exception):
+                    _compare_runs(world, None, 0)
+            raise
+        if trainer.world is not None:
+            trainer._join_world()
         return trainer
+
+    def _join_world(self) -> None:
+        """Every process of the run checks that it builds the same run (a digest of the resolved config and
+        the step it starts from, all-gathered), then borrows the mesh and arms the gradient reduction."""
+        world = self.world
+        assert world is not None and self.mesh is not None
+        record = to_dict(self.config)
+        record.pop("progress_steps", None)  # how often this process reports is its own business
+        try:
+            _compare_runs(world, json.dumps(record, sort_keys=True), self._step_count)
+        except BaseException:
+            self.close()
+            raise
+        self.mesh._borrow(self)
+        if world.size > 1:
+            self._reducer = GradientReducer([p for _, p in reduction_order(self.network)], world)
 
     def _resume(self, config: TrainerInitVramConfig) -> None:
         tensors, metadata = read_checkpoint(config.resume, config.progress, config.progress_steps, self.device)
@@ -185,12 +243,19 @@ class Trainer:
         return self._step_count
 
     def close(self) -> None:
-        """Waits for queued calls and stops the trainer's threads."""
+        """Waits for queued calls and stops the trainer's threads; a mesh it borrowed is free again."""
         self._queue.shutdown(wait=True)
         self._host.shutdown(wait=True)
         self._completion.shutdown(wait=True)
+        if self._hosts is not None:
+            self._hosts.close()
         if self._decoders is not None:
             self._decoders.close()
+        if self._reducer is not None:
+            self._reducer.close()
+        self.closed = True
+        if self.mesh is not None:
+            self.mesh._release(self)
 
     def _submit_step(self, checked: _Checked) -> Future:
         with self._lock:
@@ -211,99 +276,61 @@ class Trainer:
     def _check_step(
         self, modalities: Any, contents: Any, config: TrainerStepConfig | None, copy_buffers: bool
     ) -> _Checked:
-        config = TrainerStepConfig() if config is None else config
-        if not isinstance(config, TrainerStepConfig):
-            raise TypeError(f"config: expected a TrainerStepConfig, got {type(config).__name__}")
-        mods = parse_modalities(modalities)
-        items = parse_contents(contents, len(mods))
-        live = media_features(self.config)
-        for i, m in enumerate(mods):
-            if m != Modality.Text and MEDIA_KINDS[m] not in live:
-                slice_field = "chunk_samples" if m == Modality.Audio else "patch_side"
-                raise ValueError(
-                    f"modalities[{i}]: {m} items are out of this run (its batch.{m}.{slice_field} is zero)"
-                )
-        n = len(mods)
-        if n == 0:
-            raise ValueError("modalities: a step needs at least one item")
-        r = self.config
-        bags = per_item_integers(config.bags, n, "bags", below=2**32)
-        groups = per_item_integers(config.temperature_groups, n, "temperature_groups", r.contrastive.temperature_groups)
-        sides = parse_sides(config.sides, n)
-        choices = None
-        if r.choices.weight > 0:  # read only where the run trains choices (always a copy)
-            choices = parse_choices(config.choices, config.choice_targets, mods, r.batch.max_choices_per_item)
-        if r.objective != Objective.Masked or r.late_interaction.weight > 0:  # late pairs resolve through them
-            check_relations(config.relations, n, r.contrastive.max_edges_per_device)
-        if config.arena is not None and not isinstance(config.arena, Arena):
-            raise TypeError(f"arena: expected an Arena, got {type(config.arena).__name__}")
-        if config.stats is not None and not isinstance(config.stats, TrainerStepStats):
-            raise TypeError(f"stats: expected a TrainerStepStats, got {type(config.stats).__name__}")
-        scalar = Scalar.parse(config.outputs_scalar, "outputs_scalar")
-        relations = config.relations
-        if copy_buffers:
-            items = [bytes(c) for c in items]
-            relations = copy.deepcopy(relations)
-        return _Checked(mods, items, bags, groups, sides, choices, relations, config.arena, scalar, config.stats)  # type: ignore[arg-type]
+        # In a world a process may have no items this step; it still takes its part in the collectives.
+        alone = self.world is None or self.world.size == 1
+        return check_step(self.config, modalities, contents, config, copy_buffers, allow_empty=not alone)
 
     # ---- the work ----------------------------------------------------------------------------------
 
     def _prepare(self, checked: _Checked, step: int) -> tuple[Batch, dict[str, torch.Tensor]]:
-        """The host stage: pack, corrupt and pair, then page-locked tensors for the copy."""
-        units, skipped = self._decode(checked)
-        batch = prepare(
-            self.config,
-            checked.modalities,
-            checked.contents,
+        """The host stage (`host.host_stage`: decode, pack, corrupt and pair, block tables), here or in a host
+        process, then page-locked tensors for the copy; a media item that did not decode is warned about here."""
+        job = HostJob(
+            modalities=checked.modalities,
+            contents=checked.contents,
             bags=checked.bags,
             groups=checked.groups,
             sides=checked.sides,
-            relations=checked.relations,
-            step=step,
-            units=units,
-            skipped=skipped,
             choices=checked.choices,
+            relations=checked.relations,
         )
         pin = self.device.type == "cuda"
-        host = batch.host_tensors(pin)
-        if self.attention == "flex":
-            for name, table in block_tables(batch.segments).items():
+        if self.host_processes:
+            with self._lock:
+                if self._hosts is None:
+                    self._hosts = HostProcesses(self.host_processes, self.config, self.media, self.attention, pin)
+            batch, host, failed = self._hosts.prepare(job, step)
+        else:
+            answer = host_stage(self.config, self.media, self.attention, self._decode_pool, job, step)
+            batch, failed = answer.batch, answer.failed
+            host = batch.host_tensors(pin)
+            for name, table in answer.tables.items():
                 t = torch.from_numpy(table)
                 host[f"block.{name}"] = t.pin_memory() if pin else t
-        return batch, host
-
-    def _decode(self, checked: _Checked) -> tuple[dict[int, Units], np.ndarray | None]:
-        """Decodes the step's media items in the worker pool; answers the units of those that decoded and
-        the mask of those that did not (or raises `MediaError` for the first of them when strict)."""
-        items = [i for i, m in enumerate(checked.modalities) if m != Modality.Text]
-        if not items:
-            return {}, None
-        with self._lock:
-            if self._decoders is None:
-                self._decoders = DecodePool(self.media.workers, self.media.limits.timeout_seconds)
-        b = self.config.batch
-        late = self.config.late_interaction.weight > 0
-        max_units = b.max_columns_per_row - (2 if late else 1)
-        geometry = {"image": vars(b.image), "video": vars(b.video), "audio": vars(b.audio)}
-        jobs: list[tuple[tuple, dict]] = []
-        for i in items:
-            kind = MEDIA_KINDS[checked.modalities[i]]
-            jobs.append(((kind, bytes(checked.contents[i]), dict(geometry[kind]), max_units, self.media.limits), {}))
-        outcomes = self._decoders.map(decode_item, jobs)
-        units: dict[int, Units] = {}
-        skipped = np.zeros(len(checked.modalities), dtype=bool)
-        for i, outcome in zip(items, outcomes, strict=True):
-            if outcome.error is None:
-                units[i] = outcome.value  # type: ignore[assignment]
-                continue
-            reason = outcome.error.removeprefix("MediaError: ")
-            if self.media.strict:
-                raise MediaError(reason, item=i)
-            skipped[i] = True
+        for i, reason in failed:
             warnings.warn(
                 f"uform: skipped contents[{i}] ({checked.modalities[i]}): {reason}", MediaWarning, stacklevel=2
             )
-        return units, skipped
+        return batch, host
+
+    def _decode_pool(self) -> DecodePool:
+        """This process's decoder pool (the in-process host stage's), started on first need."""
+        with self._lock:
+            if self._decoders is None:
+                self._decoders = DecodePool(self.media.workers, self.media.limits.timeout_seconds)
+            return self._decoders
+
+    def _decode(self, checked: _Checked) -> tuple[dict[int, Units], list[tuple[int, str]]]:
+        """Decodes the step's media items in this process's pool (the host stage's first half, for the benches);
+        answers the units of those that decoded and (index, reason) of those that did not."""
+        items = [i for i, m in enumerate(checked.modalities) if m != Modality.Text]
+        if not items:
+            return {}, []
+        late = self.config.late_interaction.weight > 0
+        max_units = self.config.batch.max_columns_per_row - (2 if late else 1)
+        return decode_items(
+            self._decode_pool(), self.media, self.config.batch, checked.modalities, checked.contents, items, max_units
+        )
 
     def _device_stage(self, checked: _Checked, host: Future, step: int, done: Future) -> None:
         """Copy, forward, backward, update; the readback is left to the completion thread, so this
@@ -340,10 +367,29 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = rate
         self.network.train()
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
-            terms = self._losses(tensors, mask, batch.positives, batch.late_positives)
-        totals = self.network.total(terms)
-        totals["loss"].backward()
+        world = self.world if self.world is not None and self.world.size > 1 else None
+        if world is not None and world.failed:
+            raise MeshError(world.failed[0])
+        try:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
+                terms = self._losses(tensors, mask, batch.positives, batch.late_positives)
+            if world is not None:  # every process divides its sums by the world's counts
+                terms = _world_counts(terms, world)
+            totals = self.network.total(terms)
+            if self._reducer is not None:
+                self._reducer.arm()
+            totals["loss"].backward()
+            if self._reducer is not None:
+                self._reducer.finish()  # the gradients of the world's loss, summed over its processes
+            world_stats = None
+            if world is not None:  # the world's means: each process's share, summed
+                zero = totals["loss"].new_zeros(())
+                world_stats = torch.stack([totals.get(k, zero).detach().float() for k in _STAT_TERMS])
+                world.all_reduce(world_stats)
+        except Exception as error:
+            if world is not None:
+                raise _broken(world, error, step) from error
+            raise
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._step_count = step
@@ -355,7 +401,11 @@ class Trainer:
         readback: dict[str, torch.Tensor] = {}
         if checked.stats is not None:
             zero = totals["loss"].new_zeros(())
-            readback["stats"] = torch.stack([totals.get(k, zero).detach().float() for k in _STAT_TERMS])
+            readback["stats"] = (
+                world_stats
+                if world_stats is not None
+                else torch.stack([totals.get(k, zero).detach().float() for k in _STAT_TERMS])
+            )
             dropped, self._dropped = self._dropped, 0
             skipped, self._skipped = self._skipped, 0
         if checked.arena is not None:
@@ -389,6 +439,8 @@ class Trainer:
         return finish
 
     def _run_save(self, config: TrainerSaveConfig) -> None:
+        if self.world is not None and self.world.rank != 0:
+            return  # only the process of index zero writes; every process holds the same weights
         names = dict(self.network.named_parameters())
         tensors: dict[str, torch.Tensor] = {f"weights.{k}": v.detach() for k, v in self.network.state_dict().items()}
         for name, p in names.items():
@@ -406,6 +458,172 @@ class Trainer:
             "uform.rng": json.dumps({"draws": "pcg64 keyed by (seed, step, stream)", "seed": self.config.seed}),
         }
         write_checkpoint(config.path, tensors, metadata, config.progress, config.progress_steps or 10)
+
+
+def check_step(
+    run: TrainerInitVramConfig,
+    modalities: Any,
+    contents: Any,
+    config: TrainerStepConfig | None,
+    copy_buffers: bool,
+    *,
+    allow_empty: bool = False,
+    edge_factor: int = 1,
+) -> _Checked:
+    """Every check of a step's arguments against the run `run` (nothing changes when one fails); answers
+    them owned by the trainer when `copy_buffers`. `edge_factor` devices share the step's edges."""
+    config = TrainerStepConfig() if config is None else config
+    if not isinstance(config, TrainerStepConfig):
+        raise TypeError(f"config: expected a TrainerStepConfig, got {type(config).__name__}")
+    mods = parse_modalities(modalities)
+    items = parse_contents(contents, len(mods))
+    live = media_features(run)
+    for i, m in enumerate(mods):
+        if m != Modality.Text and MEDIA_KINDS[m] not in live:
+            slice_field = "chunk_samples" if m == Modality.Audio else "patch_side"
+            raise ValueError(f"modalities[{i}]: {m} items are out of this run (its batch.{m}.{slice_field} is zero)")
+    n = len(mods)
+    if n == 0 and not allow_empty:
+        raise ValueError("modalities: a step needs at least one item")
+    bags = per_item_integers(config.bags, n, "bags", below=2**32)
+    groups = per_item_integers(config.temperature_groups, n, "temperature_groups", run.contrastive.temperature_groups)
+    sides = parse_sides(config.sides, n)
+    choices = None
+    if run.choices.weight > 0:  # read only where the run trains choices (always a copy)
+        choices = parse_choices(config.choices, config.choice_targets, mods, run.batch.max_choices_per_item)
+    if run.objective != Objective.Masked or run.late_interaction.weight > 0:  # late pairs resolve through them
+        check_relations(config.relations, n, run.contrastive.max_edges_per_device * edge_factor)
+    if config.arena is not None and not isinstance(config.arena, Arena):
+        raise TypeError(f"arena: expected an Arena, got {type(config.arena).__name__}")
+    if config.stats is not None and not isinstance(config.stats, TrainerStepStats):
+        raise TypeError(f"stats: expected a TrainerStepStats, got {type(config.stats).__name__}")
+    scalar = Scalar.parse(config.outputs_scalar, "outputs_scalar")
+    relations = config.relations
+    if copy_buffers:
+        items = [bytes(c) for c in items]
+        relations = copy.deepcopy(relations)
+    return _Checked(mods, items, bags, groups, sides, choices, relations, config.arena, scalar, config.stats)  # type: ignore[arg-type]
+
+
+def default_host_processes(executor: Executor) -> int:
+    """Host processes of a trainer that does not say (`Trainer.init_vram`): none yet, on any device.
+
+    On CUDA one host process should win (the device thread needs the interpreter lock to launch kernels and the
+    host stage's Python holds it: at the seed's geometry 256 texts cost 16 ms of this process's CPU a step in
+    process, 1 ms through a host process, bench/data_wait.py on the CPU), but that is a CPU proxy: the default
+    moves to one on CUDA once the GPU's data wait has been measured with it. On the CPU the device stage's
+    kernels run without the lock and a process would only cost its start."""
+    del executor
+    return 0
+
+
+def resolve_run(config: TrainerInitVramConfig) -> tuple[TrainerInitVramConfig, dict[str, str] | None]:
+    """The resolved run of an init config (the stored run's, with what the caller set, on a resume alone),
+    checked against the checkpoint it resumes; answers it and the checkpoint's metadata."""
+    stored = None
+    if config.resume is not None:
+        stored = read_metadata(config.resume)
+        if stored.get("uform.format") != FORMAT:
+            raise ValueError(f"resume: {os.fsdecode(config.resume)} is not a uform trainer checkpoint")
+        if config.depth == 0 and config.hidden == 0:  # resume alone: the stored run's config,
+            config = _over_stored(config, from_dict(json.loads(stored["uform.config"])))  # and what was set
+    resolved = resolve(config)
+    if stored is not None:
+        _same_run(resolved, from_dict(json.loads(stored["uform.config"])))
+    return resolved, stored
+
+
+def _compare_runs(world: World, text: str | None, step: int) -> None:
+    """Every process of a world calls this in init_vram with its resolved run as JSON (None: this process
+    could not build one) and the step it starts from; raises on every process when they differ."""
+    digest = np.zeros(2, dtype=np.int64)
+    if text is not None:
+        digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], dtype=np.int64)
+    mine = torch.tensor([int(text is not None), *digest.tolist(), step], dtype=torch.int64, device=world.device)
+    try:
+        every = world.all_gather(mine[None]).cpu().tolist()  # [W, 4]
+        texts: list[Any] = [None] * world.size
+        if all(row[0] for row in every) and any(row[1:3] != every[0][1:3] for row in every):
+            torch.distributed.all_gather_object(texts, text, group=world.group)
+    except Exception as error:
+        raise MeshError(f"mesh: the processes of the run could not compare their runs ({error})") from error
+    if text is None:
+        return
+    failed = [rank for rank, row in enumerate(every) if not row[0]]
+    if failed:
+        raise MeshError(
+            f"mesh: processes {failed} could not build the run (their init_vram raised; see their errors); "
+            "every process of a run builds it, or none does"
+        )
+    for rank, row in enumerate(every):
+        if row[1:3] != every[0][1:3]:
+            field, ours, theirs = _first_difference(json.loads(texts[0]), json.loads(texts[rank]))
+            raise ValueError(
+                f"config: process {rank} builds another run than process 0: its {field} is {theirs!r}, "
+                f"process 0's {ours!r}; every process of a run calls init_vram with the same geometry, "
+                "objective, seed and schedule"
+            )
+    for rank, row in enumerate(every):
+        if row[3] != every[0][3]:
+            raise ValueError(
+                f"resume: process {rank} starts at step {row[3]}, process 0 at step {every[0][3]}; every "
+                "process of a run resumes the same checkpoint"
+            )
+
+
+def _world_compile() -> str:
+    """How a world's step compiles on CUDA: 'blocks' (the default; gradient reduction overlaps backward) or
+    'whole' (one graph for the step, as one process alone compiles it; the reduction follows backward),
+    from UFORM_WORLD_COMPILE."""
+    mode = os.environ.get("UFORM_WORLD_COMPILE", "blocks")
+    if mode not in ("blocks", "whole"):
+        raise ValueError(f"UFORM_WORLD_COMPILE: expected 'blocks' or 'whole', got {mode!r}")
+    return mode
+
+
+def _world_counts(terms: dict[str, torch.Tensor], world: World) -> dict[str, torch.Tensor]:
+    """The terms with every count summed over the world (one all-reduce, no gradient), so that each
+    process's sums divided by them add up, over the processes, to the world's means. A count is every
+    scalar term but the sums (`*_sum`): whatever (sum, count) pairs the network answers, they slot in."""
+    names = sorted(k for k, v in terms.items() if v.dim() == 0 and not k.endswith("_sum"))
+    if not names:
+        return terms
+    counts = world.all_reduce(torch.stack([terms[k].detach().float() for k in names]))
+    out = dict(terms)
+    out.update({k: counts[i].to(terms[k].dtype) for i, k in enumerate(names)})
+    return out
+
+
+def _broken(world: World, error: BaseException, step: int) -> MeshError:
+    """A step of the world failed mid-way: no process can know where the others stopped, so the world is
+    done; this and every later step raise the same error."""
+    message = (
+        f"mesh: step {step} failed on process {world.rank} of {world.size}: a peer process stopped, stalled "
+        f"past the {world.timeout:g} s deadline or failed ({type(error).__name__}: {error}); restart every "
+        "process, and init_vram with resume continues the run from its last checkpoint"
+    )
+    world.failed.append(message)
+    return MeshError(message)
+
+
+def _check_mesh(mesh: Any, executor: Executor) -> None:
+    from .mesh import Mesh
+
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a Mesh, got {type(mesh).__name__}")
+    if mesh.closed:
+        raise ValueError("mesh: this mesh was closed")
+    if mesh.executor is not executor:
+        raise ValueError(f"mesh: it was made over {mesh.executor}, not this trainer's executor {executor}")
+
+
+def _first_difference(ours: Any, theirs: Any, name: str = "") -> tuple[str, Any, Any]:
+    """The first field (dotted) where two config records differ, with both values."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        for key in sorted(set(ours) | set(theirs)):
+            if ours.get(key) != theirs.get(key):
+                return _first_difference(ours.get(key), theirs.get(key), f"{name}.{key}" if name else key)
+    return name or "config", ours, theirs
 
 
 _STAT_TERMS = (
@@ -455,7 +673,7 @@ class On:
     def save(self, config: Any) -> None:
         """Writes the checkpoint; `config` is a path or a `TrainerSaveConfig`."""
         t = self.trainer
-        return t._queue.submit(t._run_save, _save_config(config)).result()
+        return t._queue.submit(t._run_save, save_config(config)).result()
 
 
 class Deferred:
@@ -471,10 +689,10 @@ class Deferred:
 
     def save(self, config: Any) -> Future:
         t = self.trainer
-        return t._queue.submit(t._run_save, _save_config(config))
+        return t._queue.submit(t._run_save, save_config(config))
 
 
-def _save_config(config: Any) -> TrainerSaveConfig:
+def save_config(config: Any) -> TrainerSaveConfig:
     if isinstance(config, TrainerSaveConfig):
         saved = config
     elif isinstance(config, (str, bytes, os.PathLike)):

@@ -7,17 +7,20 @@ columns and Dt document token rows; K legal bytes per choice (`max_choices_per_i
 Every array but the media units has a shape fixed by the run's capacities (never by the step's content),
 so the compiled step sees the same shapes every time; the media arrays' first axis U varies and is
 compiled as a dynamic size (padded to at least two units, so it never hits the sizes 0 and 1 that
-torch.compile specialises). Every draw comes from a generator keyed by (seed, step, stream).
+torch.compile specialises). Every draw comes from a generator keyed by (seed, step, stream), and an item's
+corruption and media mask by its own digest too (`item_key`), so they do not depend on its neighbours.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
+from copy import deepcopy
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .. import vocab
 from ..config import TrainerInitVramConfig
@@ -27,6 +30,9 @@ from ..relations import pair_targets
 from .corrupt import corrupt_text
 from .items import ChoiceTapes
 from .pack import LateRoom, Layout, Rows, fill_state, fill_text, fill_units, plan
+
+if TYPE_CHECKING:  # torch loads where host tensors are made, never in the host process that prepares steps
+    import torch
 
 PACK_STREAM = 1
 CORRUPT_STREAM = 2
@@ -67,9 +73,20 @@ def mask_units(kind: str, units: Units, ratio: float, rng: np.random.Generator) 
     return masked
 
 
-def keyed_rng(seed: int, step: int, stream: int) -> np.random.Generator:
-    """The generator of one (seed, step, stream): the same key gives the same draws on any machine."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, step, stream])))
+def keyed_rng(seed: int, step: int, stream: int, *key: int) -> np.random.Generator:
+    """The generator of one (seed, step, stream[, key...]): the same key gives the same draws on any machine."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, step, stream, *key])))
+
+
+def item_key(modality: Modality, content: bytes | memoryview) -> int:
+    """A 128-bit digest of an item's modality and bytes: the key of its own draws (corruption, media masks).
+
+    Keying an item's draws by what it is rather than where it sits makes them the same whichever items
+    share its step and whichever device or process it lands on, so the world's step is the same function
+    for any number of processes. Two equal items of one step draw alike.
+    """
+    digest = hashlib.blake2b(content, digest_size=16, person=b"uform.item" + bytes([int(modality)]))
+    return int.from_bytes(digest.digest(), "little")
 
 
 def covered_capacity(config: TrainerInitVramConfig) -> int:
@@ -128,18 +145,39 @@ class Batch:
         "w",
     )
 
-    def host_tensors(self, pin: bool) -> dict[str, torch.Tensor]:
-        """The arrays as host tensors, page-locked when `pin` (so the copy to a GPU runs asynchronously)."""
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every array the device stage reads, by its host tensor's name ("tokens", "image.values", "late.z"...)."""
         arrays = {name: getattr(self, name) for name in self.TENSORS}
         for kind, parts in self.media.items():
             arrays.update({f"{kind}.{part}": array for part, array in parts.items()})
         arrays.update({f"late.{part}": array for part, array in self.late.items()})
         arrays.update({f"choice.{part}": array for part, array in self.choice.items()})
+        return arrays
+
+    def host_tensors(self, pin: bool, copy: bool = False) -> dict[str, torch.Tensor]:
+        """The arrays as host tensors, page-locked when `pin` (so the copy to a GPU runs asynchronously);
+        unpinned tensors share the arrays' memory unless `copy`."""
+        import torch
+
         out = {}
-        for name, array in arrays.items():
+        for name, array in self.arrays().items():
+            if copy and not pin:  # numpy's copy: about three times torch's clone into fresh memory, measured
+                array = np.array(array, order="C", copy=True)
             t = torch.from_numpy(np.ascontiguousarray(array))
             out[name] = t.pin_memory() if pin else t
         return out
+
+    def adopt(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Makes the batch hold its own memory: every array becomes a view of its tensor in `tensors` (as
+        `host_tensors` named them, copies), and the layout a deep copy. The batch then keeps nothing of the
+        buffers it was unpickled from (a host process's shared slab, which the next step reuses)."""
+        for name in self.TENSORS:
+            setattr(self, name, tensors[name].numpy())
+        for kind, parts in self.media.items():
+            self.media[kind] = {part: tensors[f"{kind}.{part}"].numpy() for part in parts}
+        self.late = {part: tensors[f"late.{part}"].numpy() for part in self.late}
+        self.choice = {part: tensors[f"choice.{part}"].numpy() for part in self.choice}
+        self.layout = deepcopy(self.layout)
 
 
 def prepare(
@@ -208,7 +246,7 @@ def prepare(
     features = media_features(config)
     gathered: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {kind: [] for kind in features}
     masking = config.objective != Objective.Contrastive
-    media_rng = keyed_rng(config.seed, step, MEDIA_STREAM)
+    span_items: list[int] = []
     truncated = layout.truncated.copy()
     mask_at = np.zeros(n, dtype=np.int64)
     for i in np.flatnonzero(layout.placed).tolist():
@@ -219,11 +257,16 @@ def prepare(
         if modalities[i] == Modality.Text:
             fill_text(rows, layout, i, prefixes[i], contents[i])
             spans.append((int(layout.row[i]), int(layout.column[i]) + p, int(layout.length[i]) - p))
+            span_items.append(i)
             continue
         kind, item = MEDIA_KINDS[modalities[i]], units[i]
         index = fill_units(rows, layout, i, prefixes[i], vocab.MODALITY_MARKER[modalities[i]], item.positions)
         ratio = getattr(config.masking, f"{kind}_mask_ratio")
-        masked = mask_units(kind, item, ratio, media_rng) if masking else np.zeros(len(item), dtype=bool)
+        if masking:
+            rng = keyed_rng(config.seed, step, MEDIA_STREAM, item_key(modalities[i], contents[i]))
+            masked = mask_units(kind, item, ratio, rng)
+        else:
+            masked = np.zeros(len(item), dtype=bool)
         gathered[kind].append((item.values, index, masked))
         truncated[i] |= item.truncated
     media = {kind: _stack_units(gathered[kind], f, UNIT_DTYPES[kind]) for kind, f in features.items()}
@@ -234,7 +277,8 @@ def prepare(
     target_weight = np.zeros(capacity, dtype=np.float32)
     tokens = rows.tokens
     if config.objective != Objective.Contrastive:
-        tokens, covered = corrupt_text(rows.tokens, spans, config.masking, keyed_rng(config.seed, step, CORRUPT_STREAM))
+        rngs = [keyed_rng(config.seed, step, CORRUPT_STREAM, item_key(modalities[i], contents[i])) for i in span_items]
+        tokens, covered = corrupt_text(rows.tokens, spans, config.masking, rngs)
         where = np.flatnonzero(covered.reshape(-1))
         target_index[: len(where)] = where
         targets[: len(where)] = rows.tokens.reshape(-1)[where]

@@ -5,12 +5,15 @@ Shape legend: R rows, C columns, P covered positions of the step.
 In every text segment of n content bytes, spans of geometric length (mean `token_mean_span`, clipped to
 the segment) are drawn at uniform starts until exactly round(token_mask_probability * n) positions are
 covered; the span that would overshoot covers only its first uncovered positions. This is T5's and
-SpanBERT's span masking with BERT's 80/10/10 split of what a covered position shows: of all covered
-positions of the step, round(replace_fraction * P) show MASK, round(random_fraction * P) a uniform random
-byte, and the rest keep their byte. Every draw comes from the generator the caller keyed by (seed, step).
+SpanBERT's span masking with BERT's 80/10/10 split of what a covered position shows: of the k covered
+positions of a segment, replace_fraction * k show MASK and random_fraction * k a uniform random byte (each
+rounded stochastically: down or up with the odds that make it exact in expectation), and the rest keep
+their byte. Every draw of a segment comes from its item's own generator, keyed by (seed, step, the item).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -39,24 +42,35 @@ def cover_spans(length: int, count: int, mean_span: float, rng: np.random.Genera
 
 
 def corrupt_text(
-    tokens: np.ndarray, spans: list[tuple[int, int, int]], masking: Masking, rng: np.random.Generator
+    tokens: np.ndarray,
+    spans: list[tuple[int, int, int]],
+    masking: Masking,
+    rngs: Sequence[np.random.Generator],
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Corrupts the text content `spans` (row, first column, length) of `tokens` [R, C].
+    """Corrupts the text content `spans` (row, first column, length) of `tokens` [R, C], span i drawing
+    from `rngs[i]` alone (each item's own keyed generator, so an item's corruption does not depend on the
+    other items of its step, nor on which device they share).
 
     Answers (inputs [R, C] int64, covered [R, C] bool); the targets are `tokens[covered]`.
     """
+    if len(rngs) != len(spans):
+        raise ValueError(f"corrupt_text: {len(spans)} spans need as many generators, got {len(rngs)}")
     inputs = tokens.copy()
     covered = np.zeros(tokens.shape, dtype=bool)
-    for r, c0, n in spans:
-        k = round(masking.token_mask_probability * n)
-        if k > 0:
-            covered[r, c0 : c0 + n] = cover_spans(n, k, masking.token_mean_span, rng)
-    where = np.flatnonzero(covered.reshape(-1))
-    total = len(where)
-    shuffled = rng.permutation(where)
-    n_mask = round(masking.replace_fraction * total)
-    n_random = min(round(masking.random_fraction * total), total - n_mask)
     flat = inputs.reshape(-1)
-    flat[shuffled[:n_mask]] = vocab.MASK
-    flat[shuffled[n_mask : n_mask + n_random]] = rng.integers(0, vocab.BYTES, size=n_random)
+    width = tokens.shape[1]
+    for (r, c0, n), rng in zip(spans, rngs, strict=True):
+        k = round(masking.token_mask_probability * n)
+        if k <= 0:
+            continue
+        mask = cover_spans(n, k, masking.token_mean_span, rng)
+        covered[r, c0 : c0 + n] = mask
+        shuffled = rng.permutation(r * width + c0 + np.flatnonzero(mask))
+        # Both cumulative shares rounded stochastically with one draw: each is exact in expectation even
+        # for a three-byte caption, and together they never exceed k.
+        u = rng.random()
+        n_mask = min(k, int(masking.replace_fraction * k + u))
+        n_random = min(k, int((masking.replace_fraction + masking.random_fraction) * k + u)) - n_mask
+        flat[shuffled[:n_mask]] = vocab.MASK
+        flat[shuffled[n_mask : n_mask + n_random]] = rng.integers(0, vocab.BYTES, size=n_random)
     return inputs, covered

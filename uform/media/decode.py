@@ -6,10 +6,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .limits import MediaLimits
+from .limits import MediaError, MediaLimits
 from .units import Units
 
 
@@ -68,3 +69,34 @@ def decode_item(kind: str, data: bytes, geometry: dict[str, Any], max_units: int
             limits=limits,
         )
     raise ValueError(f"decode_item: unknown media kind {kind!r}")
+
+
+def decode_items(
+    pool: Any,
+    policy: MediaPolicy,
+    batch: Any,
+    modalities: Sequence[Any],
+    contents: Sequence[bytes | memoryview],
+    items: Sequence[int],
+    max_units: int,
+) -> tuple[dict[int, Units], list[tuple[int, str]]]:
+    """Decodes `items` (indices of media items) in `pool` (a `DecodePool`) at the run's shape slices
+    (`batch`, a `BatchShape`); answers the units of those that decoded and (index, reason) of those that did
+    not, or raises `MediaError` naming the first of them under a strict `policy`. The trainer and the
+    serving model both decode through here."""
+    geometry = {"image": vars(batch.image), "video": vars(batch.video), "audio": vars(batch.audio)}
+    jobs: list[tuple[tuple, dict]] = []
+    for i in items:
+        kind = str(modalities[i])  # a Modality prints as its word: "image", "video", "audio"
+        jobs.append(((kind, bytes(contents[i]), dict(geometry[kind]), max_units, policy.limits), {}))
+    units: dict[int, Units] = {}
+    failed: list[tuple[int, str]] = []
+    for i, outcome in zip(items, pool.map(decode_item, jobs), strict=True):
+        if outcome.error is None:
+            units[i] = outcome.value
+            continue
+        reason = outcome.error.removeprefix("MediaError: ")
+        if policy.strict:
+            raise MediaError(reason, item=i)
+        failed.append((i, reason))
+    return units, failed

@@ -25,7 +25,10 @@ worker pickles with protocol 5, writes the out-of-band buffers into its slab and
 spans)``; the parent copies them out once and unpickles around them. A pipe moves 64 KiB per round trip between
 the two processes, which made the parent the bottleneck of a 16-worker pool (about 0.45 GB/s in all); the slab is
 a memcpy. The parent reads a worker's slab before giving it another job, so one slab per worker suffices; a result
-larger than the slab goes through the pipe. The slab's file is unlinked as soon as the worker has mapped it.
+larger than the slab goes through the pipe. The slab's file is unlinked as soon as it is made: the worker maps it
+through a duplicate of its descriptor passed when the worker starts, so no name under /dev/shm outlives a process
+killed at any moment. The slab helpers (`create_slab`, `SlabFile`, `reserve_slab`, `slab_payload`, `load_message`, `release_slab`) also carry a trainer's
+steps to and from its host processes (`uform.host`).
 
 This module imports only the standard library at top level, so the worker entry stays light. (Importing it as
 ``uform.media.pool`` still runs the package's ``__init__``; a job function that lives in a module importing torch
@@ -107,15 +110,12 @@ class Outcome(Generic[T]):
 class _Worker:
     """The parent's view of one worker process."""
 
-    __slots__ = ("conn", "deadline", "job", "process", "sent_at", "slab", "slab_path", "state", "warm")
+    __slots__ = ("conn", "deadline", "job", "process", "sent_at", "slab", "state", "warm")
 
-    def __init__(
-        self, process: BaseProcess, conn: Connection, deadline: float, slab: mmap.mmap | None, slab_path: str | None
-    ) -> None:
+    def __init__(self, process: BaseProcess, conn: Connection, deadline: float, slab: mmap.mmap | None) -> None:
         self.process = process
         self.conn = conn
         self.slab = slab  # the parent's mapping of the worker's result slab, None without shared memory
-        self.slab_path = slab_path  # its file until the worker has mapped it, then None (unlinked)
         self.state = _BOOTING
         self.deadline = deadline  # monotonic; math.inf when idle
         self.job: int | None = None  # index into the current map's jobs while loading or running
@@ -278,18 +278,21 @@ class DecodePool:
         available = sum(w.state in (_IDLE, _BOOTING) for w in self._workers)
         while available < wanted and len(self._workers) < self.workers:
             parent_end, child_end = self._ctx.Pipe(duplex=True)
-            slab, path = _new_slab(self.slab_bytes)
+            slab, fd = create_slab(self.slab_bytes)
+            shared = None if fd is None else SlabFile(fd)
             process = self._ctx.Process(
-                target=_worker_main, args=(child_end, path, self.slab_bytes), name="uform-decoder", daemon=True
+                target=_worker_main, args=(child_end, shared, self.slab_bytes), name="uform-decoder", daemon=True
             )
             try:
-                process.start()
+                process.start()  # the slab's descriptor travels to the worker here, duplicated
             except BaseException:
-                _release_slab(slab, path)
+                release_slab(slab)
                 raise
             finally:
                 child_end.close()  # the parent keeps only its end, so a dead worker reads as end of file
-            self._workers.append(_Worker(process, parent_end, time.monotonic() + _BOOT_SECONDS, slab, path))
+                if fd is not None:
+                    os.close(fd)  # the parent keeps only its mapping
+            self._workers.append(_Worker(process, parent_end, time.monotonic() + _BOOT_SECONDS, slab))
             available += 1
 
     def _service(self, worker: _Worker, outcomes: list) -> int:
@@ -299,7 +302,7 @@ class DecodePool:
                 data = worker.conn.recv_bytes()
                 now = time.monotonic()
                 try:
-                    message = _load_message(data, worker.slab)
+                    message = load_message(data, worker.slab)
                 except Exception as exc:  # a result whose class does not load here; the worker itself is fine
                     message = ("error", f"could not load the result: {_describe(exc)}")
                 del data
@@ -307,8 +310,6 @@ class DecodePool:
                 if kind == "ready" and worker.state == _BOOTING:
                     worker.state, worker.deadline = _IDLE, math.inf
                     self._boot_failures = 0
-                    _release_slab(None, worker.slab_path)  # the worker has mapped it: the name can go
-                    worker.slab_path = None
                 elif kind == "started" and worker.state in (_LOADING, _RUNNING):
                     worker.state, worker.deadline = _RUNNING, now + self.timeout_seconds
                 elif kind in ("ok", "error") and worker.job is not None and len(message) == 2:
@@ -334,7 +335,7 @@ class DecodePool:
         if worker.process.is_alive():  # a broken pipe but a live process: make sure it is gone
             worker.process.kill()
             worker.process.join(_REAP_SECONDS)
-        status = _exit_status(worker.process.exitcode)
+        status = exit_status(worker.process.exitcode)
         return self._discard(
             worker,
             outcomes,
@@ -356,8 +357,8 @@ class DecodePool:
             self._workers.remove(worker)
         with contextlib.suppress(OSError):
             worker.conn.close()
-        _release_slab(worker.slab, worker.slab_path)
-        worker.slab, worker.slab_path = None, None
+        release_slab(worker.slab)
+        worker.slab = None
         if worker.state == _BOOTING:
             self._boot_failures += 1
             if self._boot_failures >= _BOOT_FAILURES:
@@ -381,8 +382,8 @@ class DecodePool:
                     self._workers.remove(worker)
                 with contextlib.suppress(OSError):
                     worker.conn.close()
-                _release_slab(worker.slab, worker.slab_path)
-                worker.slab, worker.slab_path = None, None
+                release_slab(worker.slab)
+                worker.slab = None
 
 
 # -- helpers, shared by parent and worker --------------------------------------------------------------------------
@@ -398,7 +399,7 @@ def _describe(exc: BaseException) -> str:
     return f"{name}: {message}" if message else name
 
 
-def _exit_status(exitcode: int | None) -> str:
+def exit_status(exitcode: int | None) -> str:
     if exitcode is None:
         return "exit status unknown"
     if exitcode < 0:
@@ -427,50 +428,130 @@ def _shutdown(workers: list[_Worker]) -> None:
             if worker.process.is_alive():
                 worker.process.kill()
                 worker.process.join(_REAP_SECONDS)
-        _release_slab(worker.slab, worker.slab_path)
-        worker.slab, worker.slab_path = None, None
+        release_slab(worker.slab)
+        worker.slab = None
     workers.clear()
 
 
-def _new_slab(size: int) -> tuple[mmap.mmap | None, str | None]:
-    """A fresh zero-filled (sparse) slab file under /dev/shm, mapped here; (None, None) where there is none."""
+def create_slab(size: int, prefix: str = "uform-decoder-") -> tuple[mmap.mmap | None, int | None]:
+    """A fresh zero-filled (sparse) slab of `size` bytes under /dev/shm, mapped here: (mapping, open descriptor),
+    or (None, None) where there is none. Its file is unlinked at once, so nothing is left behind whoever dies
+    when: another process maps it through the descriptor (`SlabFile`, passed in a `multiprocessing` start), and
+    its pages go with the last descriptor and mapping. Close the descriptor once it is sent and no longer
+    reserves pages (`reserve_slab`)."""
     if not os.path.isdir(_SLAB_FOLDER):
         return None, None
     try:
-        fd, path = tempfile.mkstemp(prefix="uform-decoder-", dir=_SLAB_FOLDER)
+        fd, path = tempfile.mkstemp(prefix=prefix, dir=_SLAB_FOLDER)
     except OSError:
         return None, None
+    with contextlib.suppress(OSError):
+        os.unlink(path)
     try:
         os.ftruncate(fd, size)
-        return mmap.mmap(fd, size), path
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        return None, None
-    finally:
+        return mmap.mmap(fd, size), fd
+    except (OSError, ValueError, OverflowError):
         os.close(fd)
+        return None, None
 
 
-def _release_slab(slab: mmap.mmap | None, path: str | None) -> None:
-    if path is not None:
+class SlabFile:
+    """A slab's descriptor as an argument of a process that `multiprocessing` starts: it pickles as a duplicate of
+    the descriptor sent to the child (as a `Connection` does), so the slab needs no name on the file system."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return _rebuild_slab_file, (reduction.DupFd(self.fd),)  # only while a process is being started
+
+    def map(self, size: int) -> mmap.mmap:
+        return mmap.mmap(self.fd, size)
+
+    def close(self) -> None:
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            os.close(self.fd)
+
+
+def _rebuild_slab_file(duplicate: Any) -> SlabFile:
+    return SlabFile(duplicate.detach())
+
+
+def reserve_slab(fd: int, offset: int, length: int) -> bool:
+    """Backs `length` bytes of a slab file from `offset` with memory now (``posix_fallocate``), so that writing
+    them cannot fault with SIGBUS when /dev/shm is full; False when there is no room (the caller sends in band)."""
+    if length <= 0:
+        return True
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except (OSError, AttributeError):  # ENOSPC, or no posix_fallocate on this platform
+        return False
+    return True
+
+
+def release_slab(slab: mmap.mmap | None) -> None:
+    """Closes a slab's mapping (unless views of it live on: it then goes with the last of them)."""
     if slab is not None:
         with contextlib.suppress(BufferError, ValueError):
             slab.close()
 
 
-def _load_message(data: bytes, slab: mmap.mmap | None) -> Any:
-    """A worker's message: plain pickle, or ``("slab", header, spans)`` whose buffers wait in the worker's slab."""
+def load_message(data: bytes, slab: mmap.mmap | None, copy: bool = True) -> Any:
+    """A message: plain pickle, or ``("slab", header, spans)`` whose out-of-band buffers wait in `slab` at the
+    (offset, length) `spans`. `copy` takes each buffer out of the slab (the one copy); without it the message's
+    arrays are views of the slab, valid until the writer reuses those bytes."""
     message = pickle.loads(data)
     if isinstance(message, tuple) and len(message) == 3 and message[0] == "slab":
         if slab is None:
             raise ValueError("a slab message from a worker without a slab")
         _, header, spans = message
+        if not copy:
+            view = memoryview(slab)
+            return pickle.loads(header, buffers=[view[at : at + length] for at, length in spans])
         with memoryview(slab) as view:  # the one copy, out of the slab
             buffers = [bytearray(view[at : at + length]) for at, length in spans]
         return pickle.loads(header, buffers=buffers)
     return message
+
+
+def slab_payload(
+    message: Any,
+    slab: mmap.mmap,
+    start: int = 0,
+    end: int | None = None,
+    reserve: Callable[[int], bool] | None = None,
+    in_band_below: int = 0,
+) -> bytes | None:
+    """``("slab", header, spans)`` with the message's out-of-band buffers (those of `in_band_below` bytes or more)
+    written into `slab[start:end]`; None when it has none, or they do not fit, or `reserve(length)` (which backs
+    the first `length` bytes of that area) says there is no room: the message then crosses the pipe whole."""
+    buffers: list[pickle.PickleBuffer] = []
+
+    def out_of_band(buffer: pickle.PickleBuffer) -> bool:
+        with buffer.raw() as raw:  # raises for a non-contiguous buffer: the caller's fallback sends in band
+            if raw.nbytes < in_band_below:
+                return True
+        buffers.append(buffer)
+        return False
+
+    header = pickle.dumps(message, protocol=5, buffer_callback=out_of_band)
+    if not buffers:
+        return None
+    end = len(slab) if end is None else end
+    views = [b.raw() for b in buffers]
+    spans, at = [], start
+    for view in views:
+        if at + view.nbytes > end:
+            return None
+        spans.append((at, view.nbytes))
+        at += -(-view.nbytes // _SLAB_ALIGN) * _SLAB_ALIGN
+    if reserve is not None and not reserve(spans[-1][0] + spans[-1][1] - start):
+        return None
+    for view, (at, length) in zip(views, spans, strict=True):
+        slab[at : at + length] = view
+    return pickle.dumps(("slab", header, spans), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 # -- the worker process --------------------------------------------------------------------------------------------
@@ -483,7 +564,7 @@ def _send(conn: Connection, message: tuple[Any, ...], slab: mmap.mmap | None = N
         payload = None
         if slab is not None:
             with contextlib.suppress(Exception):  # e.g. a non-contiguous buffer: the message goes in band
-                payload = _slab_payload(message, slab)
+                payload = slab_payload(message, slab)
         if payload is None:
             payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # an unpicklable result (or one whose pickling raised)
@@ -495,35 +576,17 @@ def _send(conn: Connection, message: tuple[Any, ...], slab: mmap.mmap | None = N
     return True
 
 
-def _slab_payload(message: tuple[Any, ...], slab: mmap.mmap) -> bytes | None:
-    """``("slab", header, spans)`` with the message's out-of-band buffers written into `slab`; None when it has
-    none, or they do not fit (the message then crosses the pipe whole)."""
-    buffers: list[pickle.PickleBuffer] = []
-    header = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
-    if not buffers:
-        return None
-    views = [b.raw() for b in buffers]  # raises for a non-contiguous buffer: the caller's fallback sends in band
-    spans, at = [], 0
-    for view in views:
-        if at + view.nbytes > len(slab):
-            return None
-        slab[at : at + view.nbytes] = view
-        spans.append((at, view.nbytes))
-        at += -(-view.nbytes // _SLAB_ALIGN) * _SLAB_ALIGN
-    return pickle.dumps(("slab", header, spans), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _worker_main(conn: Connection, slab_path: str | None = None, slab_bytes: int = _SLAB_BYTES) -> None:
+def _worker_main(conn: Connection, slab_file: SlabFile | None = None, slab_bytes: int = _SLAB_BYTES) -> None:
     """A worker's whole life: map its slab, announce readiness, then run jobs until end of file or an empty
     message."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     slab = None
-    if slab_path is not None:
+    if slab_file is not None:
         try:
-            with open(slab_path, "r+b") as file:
-                slab = mmap.mmap(file.fileno(), slab_bytes)
+            slab = slab_file.map(slab_bytes)
         except (OSError, ValueError):
             slab = None  # results cross the pipe whole
+        slab_file.close()  # the mapping stays
     if not _send(conn, ("ready",)):
         return
     first = True

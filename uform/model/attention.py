@@ -19,10 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ..data.blocks import BLOCK, block_tables
 
 try:  # FlexAttention ships with torch >= 2.5
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -41,45 +42,6 @@ class DocumentMask:
     """The FlexAttention BlockMask (flex)."""
     dense: Tensor | None = None
     """[R, 1, C, C] bool (dense)."""
-
-
-BLOCK = 128
-"""FlexAttention's tile side: the block mask marks (query tile, key tile) pairs."""
-
-
-def block_tables(segments: np.ndarray, block: int = BLOCK) -> dict[str, np.ndarray]:
-    """The block-sparse tables of the document mask, computed on the host from segment ids [R, C].
-
-    Segment ids never decrease along a row (slots are numbered in row, column order and padding carries
-    the largest id), so every tile holds a contiguous run of ids [lowest, highest], and two tiles share a
-    segment exactly when their runs overlap (for any other ids, such as padding at NO_SEGMENT, overlapping
-    ranges are still a superset of sharing, so the tables stay correct, only less sparse). A pair of
-    tiles is *full* when both are whole tiles holding one and the same segment (no mask needed inside),
-    *partial* when their ranges overlap otherwise, and skipped when they do not overlap. Answers
-    FlexAttention's (kv_num_blocks [R, 1, Q], kv_indices [R, 1, Q, K]) for the partial and the full
-    pairs, Q = K = ceil(C / block) tiles; a last tile cut short by C is never full, as in
-    `create_block_mask`.
-    """
-    columns = segments.shape[1]
-    starts = np.arange(0, columns, block)
-    lowest = np.minimum.reduceat(segments, starts, axis=1)  # [R, T]
-    highest = np.maximum.reduceat(segments, starts, axis=1)  # [R, T]
-    whole = np.minimum(starts + block, columns) - starts == block  # [T]
-    overlap = (lowest[:, :, None] <= highest[:, None, :]) & (lowest[:, None, :] <= highest[:, :, None])  # [R, Tq, Tk]
-    single = (lowest == highest) & whole  # [R, T]
-    full = single[:, :, None] & single[:, None, :] & (lowest[:, :, None] == lowest[:, None, :])
-    partial = overlap & ~full
-    rows, tiles = lowest.shape
-    out = {}
-    for name, chosen in (("", partial), ("full_", full)):
-        # Stable argsort of "not chosen" lists each query tile's chosen key tiles first, in ascending order.
-        order = np.argsort(~chosen, axis=2, kind="stable").astype(np.int32)  # [R, Tq, Tk]
-        # reshape, not [:, None]: the head axis must carry a real C-order stride. A zero stride (what
-        # [:, None] gives, and what torch.from_numpy, .contiguous() and .to() keep) makes the compiled
-        # CUDA FlexAttention kernel read the wrong blocks, silently.
-        out[f"{name}kv_num_blocks"] = chosen.sum(axis=2).astype(np.int32).reshape(rows, 1, tiles)  # [R, 1, Tq]
-        out[f"{name}kv_indices"] = order.reshape(rows, 1, tiles, tiles)  # [R, 1, Tq, Tk]
-    return out
 
 
 def document_mask(segments: Tensor, kind: str, tables: dict[str, Tensor] | None = None) -> DocumentMask:

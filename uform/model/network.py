@@ -19,11 +19,12 @@ from torch import Tensor, nn
 
 from ..config import TrainerInitVramConfig
 from ..data.batch import media_features
-from ..enums import Objective, PairLossForm
+from ..enums import Negatives, Objective, PairLossForm
 from ..losses.choices import choices_sum
 from ..losses.contrastive import contrastive_term
 from ..losses.late import late_interaction_term
 from ..losses.masked import masked_text_sum, masked_units_sum
+from ..world import World, gather, gather_with_grad, world_pairs
 from .attention import DocumentMask
 from .embed import TokenEmbedding
 from .heads import MaskedTextHead, PooledHead, Temperatures, TokenHead
@@ -35,6 +36,8 @@ class Network(nn.Module):
     def __init__(self, config: TrainerInitVramConfig) -> None:
         super().__init__()
         self.config = config
+        self.world: World | None = None
+        """The world whose items every contrastive anchor is scored against (None: this process alone)."""
         hidden = config.hidden
         self.embed = TokenEmbedding(hidden)
         self.tower = Tower(config.depth, hidden)
@@ -147,16 +150,26 @@ class Network(nn.Module):
         pooled = self.pooled(states, batch["segments"], batch["counts"]).float()  # [S, D]
         if config.objective != Objective.Masked:
             c = config.contrastive
+            z, w, columns, column_valid = batch["z"], batch["w"], None, None
+            world = self.world
+            if world is not None and world.size > 1:
+                # This process's rows against every process's columns: [S, W * S] scores, never [W S, W S].
+                columns = gather_with_grad(pooled, world)  # [W * S, D]
+                column_valid = gather(batch["slot_valid"].to(torch.uint8), world).bool()  # [W * S]
+                ambient = c.negatives == Negatives.Ambient
+                z, w = world_pairs(z, w, world.rank, world.size, ambient, c.ambient_repulsion_weight)
             out["contrastive_sum"], out["contrastive_anchors"] = contrastive_term(
                 pooled,
                 batch["slot_valid"],
                 batch["slot_group"],
                 self.temperatures.log_inverse_temperature,
                 self.temperatures.bias,
-                batch["z"],
-                batch["w"],
+                z,
+                w,
                 list(c.matryoshka_dimensions),
                 c.pair_loss,
+                columns=columns,
+                column_valid=column_valid,
                 positives=positives if c.pair_loss == PairLossForm.Ranked else None,
             )
         else:

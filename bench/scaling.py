@@ -1,0 +1,237 @@
+"""Weak scaling of the world step: tokens/s on N GPUs against one, at the same per-device batch.
+
+Per device, the seed's geometry: depth 12, hidden 512, 64 rows x 1024 columns, 256 segments, Objective.Joint
+(span corruption + sigmoid contrastive); 256 text items of 255 bytes (with the prefix they fill the 64 rows
+exactly), 128 attract pairs, each pair one bag, so every anchor is scored against every item of the world.
+Steps go through `Trainer.deferred` with two in flight, stats read back every step.
+
+    python bench/scaling.py [--devices 2] [--launcher torchrun|executor] [--steps 30] [--warmup 8]
+
+--launcher torchrun (the default) runs this script under `torch.distributed.run` twice, with one process
+and with --devices processes (one GPU each, `Mesh.from_env()`); --launcher executor runs
+`Executor.for_vram([0])` and then `Executor.for_vram([0, ..., N-1])` (a worker process per device) in this
+process. Prints tokens/s of both and the efficiency, tokens/s(N) / (N x tokens/s(1)); the bar is 0.90.
+NCCL_NVLS_ENABLE stays 0 unless set (the library's default); UFORM_WORLD_COMPILE=whole compiles the world's
+step as one graph instead of block by block (then the gradient reduction cannot overlap backward).
+Writes bench-scaling-<launcher>[-whole].json under $OUT (or the current folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+BAR = 0.90
+
+
+def items(count: int, length: int, offset: int) -> list[bytes]:
+    """`count` slices of `length` bytes of CPython's pydoc topics, starting `offset` slices in."""
+    import pydoc_data.topics
+
+    text = " ".join(" ".join(v.split()) for v in pydoc_data.topics.topics.values()).encode()
+    need = (offset + count) * length
+    text = (text * (need // len(text) + 1))[:need]
+    return [text[(offset + i) * length : (offset + i + 1) * length] for i in range(count)]
+
+
+def run_config(args: argparse.Namespace, mesh: Any = None) -> Any:
+    import uform as u
+
+    return u.TrainerInitVramConfig(
+        depth=args.depth,
+        hidden=args.hidden,
+        objective=u.Objective.Joint,
+        batch=u.BatchShape(
+            max_rows_per_device=args.rows, max_segments_per_device=args.segments, max_columns_per_row=args.columns
+        ),
+        schedule=u.Schedule(steps=10_000),
+        seed=42,
+        mesh=mesh,
+    )
+
+
+def step_inputs(args: argparse.Namespace, devices: int, offset: int) -> tuple[list[bytes], Any]:
+    """The items of `devices` devices' worth of batch, pairs (2k, 2k + 1) attracting, each pair a bag."""
+    import uform as u
+
+    n = args.segments * devices
+    per_item = args.rows * args.columns // args.segments - 1  # prefix + content fill the rows exactly
+    contents = items(n, per_item, offset)
+    relations = u.Relations(attract=u.Edges(offsets=list(range(n + 1)), ids=[i ^ 1 for i in range(n)]))
+    return contents, (relations, [i // 2 for i in range(n)])
+
+
+def measure(args: argparse.Namespace, trainer: Any, executor: Any, devices: int, offset: int) -> dict[str, Any]:
+    """Times `args.steps` steps after `args.warmup` (compilation); answers per-step figures."""
+    import uform as u
+
+    contents, (relations, bags) = step_inputs(args, devices, offset)
+    modalities = [u.Modality.Text] * len(contents)
+    verbs = trainer.deferred(executor)
+    stats = [u.TrainerStepStats() for _ in range(args.steps + args.warmup)]
+
+    def run(k: int) -> Any:
+        config = u.TrainerStepConfig(relations=relations, bags=bags, stats=stats[k])
+        return verbs.step(modalities, contents, config)
+
+    sync = torch.cuda.synchronize if not args.cpu and not executor.has_workers() else (lambda: None)
+    t0 = time.perf_counter()
+    for k in range(args.warmup):
+        run(k).result()
+    warmup_s = time.perf_counter() - t0
+    sync()
+    t0 = time.perf_counter()
+    pending = []
+    for k in range(args.warmup, args.warmup + args.steps):
+        pending.append(run(k))
+        if len(pending) > 2:
+            pending.pop(0).result()
+    for f in pending:
+        f.result()
+    sync()
+    seconds = (time.perf_counter() - t0) / args.steps
+    return {
+        "ms": seconds * 1e3,
+        "tokens_per_device_step": args.rows * args.columns,
+        "tokens_per_s": devices * args.rows * args.columns / seconds,
+        "warmup_and_compile_s": warmup_s,
+        "loss": stats[-1].loss,
+        "first_loss": stats[0].loss,
+        "dropped": stats[-1].dropped,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# torchrun: one process per GPU
+
+
+def child(args: argparse.Namespace) -> None:
+    """One process of a torchrun world: its share of the world's batch; process zero writes the figures."""
+    import uform as u
+
+    mesh = u.Mesh.from_env()
+    d = mesh.describe()
+    trainer = u.Trainer.init_vram(mesh.executor, run_config(args, mesh))
+    result = measure(args, trainer, mesh.executor, 1, offset=d.ranks[0] * args.segments)
+    if args.profile:
+        profile(args, trainer, mesh.executor, d.ranks[0], offset=d.ranks[0] * args.segments)
+    result["tokens_per_s"] *= d.world_size
+    result["world_size"] = d.world_size
+    result["gpu_class"] = str(d.gpu_class)
+    result["multimem_tier"] = str(d.multimem_tier)
+    trainer.close()
+    if d.ranks[0] == 0:
+        Path(args.child).write_text(json.dumps(result))
+    mesh.close()
+
+
+def profile(args: argparse.Namespace, trainer: Any, executor: Any, rank: int, offset: int) -> None:
+    """`args.profile` more steps under torch.profiler; the top operators by device and by host time go to
+    $OUT/profile-world<W>-rank<r>.txt (where a world's step spends what one process's does not)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    saved = args.steps, args.warmup
+    args.steps, args.warmup = args.profile, 0
+    with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as recorded:
+        measure(args, trainer, executor, 1, offset)
+    args.steps, args.warmup = saved
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    averages = recorded.key_averages()
+    text = averages.table(sort_by="self_cuda_time_total", row_limit=30)
+    text += "\n" + averages.table(sort_by="self_cpu_time_total", row_limit=30)
+    out = Path(os.environ.get("OUT", ".")) / f"profile-world{world}-rank{rank}.txt"
+    out.write_text(text)
+
+
+def with_torchrun(args: argparse.Namespace, processes: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "result.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+        command += [__file__, "--child", str(out), *sys.argv[1:]]
+        subprocess.run(command, check=True)
+        return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------------------------------
+# The executor: one process, a worker per GPU
+
+
+def with_executor(args: argparse.Namespace, devices: int) -> dict[str, Any]:
+    import uform as u
+
+    if args.cpu:
+        executor = u.Executor._cpu_workers(devices) if devices > 1 else u.Executor.cpu()
+    else:
+        executor = u.Executor.for_vram(list(range(devices)))
+    trainer = u.Trainer.init_vram(executor, run_config(args))
+    result = measure(args, trainer, executor, devices, offset=0)
+    result["world_size"] = devices
+    trainer.close()
+    executor.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--launcher", choices=("torchrun", "executor"), default="torchrun")
+    parser.add_argument("--depth", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--columns", type=int, default=1024)
+    parser.add_argument("--segments", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--profile", type=int, default=0, help="profile this many more steps per process")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)  # a smoke test of the script
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    if not args.cpu and torch.cuda.device_count() < args.devices:
+        sys.exit(f"scaling: needs {args.devices} CUDA devices, this machine has {torch.cuda.device_count()}")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    device = "cpu" if args.cpu else torch.cuda.get_device_name()
+    print(torch.__version__, device, f"launcher={args.launcher}", flush=True)
+    launch = with_torchrun if args.launcher == "torchrun" else with_executor
+    one = launch(args, 1)
+    print("1 GPU ", one, flush=True)
+    many = launch(args, args.devices)
+    print(f"{args.devices} GPUs", many, flush=True)
+    efficiency = many["tokens_per_s"] / (args.devices * one["tokens_per_s"])
+    results = {
+        "geometry": {k: v for k, v in vars(args).items() if k != "child"},
+        "device": device,
+        "torch": torch.__version__,
+        "world_compile": os.environ.get("UFORM_WORLD_COMPILE", "blocks"),
+        "one": one,
+        "many": many,
+        "efficiency": efficiency,
+        "bar": BAR,
+    }
+    whole = "-whole" if results["world_compile"] == "whole" else ""
+    out = os.path.join(os.environ.get("OUT", "."), f"bench-scaling-{args.launcher}{whole}.json")
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\n{'GPUs':>5} {'ms/step':>9} {'tokens/s':>14}")
+    for count, r in ((1, one), (args.devices, many)):
+        print(f"{count:>5} {r['ms']:>9.2f} {r['tokens_per_s']:>14,.0f}")
+    verdict = "meets" if efficiency >= BAR else "misses"
+    print(f"weak-scaling efficiency: {efficiency:.1%} ({verdict} the {BAR:.0%} bar)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""An executor of several devices: routing by bag, the worker processes, merged stats and arenas.
+
+CI has no GPUs, so the workers are CPU "devices" (`Executor._cpu_workers`); the path is the one an
+executor of several CUDA devices takes (one worker process per device, each a rank of a gloo world here).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import world_cases as wc
+
+from uform import Arena, Edges, Executor, Mesh, MeshError, MeshOptions, Relations, Trainer, TrainerStepStats
+from uform.enums import Modality
+from uform.fleet import item_sizes, route
+from uform.relations import first_crossing, restrict
+
+# --------------------------------------------------------------------------------------------------
+# Routing
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("devices", [1, 2, 3, 4])
+def test_a_bag_never_splits_and_bags_balance(seed: int, devices: int) -> None:
+    rng = np.random.default_rng(seed)
+    count = int(rng.integers(1, 60))
+    bags = rng.integers(0, max(1, count // 2), size=count)
+    sizes = rng.integers(1, 200, size=count)
+    plan = route(sizes, bags, devices)
+    assert len(plan) == devices
+    everything = np.sort(np.concatenate(plan))
+    assert np.array_equal(everything, np.arange(count)), "every item lands exactly once"
+    for items in plan:
+        assert np.all(np.diff(items) > 0), "a device's items keep the caller's order"
+    home = {}
+    for d, items in enumerate(plan):
+        for i in items:
+            assert home.setdefault(int(bags[i]), d) == d, "a bag split across devices"
+    loads = np.array([sizes[items].sum() for items in plan])
+    biggest = max(int(sizes[bags == b].sum()) for b in np.unique(bags))
+    assert loads.max() - loads.min() <= biggest, (loads, biggest)  # greedy, largest first
+    again = route(sizes, bags, devices)
+    assert all(np.array_equal(a, b) for a, b in zip(plan, again, strict=True))
+
+
+def test_route_without_bags_balances_items() -> None:
+    plan = route(np.array([5, 5, 5, 5, 1, 1]), None, 2)
+    assert sorted(len(p) for p in plan) == [3, 3]
+    assert sorted(int(np.array([5, 5, 5, 5, 1, 1])[p].sum()) for p in plan) == [11, 11]
+
+
+def test_item_sizes_read_text_bytes_and_give_media_a_row() -> None:
+    sizes = item_sizes([Modality.Text, Modality.Text, Modality.Image], [b"abc", b"x" * 500, b"\xff" * 9], 64)
+    assert sizes.tolist() == [4, 64, 64]
+
+
+def test_relations_restrict_to_a_devices_items() -> None:
+    relations = Relations(
+        attract=Edges(offsets=[0, 1, 2, 3, 4], ids=[1, 0, 3, 2], weights=[1.0, 2.0, 3.0, 4.0]),
+        repel=Edges(offsets=[0, 1, 1, 1, 1], ids=[3]),
+    )
+    assert first_crossing(relations, 4, np.array([0, 0, 1, 1])) == ("repel", 0, 3)
+    assert first_crossing(relations, 4, np.array([0, 0, 0, 0])) is None
+    share = restrict(relations, np.array([2, 3]), 4)
+    assert list(share.attract.offsets) == [0, 1, 2] and list(share.attract.ids) == [1, 0]
+    assert list(share.attract.weights) == [3.0, 4.0]
+    assert list(share.repel.offsets) == [0, 0, 0] and list(share.repel.ids) == []
+    assert list(share.ignore.offsets) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# Two CPU workers
+
+
+@pytest.fixture(scope="module")
+def two() -> Executor:
+    executor = Executor._cpu_workers(2)
+    yield executor
+    executor.close()
+
+
+def reference(case: int, steps: list[int], bags: list[int] | None = None) -> tuple[list, torch.Tensor]:
+    trainer = Trainer.init_vram(Executor.cpu(), wc.config(*wc.CASES[case][1:]))
+    out = wc.run_steps(trainer, list(range(wc.BAGS)) if bags is None else bags, steps)
+    arena = Arena()
+    texts, config = wc.step_inputs(list(range(wc.BAGS)) if bags is None else bags, steps[-1] + 1)
+    config.arena = arena
+    trainer.step(["text"] * len(texts), texts, config)
+    trainer.close()
+    return out, arena.embeddings
+
+
+def test_a_mesh_over_the_workers_describes_them(two: Executor) -> None:
+    with Mesh.bootstrap(two, MeshOptions(job="fleet", timeout_seconds=60)) as mesh:
+        d = mesh.describe()
+        assert (d.host_count, d.devices_per_host, d.world_size, d.ranks) == (1, 2, 2, (0, 1))
+        with pytest.raises(MeshError, match="already belong"):
+            Mesh.bootstrap(two, MeshOptions(job="again", timeout_seconds=60))
+        trainer = Trainer.init_vram(two, wc.config(*wc.CASES[0][1:], mesh=mesh))
+        texts, config = wc.step_inputs([0, 1], 1)
+        trainer.step(["text"] * len(texts), texts, config)
+        with pytest.raises(ValueError, match="still open"):
+            mesh.close()
+        trainer.close()
+
+
+@pytest.mark.parametrize("case", [0, 5, 6], ids=[wc.CASES[c][0] for c in (0, 5, 6)])
+def test_the_workers_step_as_one_process_alone(two: Executor, case: int) -> None:
+    """Bags of unequal sizes (routed largest first, so not in the caller's order): the same stats and the
+    same embeddings, in the caller's order, as one process stepping every item."""
+    ours, embeddings = reference(case, [1, 2])
+    trainer = Trainer.init_vram(two, wc.config(*wc.CASES[case][1:]))
+    theirs = wc.run_steps(trainer, list(range(wc.BAGS)), [1, 2])
+    arena = Arena()
+    texts, config = wc.step_inputs(list(range(wc.BAGS)), 3)
+    config.arena = arena
+    answered = trainer.on(two).step(["text"] * len(texts), texts, config)
+    trainer.close()
+    for a, b in zip(theirs, ours, strict=True):
+        assert a["step"] == b["step"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"])
+    assert answered is arena.embeddings and arena.present is not None and bool(arena.present.all())
+    assert torch.allclose(answered, embeddings, atol=1e-5)
+
+
+def test_deferred_save_and_resume(two: Executor, tmp_path: Path) -> None:
+    trainer = Trainer.init_vram(two, wc.config(*wc.CASES[0][1:]))
+    futures = []
+    for step in (1, 2):
+        texts, config = wc.step_inputs(list(range(wc.BAGS)), step)
+        config.stats = TrainerStepStats()
+        futures.append((trainer.deferred(two).step(["text"] * len(texts), texts, config), config.stats))
+    saved = trainer.deferred(two).save(tmp_path / "fleet.safetensors")
+    assert saved.result() is None
+    assert [f.result() for f, _ in futures] == [None, None] and [s.step for _, s in futures] == [1, 2]
+    assert trainer.steps_taken == 2
+    trainer.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["fleet.safetensors"]
+    resumed = Trainer.init_vram(two, wc.config(*wc.CASES[0][1:], resume=str(tmp_path / "fleet.safetensors")))
+    assert resumed.steps_taken == 2
+    theirs = wc.run_steps(resumed, list(range(wc.BAGS)), [3])
+    resumed.close()
+    ours, _ = reference(0, [1, 2, 3])
+    assert theirs[0]["step"] == 3 and abs(theirs[0]["loss"] - ours[2]["loss"]) <= 1e-5 * abs(ours[2]["loss"])
+
+
+def test_counts_add_up_over_the_devices(two: Executor) -> None:
+    trainer = Trainer.init_vram(two, wc.config(*wc.CASES[0][1:]))
+    texts = ["x" * 100, "y" * 90, *(f"item {i}" for i in range(40))]  # two cut at a row; too many to hold
+    stats = TrainerStepStats()
+    from uform import TrainerStepConfig
+
+    trainer.step(["text"] * len(texts), texts, TrainerStepConfig(stats=stats))
+    alone = Trainer.init_vram(Executor.cpu(), wc.config(*wc.CASES[0][1:]))
+    one = TrainerStepStats()
+    alone.step(["text"] * len(texts), texts, TrainerStepConfig(stats=one))
+    alone.close()
+    trainer.close()
+    assert stats.truncated == 2 and one.truncated == 2
+    assert stats.dropped == len(texts) - 2 * 16 and one.dropped == len(texts) - 16
+
+
+def test_a_device_without_items_still_steps(two: Executor) -> None:
+    trainer = Trainer.init_vram(two, wc.config(*wc.CASES[0][1:]))
+    theirs = wc.run_steps(trainer, [2], [1])  # one bag: one device has nothing this step
+    trainer.close()
+    ours, _ = reference(0, [1], bags=[2])
+    assert abs(theirs[0]["loss"] - ours[0]["loss"]) <= 1e-5 * abs(ours[0]["loss"])
+
+
+def test_an_edge_across_bags_is_refused_and_changes_nothing(two: Executor) -> None:
+    trainer = Trainer.init_vram(two, wc.config(*wc.CASES[0][1:]))
+    texts, config = wc.step_inputs([0, 1], 1)
+    config.bags = list(range(len(texts)))  # every item its own bag: the pairs could land apart
+    with pytest.raises(ValueError, match="different bags"):
+        trainer.step(["text"] * len(texts), texts, config)
+    assert trainer.steps_taken == 0
+    theirs = wc.run_steps(trainer, [0, 1], [1])
+    assert theirs[0]["step"] == 1
+    trainer.close()
+
+
+def test_a_killed_worker_fails_the_step_clearly(tmp_path: Path) -> None:
+    executor = Executor._cpu_workers(2)
+    try:
+        with Mesh.bootstrap(executor, MeshOptions(job="doomed", timeout_seconds=20)) as mesh:
+            trainer = Trainer.init_vram(executor, wc.config(*wc.CASES[0][1:], mesh=mesh))
+            wc.run_steps(trainer, list(range(wc.BAGS)), [1])
+            os.kill(executor._fleet._processes[1].pid, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(MeshError, match="mesh: ") as caught:
+                wc.run_steps(trainer, list(range(wc.BAGS)), [2])
+            assert time.monotonic() - start < 20
+            assert "restart every process" in str(caught.value)
+            with pytest.raises(MeshError):
+                wc.run_steps(trainer, list(range(wc.BAGS)), [3])
+            trainer.close()
+    finally:
+        executor.close()
+
+
+def test_late_interaction_and_choices_route_with_their_items(two: Executor) -> None:
+    """Sides and choice tapes travel with their items to the device of their bag: under Named negatives
+    (late pairs never cross a bag) the workers' late-interaction and choices terms are one process's."""
+    from uform import BatchShape, Choices, LateInteraction, Negatives, Objective, PairLossForm
+
+    run = wc.config(
+        Objective.Joint,
+        PairLossForm.Sigmoid,
+        Negatives.Named,
+        batch=BatchShape(
+            max_rows_per_device=6, max_segments_per_device=16, max_columns_per_row=64, max_choices_per_item=4
+        ),
+        late_interaction=LateInteraction(weight=1.0, width=16, max_query_span=8),
+        choices=Choices(weight=0.5),
+    )
+    bags = list(range(wc.BAGS))
+
+    def steps(trainer: Trainer) -> list[TrainerStepStats]:
+        out = []
+        for step in (1, 2):
+            texts, config = wc.step_inputs(bags, step)
+            config.sides = ["query" if i % 2 == 0 else "document" for i in range(len(texts))]
+            legal = [b"xyz" if i % 3 == 0 else b"" for i in range(len(texts))]
+            config.choices = legal
+            config.choice_targets = [[0.2, 0.3, 0.5] if c else [] for c in legal]
+            config.stats = TrainerStepStats()
+            trainer.step(["text"] * len(texts), texts, config)
+            out.append(config.stats)
+        trainer.close()
+        return out
+
+    ours = steps(Trainer.init_vram(Executor.cpu(), run))
+    theirs = steps(Trainer.init_vram(two, run))
+    for a, b in zip(theirs, ours, strict=True):
+        assert b.late_interaction_loss > 0 and b.choices_loss > 0
+        for name in ("loss", "late_interaction_loss", "choices_loss", "masked_text_loss", "contrastive_loss"):
+            assert getattr(a, name) == pytest.approx(getattr(b, name), rel=1e-5), name
+
+
+def test_progress_callbacks_are_refused_not_dropped(two: Executor, tmp_path: Path) -> None:
+    """The workers cannot relay progress yet: a callback is refused with a clear error, never ignored."""
+    from uform import TrainerSaveConfig
+
+    with pytest.raises(ValueError, match=r"^progress: an executor of several devices"):
+        Trainer.init_vram(two, wc.config(*wc.CASES[0][1:], progress=lambda done, total: True))
+    trainer = Trainer.init_vram(two, wc.config(*wc.CASES[0][1:]))
+    try:
+        path = tmp_path / "refused.safetensors"
+        with pytest.raises(ValueError, match=r"^progress: an executor of several devices"):
+            trainer.save(TrainerSaveConfig(path=str(path), progress=lambda done, total: True))
+        assert not path.exists()
+        trainer.save(str(path))
+        assert path.exists()
+    finally:
+        trainer.close()

@@ -1,0 +1,472 @@
+"""Host processes (`uform.host`): a trainer's host stage (decode, pack, corrupt, pair) in processes of its own.
+
+Pins: the batches a host process answers are bitwise the in-process ones (media, text, late interaction,
+choices, groups, bags, sides, relations all cross) and hold their own memory, not the slab's; training through
+host processes (two of them, deferred steps) is bitwise in-process training, warnings included; a strict
+MediaError and a decode time limit behave as in process; a killed host process fails the step it held with
+a clear error, leaves the trainer as it was, and the next step starts a new one; close() leaves no process,
+thread or /dev/shm file behind; the slab's fallbacks (no shared memory, areas too small) answer the same; a
+trainer in a fleet worker (a spawned process) uses host processes too; host processes never load torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pickle
+import signal
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_same, snapshot
+from media_samples import encode_image, photo, pygame_file, video
+from PIL import Image
+
+import uform.host
+from uform import (
+    Arena,
+    AudioShape,
+    BatchShape,
+    Choices,
+    Contrastive,
+    Edges,
+    Executor,
+    ImageShape,
+    LateInteraction,
+    Modality,
+    Objective,
+    Relations,
+    Schedule,
+    Trainer,
+    TrainerInitVramConfig,
+    TrainerStepConfig,
+    TrainerStepStats,
+    VideoShape,
+)
+from uform.config import resolve
+from uform.host import HostJob, HostProcessError, HostProcesses, host_stage
+from uform.media.decode import MediaPolicy
+from uform.media.limits import MediaError, MediaLimits
+from uform.trainer import MediaWarning
+
+SHM = Path("/dev/shm")
+
+
+def run_config(**overrides: Any) -> TrainerInitVramConfig:
+    """A tiny Joint run of every modality with late interaction, choices and two temperature groups."""
+    fields: dict[str, Any] = dict(
+        depth=1,
+        hidden=128,
+        objective=Objective.Joint,
+        batch=BatchShape(
+            max_rows_per_device=4,
+            max_segments_per_device=16,
+            max_columns_per_row=256,
+            max_choices_per_item=4,
+            image=ImageShape(patch_side=16),
+            video=VideoShape(patch_side=16, tube_frames=2),
+            audio=AudioShape(chunk_samples=320),
+        ),
+        contrastive=Contrastive(temperature_groups=2),
+        late_interaction=LateInteraction(weight=0.5, width=16),
+        choices=Choices(weight=1.0),
+        schedule=Schedule(steps=20, warmup_steps=2, learning_rate=1e-3),
+        seed=11,
+    )
+    fields.update(overrides)
+    return TrainerInitVramConfig(**fields)
+
+
+def jpeg(name: str = "astronaut.png", size: tuple[int, int] = (64, 48)) -> bytes:
+    return encode_image(photo(name).convert("RGB").resize(size, Image.Resampling.BOX), "JPEG", quality=90)
+
+
+def step_arguments(step: int) -> tuple[list[str], list[bytes | str], TrainerStepConfig]:
+    """A step of every modality and every per-item field; item 7 is broken (a WAV declared as an image)."""
+    items: list[tuple[str, bytes | str]] = [
+        ("image", jpeg()),
+        ("text", f"an astronaut, step {step}"),
+        ("video", video("mp4")[0]),
+        ("text", "a coffee cup panning"),
+        ("audio", pygame_file("boom.wav")),
+        ("text", "a boom"),
+        ("text", "which letter?"),
+        ("image", pygame_file("boom.wav")),
+        ("image", jpeg("coffee.png", (48, 32))),
+        ("text", "a coffee cup"),
+    ]
+    count = len(items)
+    linked: list[list[int]] = [[] for _ in range(count)]
+    for a, b in ((0, 1), (2, 3), (4, 5), (8, 9)):
+        linked[a].append(b)
+        linked[b].append(a)
+    relations = Relations(
+        attract=Edges(offsets=np.cumsum([0] + [len(x) for x in linked]).tolist(), ids=[j for x in linked for j in x])
+    )
+    choices = [b"abc" if i == 6 else b"" for i in range(count)]
+    config = TrainerStepConfig(
+        bags=[0, 0, 1, 1, 2, 2, 3, 4, 5, 5],
+        temperature_groups=[i % 2 for i in range(count)],
+        sides=["query" if i % 2 else "document" for i in range(count)],
+        choices=choices,
+        choice_targets=[[0.5, 0.25, 0.25] if c else [] for c in choices],
+        relations=relations,
+    )
+    return [m for m, _ in items], [c for _, c in items], config
+
+
+def media_warnings(caught: Sequence[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, MediaWarning)]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process under `pid` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_gone(pids: set[int], seconds: float = 10.0) -> set[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return {p for p in pids if alive(p)}
+
+
+def host_files() -> list[str]:
+    return sorted(p.name for p in SHM.glob("uform-host-*")) if SHM.is_dir() else []
+
+
+@pytest.fixture(scope="module")
+def executor() -> Executor:
+    return Executor.cpu()
+
+
+@pytest.fixture(scope="module")
+def twins(executor: Executor) -> Iterator[tuple[Trainer, Trainer]]:
+    """The same run in process and through two host processes."""
+    here = Trainer.init_vram(executor, run_config(), media=MediaPolicy(workers=1), host_processes=0)
+    away = Trainer.init_vram(executor, run_config(), media=MediaPolicy(workers=2), host_processes=2)
+    yield here, away
+    here.close()
+    away.close()
+
+
+# ---- the same batches, the same training ------------------------------------------------------------------------
+
+
+def test_the_default_and_the_argument(executor: Executor) -> None:
+    trainer = Trainer.init_vram(executor, run_config())
+    assert trainer.host_processes == 0  # the CPU executor's default: its kernels run without the lock
+    trainer.close()
+    for bad, error in ((-1, ValueError), (True, TypeError), (1.5, TypeError), ("1", TypeError)):
+        with pytest.raises(error, match="host_processes"):
+            Trainer.init_vram(executor, run_config(), host_processes=bad)  # type: ignore[arg-type]
+
+
+def test_host_batches_are_bitwise_the_in_process_ones(twins: tuple[Trainer, Trainer]) -> None:
+    here, away = twins
+    for step in (101, 102):
+        modalities, contents, config = step_arguments(step)
+        answers = []
+        for trainer in (here, away):
+            checked = trainer._check_step(modalities, contents, config, copy_buffers=False)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                batch, tensors = trainer._prepare(checked, step)
+            answers.append((batch, tensors, media_warnings(caught)))
+        (a, ta, wa), (b, tb, wb) = answers
+        assert wa == wb and len(wa) == 1 and "contents[7]" in wa[0]
+        assert sorted(ta) == sorted(tb)
+        for name in ta:
+            assert ta[name].dtype == tb[name].dtype and torch.equal(ta[name], tb[name]), name
+            assert ta[name].stride() == tb[name].stride(), name
+        arrays = b.arrays()
+        for name, array in a.arrays().items():
+            assert array.dtype == arrays[name].dtype and np.array_equal(array, arrays[name]), name
+        for field in ("row", "column", "slot", "length", "placed", "truncated"):
+            assert np.array_equal(getattr(a.layout, field), getattr(b.layout, field)), field
+        for field in ("positives", "late_positives", "truncated", "dropped", "skipped"):
+            assert getattr(a, field) == getattr(b, field), field
+        assert b.skipped == 1 and b.late and b.choice and b.media["video"]["valid"].any()
+        # The host batch holds its own memory: nothing of it is a view of a host process's slab.
+        host = next(h for h in away._hosts._hosts if h is not None and h.slab is not None)  # type: ignore[union-attr]
+        slab = np.frombuffer(host.slab, dtype=np.uint8)
+        owned = [*arrays.values(), *(t.numpy() for t in tb.values()), *vars(b.layout).values()]
+        assert not any(isinstance(x, np.ndarray) and np.shares_memory(x, slab) for x in owned)
+        del slab
+
+
+def test_training_through_host_processes_is_bitwise_in_process_training(twins: tuple[Trainer, Trainer]) -> None:
+    here, away = twins
+    results = []
+    for trainer in (here, away):
+        verbs = trainer.deferred(trainer.executor)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pending = []
+            for step in (1, 2, 3, 4):
+                modalities, contents, config = step_arguments(step)
+                config.stats, config.arena = TrainerStepStats(), Arena()
+                pending.append((verbs.step(modalities, contents, config), config))
+            out = [(f.result(), c.stats) for f, c in pending]
+        results.append((out, sorted(media_warnings(caught)), snapshot(trainer)))
+    (ours, our_warnings, our_weights), (theirs, their_warnings, their_weights) = results
+    assert our_warnings == their_warnings and len(their_warnings) == 4
+    for (e1, s1), (e2, s2) in zip(ours, theirs, strict=True):
+        assert s1 == s2 and s2 is not None and s2.skipped == 1 and s2.late_interaction_loss > 0
+        assert torch.equal(e1, e2)
+    assert_same(our_weights, their_weights)
+    assert len(away._hosts.processes) == 2  # type: ignore[union-attr]  # both host processes took steps
+
+
+def test_host_processes_never_load_torch(twins: tuple[Trainer, Trainer]) -> None:
+    _, away = twins
+    assert away._hosts is not None
+    for process in away._hosts.processes:
+        for pid in {process.pid, *descendants(process.pid)}:  # the host process, its fork server, its decoders
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it ended meanwhile
+                maps = (Path("/proc") / str(pid) / "maps").read_text()
+                assert "libtorch" not in maps, pid
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_host_tensors_are_pinned_and_bitwise_the_in_process_ones() -> None:
+    """CUDA's default is one host process; its answer lands in page-locked memory (one copy out of the slab),
+    with the flex block tables, equal to the in-process answer, and steps train."""
+    gpu = Executor.for_vram([0])
+    here = Trainer.init_vram(gpu, run_config(), media=MediaPolicy(workers=1), host_processes=0)
+    away = Trainer.init_vram(gpu, run_config(), media=MediaPolicy(workers=1))
+    try:
+        assert away.host_processes == 1
+        modalities, contents, config = step_arguments(1)
+        answers = []
+        for trainer in (here, away):
+            checked = trainer._check_step(modalities, contents, config, copy_buffers=False)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                answers.append(trainer._prepare(checked, 1)[1])
+        ours, theirs = answers
+        assert sorted(ours) == sorted(theirs) and any(k.startswith("block.") for k in theirs)
+        for name, tensor in theirs.items():
+            assert tensor.is_pinned() and torch.equal(tensor, ours[name]), name
+            assert tensor.stride() == ours[name].stride(), name  # the block tables' head axis keeps a real stride
+        stats = TrainerStepStats()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            away.step(modalities, contents, dataclasses.replace(config, stats=stats))
+        assert stats.step == 1 and stats.skipped == 1 and np.isfinite(stats.loss)
+    finally:
+        here.close()
+        away.close()
+
+
+# ---- failures -------------------------------------------------------------------------------------------------
+
+
+def test_strict_media_error_and_time_limit_through_a_host_process(executor: Executor) -> None:
+    from test_media_training import slow_png
+
+    slow = slow_png()
+    started = time.perf_counter()
+    uform.media.decode.decode_item("image", slow, {"patch_side": 16, "channels": 4}, 255, MediaLimits())
+    timeout = min(0.25, (time.perf_counter() - started) / 4)
+    if timeout < 0.05:
+        pytest.skip("the slow sample decodes too fast here to time out honestly")
+    limits = MediaLimits(timeout_seconds=timeout)
+    strict = Trainer.init_vram(executor, run_config(), media=MediaPolicy(strict=True, workers=1), host_processes=1)
+    lenient = Trainer.init_vram(executor, run_config(), media=MediaPolicy(workers=1, limits=limits), host_processes=1)
+    try:
+        good = (["image", "text"], [jpeg(), "a photo"])
+        for trainer in (strict, lenient):
+            trainer.step(*good)
+        before = snapshot(strict)
+        with pytest.raises(MediaError, match=r"contents\[2\]: not a JPEG, PNG or WebP file") as caught:
+            strict.step(["text", "image", "image"], ["fine", jpeg(), pygame_file("boom.wav")])
+        assert caught.value.item == 2 and not getattr(caught.value, "__notes__", None)
+        assert strict.steps_taken == 1
+        assert_same(snapshot(strict), before)
+        stats = TrainerStepStats()
+        strict.step(*good, TrainerStepConfig(stats=stats))
+        assert stats.step == 2 and strict.steps_taken == 2
+
+        stats = TrainerStepStats()
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            lenient.step(["image", "image", "text"], [jpeg(), slow, "a caption"], TrainerStepConfig(stats=stats))
+        warned = media_warnings(record)
+        assert len(warned) == 1 and "contents[1]" in warned[0] and "timed out" in warned[0], warned
+        assert stats.skipped == 1 and stats.masked_image_loss > 0
+    finally:
+        strict.close()
+        lenient.close()
+
+
+def test_a_killed_host_process_fails_its_step_and_the_next_step_starts_a_new_one(executor: Executor) -> None:
+    trainer = Trainer.init_vram(executor, run_config(), media=MediaPolicy(workers=1), host_processes=1)
+    twin = Trainer.init_vram(executor, run_config(), media=MediaPolicy(workers=1), host_processes=0)
+    try:
+        first = (["image", "text"], [jpeg(), "a photo"])
+        for t in (trainer, twin):
+            t.step(*first)
+        assert trainer._hosts is not None
+        (process,) = trainer._hosts.processes
+        family = {process.pid, *descendants(process.pid)}
+        assert len(family) >= 3  # the host process, its decoders' fork server, a decoder
+        # Stopped, it cannot answer; the step waits in its pipe, and the kill fails it.
+        os.kill(process.pid, signal.SIGSTOP)
+        future = trainer.deferred(executor).step(*first)
+        deadline = time.monotonic() + 10
+        while not any(h is not None and h.pending for h in trainer._hosts._hosts) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # registered, then sent: let the send land in the stopped process's pipe
+        os.kill(process.pid, signal.SIGKILL)
+        with pytest.raises(HostProcessError, match=r"step 2: the host process \(pid \d+\) died \(signal 9\)"):
+            future.result(timeout=30)
+        assert trainer.steps_taken == 1
+        assert not wait_gone(family), "the killed host process left processes behind"
+        second = (["text", "image"], ["after the crash", jpeg("coffee.png")])
+        a, b = TrainerStepStats(), TrainerStepStats()
+        trainer.step(*second, TrainerStepConfig(stats=a))
+        twin.step(*second, TrainerStepConfig(stats=b))
+        assert a == b and a.step == 2
+        assert_same(snapshot(trainer), snapshot(twin))
+        (again,) = trainer._hosts.processes
+        assert again.pid != process.pid
+    finally:
+        trainer.close()
+        twin.close()
+
+
+def test_close_leaves_nothing_behind(executor: Executor) -> None:
+    before = host_files()
+    trainer = Trainer.init_vram(executor, run_config(), media=MediaPolicy(workers=2), host_processes=2)
+    verbs = trainer.deferred(executor)
+    futures = [verbs.step(["image", "image", "text"], [jpeg(), jpeg("coffee.png"), f"item {i}"]) for i in range(4)]
+    for f in futures:
+        f.result()
+    assert trainer._hosts is not None
+    family = set()
+    for process in trainer._hosts.processes:
+        family |= {process.pid, *descendants(process.pid)}
+    assert len(family) >= 4
+    threads = [trainer._queue, trainer._host, trainer._completion]
+    readers = [h.reader for h in trainer._hosts._hosts if h is not None]
+    assert host_files() == before  # the slabs never keep a name
+    trainer.close()
+    assert not wait_gone(family), "close() left processes running"
+    assert all(r is not None and not r.is_alive() for r in readers)
+    assert not any(t.is_alive() for pool in threads for t in pool._threads)
+    assert host_files() == before
+
+
+# ---- the transport's fallbacks -----------------------------------------------------------------------------------
+
+
+def text_job(count: int = 12) -> HostJob:
+    texts = [f"caption number {i} " * (1 + i % 3) for i in range(count)]
+    return HostJob(modalities=[Modality.Text] * count, contents=[t.encode() for t in texts])
+
+
+@pytest.mark.parametrize("how", ["slab", "no shared memory", "areas too small"])
+def test_the_transport_answers_the_same_whichever_way_it_goes(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    config = resolve(run_config(choices=Choices(), late_interaction=LateInteraction()))
+    policy = MediaPolicy(workers=1)
+    if how == "no shared memory":
+        monkeypatch.setattr(uform.host, "create_slab", lambda size, prefix: (None, None))
+    hosts = HostProcesses(1, config, policy, "flex", pin=False)  # "flex": the block tables cross too
+    if how == "areas too small":
+        hosts.input_bytes, hosts.output_bytes = 64, 4096
+    try:
+        job = text_job()
+        for step in (1, 2, 3):
+            batch, tensors, failed = hosts.prepare(job, step)
+            expected = host_stage(config, policy, "flex", lambda: None, job, step)  # type: ignore[arg-type,return-value]
+            assert failed == [] and sorted(expected.tables)
+            for name, array in expected.batch.arrays().items():
+                assert np.array_equal(batch.arrays()[name], array) and torch.equal(
+                    tensors[name], torch.from_numpy(array)
+                )
+            for name, table in expected.tables.items():
+                assert torch.equal(tensors[f"block.{name}"], torch.from_numpy(table)), name
+        (host,) = [h for h in hosts._hosts if h is not None]
+        assert (host.slab is None) == (how == "no shared memory")
+    finally:
+        hosts.close()
+
+
+def test_an_exception_that_does_not_pickle_comes_back_as_a_runtime_error() -> None:
+    class Local(Exception):  # defined here, so it cannot be unpickled by reference
+        pass
+
+    error = pickle.loads(uform.host._error_payload(Local("broken")))
+    assert type(error) is RuntimeError and str(error) == "Local: broken"
+    assert "in the host process" in error.__notes__[0]
+    media = pickle.loads(uform.host._error_payload(MediaError("not a JPEG", item=3)))
+    assert isinstance(media, MediaError) and str(media) == "contents[3]: not a JPEG" and media.item == 3
+
+
+# ---- a trainer in a fleet worker ------------------------------------------------------------------------------
+
+
+def test_a_trainer_in_a_fleet_worker_uses_host_processes() -> None:
+    """An executor of two CPU "devices": each worker is a spawned process whose trainer starts a host process;
+    the world's losses are one process's (relative 1e-5), media skipped on either device counted."""
+    run = run_config(late_interaction=LateInteraction(), choices=Choices())
+    modalities = ["image", "text", "image", "text", "image", "text"]
+    contents: list[bytes | str] = [jpeg(), "an astronaut", jpeg("coffee.png"), "a cup", b"\xff\xd8 broken", "x"]
+    bags = [0, 0, 1, 1, 2, 2]
+
+    def steps(trainer: Trainer) -> list[TrainerStepStats]:
+        out = []
+        for _ in range(2):
+            stats = TrainerStepStats()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer.step(modalities, contents, TrainerStepConfig(bags=bags, stats=stats))
+            out.append(stats)
+        return out
+
+    alone = Trainer.init_vram(Executor.cpu(), run, media=MediaPolicy(workers=1), host_processes=0)
+    ours = steps(alone)
+    alone.close()
+    two = Executor._cpu_workers(2)
+    try:
+        fleet = Trainer.init_vram(two, run, media=MediaPolicy(workers=1), host_processes=1)
+        theirs = steps(fleet)
+        fleet.close()
+    finally:
+        two.close()
+    for a, b in zip(theirs, ours, strict=True):
+        assert a.skipped == b.skipped == 1 and a.step == b.step
+        for name in ("loss", "contrastive_loss", "masked_text_loss", "masked_image_loss"):
+            assert getattr(a, name) == pytest.approx(getattr(b, name), rel=1e-5), name

@@ -1,0 +1,270 @@
+"""Worlds of several processes on this machine (gloo on the CPU; NCCL when two GPUs exist).
+
+One launch runs every world at once, each process running every case and writing reports
+(tests/world_cases.py): worlds of 2 (started by torchrun), 3 (a TCP store) and 4 (a FileStore) processes
+for the invariance cases; a world of 3 where one process builds another run and later dies; and, after
+it, a world of 2 that resumes the dead world's checkpoint under the same job name (over its stale files).
+The tests compare the reports with one process stepping the whole global batch alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import world_cases as wc
+
+from uform import Executor, Trainer
+
+SCRIPT = str(Path(__file__).resolve().parent / "world_cases.py")
+WORLDS = (2, 3, 4)
+LIMIT = 300.0
+"""Seconds every launch of the module may take at most, together."""
+
+TOLERANCE = 1e-5
+"""World-size invariance: fp32 noise, relative."""
+
+
+class Launch:
+    """Processes of one world, each logging to a file."""
+
+    def __init__(self, name: str, commands: list[list[str]], logs: Path) -> None:
+        self.name = name
+        self.processes = []
+        self.logs = []
+        environment = dict(os.environ, PYTHONPATH=str(Path(SCRIPT).parent.parent), OMP_NUM_THREADS="1")
+        for i, command in enumerate(commands):
+            log = logs / f"{name}-{i}.log"
+            self.logs.append(log)
+            with open(log, "w") as out:
+                self.processes.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environment))
+
+    def wait(self, deadline: float) -> list[int]:
+        codes = []
+        for p in self.processes:
+            try:
+                codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append(p.wait())
+        return codes
+
+    def output(self) -> str:
+        return "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in self.logs)
+
+
+def hosts(scenario: str, reports: Path, count: int, job: str, *extra: str) -> list[list[str]]:
+    exchange = str(reports.parent / "exchange")
+    common = [sys.executable, SCRIPT, scenario, str(reports), "--directory", exchange, "--job", job, *extra]
+    return [[*common, "--host", str(h), "--hosts", str(count)] for h in range(count)]
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory) -> dict[str, Any]:
+    """Launches every world; answers the reports directory and each launch's exit codes and output."""
+    root = tmp_path_factory.mktemp("worlds")
+    reports = root / "reports"
+    reports.mkdir()
+    logs = root / "logs"
+    logs.mkdir()
+    deadline = time.monotonic() + LIMIT
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    launches = {
+        "invariance-2": Launch("invariance-2", [[*torchrun, SCRIPT, "invariance", str(reports), "--torchrun"]], logs),
+        "invariance-3": Launch(
+            "invariance-3", hosts("invariance", reports, 3, "three", "--store", "tcp", "--timeout", "120"), logs
+        ),
+        "invariance-4": Launch("invariance-4", hosts("invariance", reports, 4, "four", "--timeout", "120"), logs),
+        "fault": Launch("fault", hosts("fault", reports, 3, "fault", "--timeout", "30"), logs),
+    }
+    codes = {"fault": launches["fault"].wait(deadline)}
+    resume = Launch("resume", hosts("resume", reports, 2, "fault", "--timeout", "60"), logs)
+    codes["resume"] = resume.wait(deadline)
+    launches["resume"] = resume
+    for name, launch in launches.items():
+        if name not in codes:
+            codes[name] = launch.wait(deadline)
+    return {"reports": reports, "codes": codes, "output": {n: launch.output() for n, launch in launches.items()}}
+
+
+def report(worlds: dict[str, Any], name: str) -> dict[str, Any]:
+    path = worlds["reports"] / f"{name}.json"
+    if not path.exists():
+        crashes = "\n".join(p.read_text() for p in worlds["reports"].glob("crash-*.txt"))
+        pytest.fail(f"no report {name}; exit codes {worlds['codes']}\n{crashes}\n{worlds['output']}")
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, tuple[list[dict[str, Any]], dict[str, np.ndarray]]]:
+    """One process alone over the whole global batch: each case's stats of steps 1 and 2, and its weights
+    and moments after step 1."""
+    executor = Executor.cpu()
+    out = {}
+    for name, objective, form, negatives in wc.CASES:
+        trainer = Trainer.init_vram(executor, wc.config(objective, form, negatives))
+        first = wc.run_steps(trainer, list(range(wc.BAGS)), [1])
+        arrays = wc.snapshot(trainer)
+        out[name] = (first + wc.run_steps(trainer, list(range(wc.BAGS)), [2]), arrays)
+        trainer.close()
+    return out
+
+
+def assert_stats_agree(theirs: list[dict[str, Any]], ours: list[dict[str, Any]]) -> None:
+    assert len(theirs) == len(ours)
+    for a, b in zip(theirs, ours, strict=True):
+        assert a["step"] == b["step"]
+        for key in ("loss", "contrastive_loss", "masked_text_loss"):
+            assert abs(a[key] - b[key]) <= TOLERANCE * max(abs(b[key]), 1e-6), (key, a[key], b[key])
+
+
+def assert_arrays_agree(theirs: Any, ours: dict[str, np.ndarray], prefix: str = "") -> None:
+    """Gradients (Adam's moments after a step) elementwise within TOLERANCE of the tensor's largest value;
+    updated weights within TOLERANCE in norm (Adam divides each gradient by its own size, so a weight whose
+    gradient is fp32 noise moves by noise-sized steps; the norm sees fp32 noise, not that)."""
+    for key, b in ours.items():
+        a = theirs[f"{prefix}{key}"]
+        assert a.shape == b.shape, key
+        if key.startswith("weights."):
+            error = np.linalg.norm(a - b) / max(float(np.linalg.norm(b)), 1e-30)
+        else:
+            error = np.abs(a - b).max() / max(float(np.abs(b).max()), 1e-30)
+        assert error <= TOLERANCE, f"{key}: relative difference {error:.3g}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Bootstrap
+
+
+@pytest.mark.parametrize("size", WORLDS)
+def test_every_process_describes_the_world(worlds, size: int) -> None:
+    seen = []
+    for rank in range(size):
+        d = report(worlds, f"invariance-{size}-{rank}")["description"]
+        assert d["world_size"] == size and d["ranks"] == [rank]
+        assert d["backend"] == "gloo" and d["gpu_class"] == "cpu" and d["multimem_tier"] == "off"
+        seen.append((d["host_count"], d["devices_per_host"], d["host_index"]))
+    if size == 2:  # torchrun: one host of two processes
+        assert seen == [(1, 2, 0), (1, 2, 0)]
+    else:  # bootstrap: a host per process
+        assert seen == [(size, 1, rank) for rank in range(size)]
+
+
+# --------------------------------------------------------------------------------------------------
+# World-size invariance
+
+
+@pytest.mark.parametrize("case", [c[0] for c in wc.CASES])
+@pytest.mark.parametrize("size", WORLDS)
+def test_world_size_invariance(worlds, reference, size: int, case: str) -> None:
+    """1, 2, 3 and 4 processes over one global batch: the same losses, gradients and updated weights."""
+    ours_stats, ours_arrays = reference[case]
+    for rank in range(size):
+        theirs = report(worlds, f"invariance-{size}-{rank}")["cases"][case]
+        assert_stats_agree(theirs, ours_stats)
+        with np.load(worlds["reports"] / f"invariance-{size}-{rank}.npz") as arrays:
+            assert_arrays_agree(arrays, ours_arrays, prefix=f"{case}/")
+
+
+@pytest.mark.parametrize("size", WORLDS)
+def test_only_process_zero_writes(worlds, size: int) -> None:
+    for rank in range(size):
+        report(worlds, f"invariance-{size}-{rank}")
+    written = sorted(p.name for p in worlds["reports"].glob(f"saved-{size}-*.safetensors"))
+    assert written == [f"saved-{size}-0.safetensors"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Config check, faults and resume
+
+
+def test_another_run_is_refused_on_every_process(worlds) -> None:
+    for rank in range(3):
+        mismatch = report(worlds, f"fault-{rank}")["mismatch"]
+        assert mismatch is not None and "process 2 builds another run" in mismatch and "seed" in mismatch
+
+
+def test_a_process_that_cannot_build_the_run_fails_every_process_at_once(worlds) -> None:
+    for rank in range(3):
+        r = report(worlds, f"fault-{rank}")
+        assert r["failed_init"] is not None and r["failed_init_seconds"] < 10
+        if rank == 2:  # its own error
+            assert "missing.safetensors" in r["failed_init"], r["failed_init"]
+        else:
+            assert r["failed_init"].startswith("MeshError: mesh: processes [2] could not build the run")
+
+
+def test_a_killed_process_fails_the_others_clearly_within_the_deadline(worlds) -> None:
+    for rank in (0, 2):
+        r = report(worlds, f"fault-{rank}")
+        assert r["error"] is not None and r["error"].startswith("MeshError: mesh: step 3 failed"), r["error"]
+        assert "restart every process" in r["error"] and "resume" in r["error"]
+        assert r["seconds"] < 30, "past the mesh's deadline"
+        assert r["again"] == r["error"] and r["again_seconds"] < 1, "a broken world refuses at once"
+    assert worlds["codes"]["fault"] == [0, 9, 0]
+
+
+def test_restarting_with_resume_continues_the_run_in_another_world(worlds) -> None:
+    """The dead world of three saved after step 2; two fresh processes under the same job (over the dead
+    world's files) resume it, and step 3 is the step one process alone takes after two."""
+    assert worlds["codes"]["resume"] == [0, 0], worlds["output"]["resume"]
+    executor = Executor.cpu()
+    trainer = Trainer.init_vram(executor, wc.config(*wc.CASES[0][1:]))
+    ours = wc.run_steps(trainer, list(range(wc.BAGS)), [1, 2, 3])[2:]
+    arrays = wc.snapshot(trainer)
+    trainer.close()
+    for rank in range(2):
+        r = report(worlds, f"resume-{rank}")
+        assert r["description"]["world_size"] == 2
+        assert_stats_agree(r["stats"], ours)
+        with np.load(worlds["reports"] / f"resume-{rank}.npz") as theirs:
+            assert_arrays_agree(theirs, arrays)
+
+
+def test_every_world_exited_cleanly(worlds) -> None:
+    for name, codes in worlds["codes"].items():
+        if name != "fault":
+            assert all(code == 0 for code in codes), (name, codes, worlds["output"][name])
+
+
+# --------------------------------------------------------------------------------------------------
+# NCCL
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices for NCCL"
+)
+def test_world_size_invariance_on_two_gpus_with_nccl(tmp_path: Path) -> None:
+    """Two processes on two GPUs (torchrun, NCCL) against one GPU alone, for every case, within the bf16
+    autocast's noise."""
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT]
+    environment = dict(os.environ, PYTHONPATH=str(Path(SCRIPT).parent.parent))
+    subprocess.run(
+        [*command, "invariance", str(reports), "--torchrun", "--cuda"], check=True, env=environment, timeout=1200
+    )
+    subprocess.run([sys.executable, SCRIPT, "alone", str(reports), "--cuda"], check=True, env=environment, timeout=1200)
+    alone = json.loads((reports / "alone.json").read_text())
+    with np.load(reports / "alone.npz") as ours:
+        reference_arrays = {k: ours[k] for k in ours.files}
+    for rank in range(2):
+        theirs = json.loads((reports / f"invariance-2-{rank}.json").read_text())
+        with np.load(reports / f"invariance-2-{rank}.npz") as arrays:
+            for case, stats in alone["cases"].items():
+                for a, b in zip(theirs["cases"][case], stats, strict=True):
+                    assert abs(a["loss"] - b["loss"]) <= wc.GPU_TOLERANCE * max(abs(b["loss"]), 1e-3), (case, a, b)
+                for key, b in reference_arrays.items():
+                    if key.startswith(f"{case}/moments.exp_avg."):
+                        a = arrays[key]
+                        error = np.abs(a - b).max() / max(float(np.abs(b).max()), 1e-30)
+                        assert error <= wc.GPU_TOLERANCE, (key, error)

@@ -1,0 +1,333 @@
+"""The processes of the multi-process tests (test_world.py): each runs as one process of a world.
+
+    python tests/world_cases.py SCENARIO REPORTS [--directory D --job J --host H --hosts N] [--torchrun]
+
+Every process writes what it saw under REPORTS: `<name>.json` (stats, descriptions, errors and times) and
+`<name>.npz` (weights and optimizer moments), which the test compares with a run of one process.
+
+The global batch: BAGS bags of four captions, two pairs each (attract a1 <-> b1 and a2 <-> b2 at weights
+1 and 2, repel a1 <-> b2 and a2 <-> b1 at 0.5); process r of W takes a contiguous share of the bags, so
+every edge stays inside one process and the world's step is the one-process step split by bag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+torch.set_num_threads(1)
+
+import uform  # noqa: E402
+from uform import (  # noqa: E402
+    BatchShape,
+    Contrastive,
+    Edges,
+    Executor,
+    Negatives,
+    Objective,
+    PairLossForm,
+    Relations,
+    Schedule,
+    Trainer,
+    TrainerInitVramConfig,
+    TrainerStepConfig,
+    TrainerStepStats,
+)
+
+BAGS = 4
+WORDS = ["cat", "bus", "rain", "tree", "boat", "lamp", "bird", "road", "moon", "desk", "fish", "hill"]
+
+CASES: list[tuple[str, Objective, PairLossForm, Negatives]] = [
+    (f"{form.name.lower()}-{negatives.name.lower()}", Objective.Contrastive, form, negatives)
+    for form in (PairLossForm.Sigmoid, PairLossForm.Balanced, PairLossForm.Ranked)
+    for negatives in (Negatives.Ambient, Negatives.Named)
+] + [("joint-sigmoid-ambient", Objective.Joint, PairLossForm.Sigmoid, Negatives.Ambient)]
+"""Every pair-loss form under both negatives (the contrastive objective), and a joint run whose text
+corruption must not depend on the split either."""
+
+GPU_CASES = ("sigmoid-ambient", "ranked-named", "joint-sigmoid-ambient")
+"""The cases the NCCL test runs (each compiles its step on the GPU, which takes a while)."""
+
+GPU_TOLERANCE = 2e-2
+"""On GPUs the step runs under bf16 autocast, whose noise moves with where an item is packed: relative."""
+
+
+def config(objective: Objective, form: PairLossForm, negatives: Negatives, **overrides: Any) -> TrainerInitVramConfig:
+    fields: dict[str, Any] = dict(
+        depth=1,
+        hidden=128,
+        objective=objective,
+        batch=BatchShape(max_rows_per_device=6, max_segments_per_device=16, max_columns_per_row=64),
+        contrastive=Contrastive(
+            pair_loss=form,
+            negatives=negatives,
+            temperature_groups=2,
+            matryoshka_dimensions=(64, 128),
+            ambient_repulsion_weight=0.7,
+        ),
+        schedule=Schedule(steps=10, warmup_steps=2, learning_rate=1e-3),
+        seed=11,
+    )
+    fields.update(overrides)
+    return TrainerInitVramConfig(**fields)
+
+
+def bag_items(bag: int, step: int) -> list[str]:
+    """Bag `bag`'s four captions at `step`: a1, b1, a2, b2 (a pair shares its word)."""
+    out = []
+    for pair in range(2):
+        word = WORDS[(4 * bag + 2 * pair + step) % len(WORDS)]
+        out.append(f"a {word} seen at noon {bag}{pair}")
+    for pair in range(2):
+        word = WORDS[(4 * bag + 2 * pair + step) % len(WORDS)]
+        out.append(f"the {word}, photo {step}")
+    # Reorder to a1, b1, a2, b2.
+    return [out[0], out[2], out[1], out[3]]
+
+
+def share(rank: int, size: int, bags: int = BAGS) -> list[int]:
+    """The bags process `rank` of `size` takes: a contiguous share, as even as can be."""
+    return [int(b) for b in np.array_split(np.arange(bags), size)[rank]]
+
+
+def step_inputs(bags: list[int], step: int) -> tuple[list[str], TrainerStepConfig]:
+    """The items of `bags` with their relations, groups and bag ids, as one process's step."""
+    texts: list[str] = []
+    attract: list[list[tuple[int, float]]] = []
+    repel: list[list[tuple[int, float]]] = []
+    for bag in bags:
+        base = len(texts)
+        texts += bag_items(bag, step)
+        a1, b1, a2, b2 = range(base, base + 4)
+        attract += [[(b1, 1.0)], [(a1, 1.0)], [(b2, 2.0)], [(a2, 2.0)]]
+        repel += [[(b2, 0.5)], [(a2, 0.5)], [(b1, 0.5)], [(a1, 0.5)]]
+
+    def edges(runs: list[list[tuple[int, float]]]) -> Edges:
+        offsets, ids, weights = [0], [], []
+        for run in runs:
+            for j, weight in sorted(run):
+                ids.append(j)
+                weights.append(weight)
+            offsets.append(len(ids))
+        return Edges(offsets=offsets, ids=ids, weights=weights)
+
+    relations = Relations(attract=edges(attract), repel=edges(repel))
+    groups = [i % 2 for i in range(len(texts))]
+    bag_ids = [bag for bag in bags for _ in range(4)]
+    return texts, TrainerStepConfig(relations=relations, temperature_groups=groups, bags=bag_ids)
+
+
+def snapshot(trainer: Trainer) -> dict[str, np.ndarray]:
+    out = {f"weights.{k}": v.detach().float().cpu().numpy().copy() for k, v in trainer.network.state_dict().items()}
+    for name, p in trainer.network.named_parameters():
+        for key, value in trainer.optimizer.state.get(p, {}).items():
+            out[f"moments.{key}.{name}"] = torch.as_tensor(value).detach().float().cpu().numpy().copy()
+    return out
+
+
+def run_steps(trainer: Trainer, bags: list[int], steps: list[int]) -> list[dict[str, Any]]:
+    out = []
+    for step in steps:
+        texts, step_config = step_inputs(bags, step)
+        stats = TrainerStepStats()
+        step_config.stats = stats
+        trainer.on(trainer.executor).step(["text"] * len(texts), texts, step_config)
+        out.append({k: getattr(stats, k) for k in ("step", "loss", "contrastive_loss", "masked_text_loss")})
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Scenarios
+
+
+def mesh_of(args: argparse.Namespace, executor: Executor | None = None) -> uform.Mesh:
+    if args.torchrun:  # process 0 asks for the environment's mesh, the others bootstrap without a directory
+        if os.environ["RANK"] == "0":
+            return uform.Mesh.from_env()
+        local = int(os.environ["LOCAL_RANK"])
+        return uform.Mesh.bootstrap(Executor.for_vram([local]) if args.cuda else Executor.cpu(), uform.MeshOptions())
+    options = uform.MeshOptions(
+        host_domain_index=args.host,
+        host_domain_count=args.hosts,
+        directory=args.directory,
+        job=args.job,
+        timeout_seconds=args.timeout,
+        store=args.store,
+    )
+    return uform.Mesh.bootstrap(executor or Executor.cpu(), options)
+
+
+def cases(args: argparse.Namespace) -> list[tuple[str, Objective, PairLossForm, Negatives]]:
+    return [c for c in CASES if c[0] in GPU_CASES] if args.cuda else CASES
+
+
+def invariance(args: argparse.Namespace, reports: Path) -> None:
+    """Every case: two steps of this process's share; then a save that only process zero writes."""
+    import uform.world
+
+    uform.world.BUCKET_BYTES = 64 << 10  # several buckets even for the tiny tower
+    mesh = mesh_of(args, Executor.for_vram([args.host]) if args.cuda and not args.torchrun else None)
+    description = mesh.describe()
+    rank, size = description.ranks[0], description.world_size
+    report: dict[str, Any] = {"description": _describe(description), "cases": {}}
+    arrays: dict[str, np.ndarray] = {}
+    bags = share(rank, size)
+    for name, objective, form, negatives in cases(args):
+        trainer = Trainer.init_vram(mesh.executor, config(objective, form, negatives, mesh=mesh))
+        first = run_steps(trainer, bags, [1])
+        arrays.update({f"{name}/{k}": v for k, v in snapshot(trainer).items()})  # step 1's gradients and update
+        report["cases"][name] = first + run_steps(trainer, bags, [2])
+        if name == cases(args)[-1][0]:
+            trainer.save(reports / f"saved-{size}-{rank}.safetensors")
+        trainer.close()
+    mesh.close()
+    _write(reports, f"invariance-{size}-{rank}", report, arrays)
+
+
+def fault(args: argparse.Namespace, reports: Path) -> None:
+    """A world of three: a process that builds another run is refused on every process; then two steps, a
+    save, and process 1 dies before step 3, which the others must report clearly within the deadline."""
+    mesh = mesh_of(args)
+    rank = mesh.describe().ranks[0]
+    report: dict[str, Any] = {}
+    start = time.monotonic()
+    try:  # process 2 resumes a checkpoint that is not there: its init_vram raises, the others' must too
+        missing = str(reports / "missing.safetensors") if rank == 2 else None
+        Trainer.init_vram(
+            mesh.executor,
+            config(Objective.Contrastive, PairLossForm.Sigmoid, Negatives.Ambient, mesh=mesh, resume=missing),
+        )
+        report["failed_init"] = None
+    except Exception as error:
+        report["failed_init"] = f"{type(error).__name__}: {error}"
+    report["failed_init_seconds"] = time.monotonic() - start
+    seed = 12 if rank == 2 else 11
+    try:
+        Trainer.init_vram(
+            mesh.executor, config(Objective.Contrastive, PairLossForm.Sigmoid, Negatives.Ambient, mesh=mesh, seed=seed)
+        )
+        report["mismatch"] = None
+    except ValueError as error:
+        report["mismatch"] = str(error)
+    trainer = Trainer.init_vram(
+        mesh.executor, config(Objective.Contrastive, PairLossForm.Sigmoid, Negatives.Ambient, mesh=mesh)
+    )
+    bags = share(rank, mesh.describe().world_size)
+    report["stats"] = run_steps(trainer, bags, [1, 2])
+    trainer.save(reports / "fault.safetensors")
+    _write(reports, f"fault-{rank}", report, {})
+    if rank == 1:
+        os._exit(9)  # dies mid-run, as a killed process
+    start = time.monotonic()
+    try:
+        run_steps(trainer, bags, [3])
+        report["error"] = None
+    except Exception as error:
+        report["error"] = f"{type(error).__name__}: {error}"
+    report["seconds"] = time.monotonic() - start
+    start = time.monotonic()
+    try:
+        run_steps(trainer, bags, [3])
+        report["again"] = None
+    except Exception as error:
+        report["again"] = f"{type(error).__name__}: {error}"
+    report["again_seconds"] = time.monotonic() - start
+    _write(reports, f"fault-{rank}", report, {})
+    os._exit(0)  # the world is broken: leave without the collective teardown
+
+
+def alone(args: argparse.Namespace, reports: Path) -> None:
+    """The reference of the GPU test: one process, one device, the whole global batch."""
+    executor = Executor.for_vram([0]) if args.cuda else Executor.cpu()
+    report: dict[str, Any] = {"cases": {}}
+    arrays: dict[str, np.ndarray] = {}
+    for name, objective, form, negatives in cases(args):
+        trainer = Trainer.init_vram(executor, config(objective, form, negatives))
+        first = run_steps(trainer, list(range(BAGS)), [1])
+        arrays.update({f"{name}/{k}": v for k, v in snapshot(trainer).items()})
+        report["cases"][name] = first + run_steps(trainer, list(range(BAGS)), [2])
+        trainer.close()
+    _write(reports, "alone", report, arrays)
+
+
+def resume(args: argparse.Namespace, reports: Path) -> None:
+    """After the fault: every process restarts with resume (in another world size) and takes step 3."""
+    mesh = mesh_of(args)
+    description = mesh.describe()
+    rank, size = description.ranks[0], description.world_size
+    trainer = Trainer.init_vram(
+        mesh.executor,
+        config(
+            Objective.Contrastive,
+            PairLossForm.Sigmoid,
+            Negatives.Ambient,
+            mesh=mesh,
+            resume=str(reports / "fault.safetensors"),
+        ),
+    )
+    stats = run_steps(trainer, share(rank, size), [3])
+    arrays = snapshot(trainer)
+    trainer.close()
+    mesh.close()
+    _write(reports, f"resume-{rank}", {"stats": stats, "description": _describe(description)}, arrays)
+
+
+def _describe(description: uform.MeshDescription) -> dict[str, Any]:
+    return {
+        "host_count": description.host_count,
+        "devices_per_host": description.devices_per_host,
+        "world_size": description.world_size,
+        "ranks": list(description.ranks),
+        "host_index": description.host_index,
+        "multimem_tier": str(description.multimem_tier),
+        "gpu_class": str(description.gpu_class),
+        "backend": description.backend,
+    }
+
+
+def _write(reports: Path, name: str, report: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    if arrays:
+        np.savez(reports / f"{name}.npz", **arrays)
+    temporary = reports / f".{name}.json"
+    temporary.write_text(json.dumps(report))
+    os.replace(temporary, reports / f"{name}.json")
+
+
+SCENARIOS = {"invariance": invariance, "fault": fault, "resume": resume, "alone": alone}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("reports", type=Path)
+    parser.add_argument("--directory", default=None)
+    parser.add_argument("--job", default="test")
+    parser.add_argument("--host", type=int, default=0)
+    parser.add_argument("--hosts", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--store", default="file")
+    parser.add_argument("--torchrun", action="store_true")
+    parser.add_argument("--cuda", action="store_true", help="one CUDA device per process (NCCL)")
+    args = parser.parse_args()
+    try:
+        SCENARIOS[args.scenario](args, args.reports)
+    except BaseException:
+        name = f"crash-{args.scenario}-{os.environ.get('RANK', args.host)}"
+        (args.reports / f"{name}.txt").write_text(traceback.format_exc())
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,642 @@
+"""An executor of several devices: one worker process per device, each a rank of the run's world.
+
+Shape legend: N items of a step, D the devices of the executor (its workers), H hidden.
+
+The calling process keeps no replica. A step's items are checked here, routed to the devices by bag (a bag
+never splits; bags balance across devices by their size, greedily, largest first: Graham's LPT rule),
+their bytes copied once into a shared-memory segment per device, and each worker steps its share as one
+process of the world (`Trainer` with a mesh). The answers are merged: the losses are world means and
+every worker reports the same; `truncated`, `dropped` and `skipped` add up over this process's devices;
+the arena's rows come back in the caller's item order.
+
+Commands travel in order over one pipe per worker, so steps and saves apply in the order they were called;
+a worker answers a step once it is done, which resolves that step's future here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import itertools
+import multiprocessing
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import vocab
+from .arena import Arena
+from .config import TrainerInitVramConfig, TrainerStepConfig, TrainerStepStats
+from .data.items import ChoiceTapes
+from .enums import Modality, Objective
+from .relations import first_crossing, restrict
+from .trainer import Deferred, On, Trainer, check_step, resolve_run, save_config
+from .world import MeshError
+
+_ERRORS: dict[str, type[BaseException]] = {
+    "ValueError": ValueError,
+    "TypeError": TypeError,
+    "MeshError": MeshError,
+    "RuntimeError": RuntimeError,
+}
+
+
+def route(sizes: np.ndarray, bags: np.ndarray | None, devices: int) -> list[np.ndarray]:
+    """Each device's items (ascending indices): every bag whole on one device, bags placed largest first
+    on the device with the least size so far (ties: the lower device; equal bags: the earlier one)."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    count = len(sizes)
+    bags = np.arange(count) if bags is None else np.asarray(bags, dtype=np.int64)
+    unique, first, inverse = np.unique(bags, return_index=True, return_inverse=True)
+    totals = np.bincount(inverse, weights=sizes, minlength=len(unique))
+    order = sorted(range(len(unique)), key=lambda b: (-totals[b], first[b]))
+    load = np.zeros(devices, dtype=np.float64)
+    device_of_bag = np.zeros(len(unique), dtype=np.int64)
+    for b in order:
+        d = int(np.argmin(load))
+        device_of_bag[b] = d
+        load[d] += totals[b]
+    device_of_item = device_of_bag[inverse]
+    return [np.flatnonzero(device_of_item == d) for d in range(devices)]
+
+
+def item_sizes(modalities: Sequence[Modality], contents: Sequence[Any], columns: int) -> np.ndarray:
+    """The positions each item is expected to take: its prefix and bytes for text (cut at a row), a row
+    for a media item (decoded on its device, downscaled to fit a row)."""
+    prefix = len(vocab.prefix(Modality.Text, None))
+    return np.array(
+        [
+            min(prefix + len(c), columns) if m == Modality.Text else columns
+            for m, c in zip(modalities, contents, strict=True)
+        ],
+        dtype=np.int64,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# The calling process's side
+
+
+class Fleet:
+    """The worker processes of an executor, started on first use."""
+
+    def __init__(self, devices: Sequence[torch.device], threads: int = 0) -> None:
+        self.devices = list(devices)
+        self.threads = threads
+        self._processes: list[Any] = []
+        self._pipes: list[Any] = []
+        self._pending: list[dict[int, Future]] = []
+        self._readers: list[threading.Thread] = []
+        self._send = threading.Lock()
+        self._ids = itertools.count()
+        self._dead: list[str | None] = []
+        self.started = False
+
+    def start(self) -> None:
+        if self.started:
+            return
+        context = multiprocessing.get_context("spawn")
+        for index, device in enumerate(self.devices):
+            ours, theirs = context.Pipe()
+            process = context.Process(
+                target=serve, args=(theirs, str(device), self.threads), name=f"uform-device-{index}"
+            )
+            process.start()
+            theirs.close()
+            self._processes.append(process)
+            self._pipes.append(ours)
+            self._pending.append({})
+            self._dead.append(None)
+            reader = threading.Thread(target=self._read, args=(index,), daemon=True, name=f"uform-reader-{index}")
+            reader.start()
+            self._readers.append(reader)
+        self.started = True
+
+    def _read(self, index: int) -> None:
+        pipe = self._pipes[index]
+        while True:
+            try:
+                ident, status, value = pipe.recv()
+            except (EOFError, OSError):
+                process = self._processes[index]
+                process.join(timeout=5)
+                why = (
+                    f"mesh: the worker of {self.devices[index]} (device {index} of this executor) stopped "
+                    f"(exit code {process.exitcode}); restart every process, and resume continues the run"
+                )
+                self._dead[index] = why
+                for waiting in list(self._pending[index].values()):
+                    if not waiting.done():
+                        waiting.set_exception(MeshError(why))
+                self._pending[index].clear()
+                return
+            if ident not in self._pending[index]:
+                continue
+            future = self._pending[index].pop(ident)
+            if status == "ok":
+                future.set_result(value)
+            else:
+                kind, message = value
+                future.set_exception(_ERRORS.get(kind, RuntimeError)(message))
+
+    def call(self, commands: Sequence[tuple[str, Any]]) -> list[Future]:
+        """Sends command i to worker i (all under one lock, so every worker sees the calls in one order)."""
+        self.start()
+        futures = []
+        with self._send:
+            for index, (verb, argument) in enumerate(commands):
+                future: Future = Future()
+                if self._dead[index] is not None:
+                    future.set_exception(MeshError(self._dead[index]))
+                else:
+                    ident = next(self._ids)
+                    self._pending[index][ident] = future
+                    try:
+                        self._pipes[index].send((ident, verb, argument))
+                    except (OSError, ValueError) as error:
+                        self._pending[index].pop(ident, None)
+                        future.set_exception(MeshError(f"mesh: the worker of {self.devices[index]} is gone ({error})"))
+                futures.append(future)
+        return futures
+
+    def everyone(self, verb: str, argument: Any = None) -> list[Any]:
+        """The same command to every worker; answers their values or raises the first error."""
+        return [f.result() for f in self.call([(verb, argument)] * len(self.devices))]
+
+    def close(self) -> None:
+        if not self.started:
+            return
+        with self._send:
+            for pipe in self._pipes:
+                with contextlib.suppress(OSError, ValueError):
+                    pipe.send((-1, "exit", None))
+        for process in self._processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for pipe in self._pipes:
+            pipe.close()
+        self.started = False
+
+
+def _merge(
+    futures: list[Future], plan: list[np.ndarray], count: int, checked: Any, succeeded: Callable[[], None]
+) -> Future:
+    """One future of the step's answer from the workers' answers; `succeeded` runs before it resolves."""
+    done: Future = Future()
+    done.set_running_or_notify_cancel()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def finish() -> None:
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:  # a device's own error is the cause; its peers' MeshErrors (a stalled world) follow from it
+            causes = [e for e in errors if not isinstance(e, MeshError)]
+            done.set_exception((causes or errors)[0])
+            return
+        answers = [f.result() for f in futures]
+        succeeded()
+        if checked.stats is not None:
+            stats = checked.stats
+            first = answers[0]["stats"]
+            for f in dataclasses.fields(TrainerStepStats):
+                setattr(stats, f.name, first[f.name])
+            for name in ("truncated", "dropped", "skipped"):
+                if hasattr(stats, name):
+                    setattr(stats, name, sum(a["stats"].get(name, 0) for a in answers))
+        if checked.arena is None:
+            done.set_result(None)
+            return
+        width = next((a["embeddings"].shape[1] for a in answers if a["embeddings"] is not None), 0)
+        rows = torch.zeros(count, width)
+        present = torch.zeros(count, dtype=torch.bool)
+        for items, answer in zip(plan, answers, strict=True):
+            if answer["embeddings"] is not None and len(items):
+                rows[torch.from_numpy(items)] = torch.from_numpy(answer["embeddings"])
+                present[torch.from_numpy(items)] = torch.from_numpy(answer["present"])
+        done.set_result(checked.arena.land(rows, present, checked.scalar))
+
+    def one_done(_: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            try:
+                finish()
+            except BaseException as error:  # pragma: no cover - a bug in merging
+                done.set_exception(error)
+
+    for f in futures:
+        f.add_done_callback(one_done)
+    return done
+
+
+def _share(segment: list[shared_memory.SharedMemory], contents: Sequence[Any], items: np.ndarray) -> dict[str, Any]:
+    """Copies the bytes of `items` into one new shared-memory segment (the only copy they take on their
+    way to the worker); answers its name and the offsets of every item in it."""
+    lengths = np.array([len(contents[i]) for i in items], dtype=np.int64)
+    offsets = np.zeros(len(items) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    memory = shared_memory.SharedMemory(create=True, size=max(1, int(offsets[-1])))
+    segment.append(memory)  # this process owns it: unlinked once every worker answered the step
+    view = memory.buf
+    assert view is not None
+    for k, i in enumerate(items.tolist()):
+        view[offsets[k] : offsets[k + 1]] = memoryview(contents[i]).cast("B")
+    del view
+    return {"name": memory.name, "offsets": offsets}
+
+
+def _release(segments: list[shared_memory.SharedMemory]) -> None:
+    for memory in segments:
+        with contextlib.suppress(Exception):
+            memory.close()
+        with contextlib.suppress(Exception):
+            memory.unlink()
+
+
+def _fleet_of(executor: Any) -> Fleet:
+    return executor._fleet  # type: ignore[no-any-return]
+
+
+class FleetTrainer(Trainer):
+    """A trainer over an executor of several devices: the same verbs, each device's replica in its worker.
+
+    Made by `Trainer.init_vram` when its executor has several devices; see the module's docstring.
+    """
+
+    def __init__(self, executor: Any, config: TrainerInitVramConfig, mesh: Any, owns_mesh: bool) -> None:
+        # No replica here: Trainer.__init__ (a network, threads) is not for the calling process.
+        self.executor = executor
+        self.config = config
+        self.mesh = mesh
+        self._owns_mesh = owns_mesh
+        self._fleet = _fleet_of(executor)
+        self._steps = 0
+        self.closed = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def start(cls, executor: Any, config: TrainerInitVramConfig, media: Any, host_processes: int | None = None) -> Any:
+        from .mesh import Mesh, MeshOptions
+
+        if config.progress is not None:
+            raise ValueError(
+                "progress: an executor of several devices does not relay progress from its worker processes "
+                "yet; leave it None"
+            )
+        resolved, _stored = resolve_run(config)
+        mesh, owns = config.mesh, False
+        if mesh is None:  # this process alone: a world of its own devices
+            mesh, owns = Mesh.bootstrap(executor, MeshOptions(job="local")), True
+        fleet = _fleet_of(executor)
+        shipped = dataclasses.replace(config, mesh=None, progress=None)
+        try:
+            steps = fleet.everyone("init", (shipped, media, host_processes))
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                fleet.everyone("close_trainer")
+            if owns:
+                mesh.close()
+            raise
+        trainer = cls(executor, dataclasses.replace(resolved, mesh=config.mesh), mesh, owns)
+        trainer._steps = steps[0]
+        mesh._borrow(trainer)
+        return trainer
+
+    # ---- the verbs -----------------------------------------------------------------------------------
+
+    def on(self, executor: Any) -> _FleetOn:  # type: ignore[override]
+        self._check_executor(executor)
+        return _FleetOn(self)
+
+    def deferred(self, executor: Any) -> _FleetDeferred:  # type: ignore[override]
+        self._check_executor(executor)
+        return _FleetDeferred(self)
+
+    def step(self, modalities: Any, contents: Any, config: TrainerStepConfig | None = None) -> torch.Tensor | None:
+        return _FleetOn(self).step(modalities, contents, config)
+
+    def save(self, config: Any) -> None:
+        _FleetOn(self).save(config)
+
+    @property
+    def steps_taken(self) -> int:
+        return self._steps
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        with contextlib.suppress(BaseException):
+            self._fleet.everyone("close_trainer")
+        self.closed = True
+        if self.mesh is not None:
+            self.mesh._release(self)
+            if self._owns_mesh:
+                self.mesh.close()
+
+    def _check_executor(self, executor: Any) -> None:
+        if executor is not self.executor:
+            raise ValueError(f"executor: this trainer runs on {self.executor}, not {executor}")
+
+    # ---- steps -----------------------------------------------------------------------------------------
+
+    def _submit(self, modalities: Any, contents: Any, config: TrainerStepConfig | None) -> Future:
+        if self.closed:
+            raise ValueError("trainer: it was closed")
+        devices = len(self._fleet.devices)
+        checked = check_step(self.config, modalities, contents, config, False, edge_factor=devices)
+        count = len(checked.modalities)
+        bags = checked.bags if checked.bags is not None else np.arange(count)
+        if self.config.objective != Objective.Masked:
+            crossing = first_crossing(checked.relations, count, bags)
+            if crossing is not None:
+                name, i, j = crossing
+                raise ValueError(
+                    f"relations.{name}: items {i} and {j} are in different bags; on an executor of several "
+                    "devices an edge joins items of one bag (a bag is what lands on one device)"
+                )
+        sizes = item_sizes(checked.modalities, checked.contents, self.config.batch.max_columns_per_row)
+        plan = route(sizes, bags, devices)
+        limit = self.config.contrastive.max_edges_per_device
+        shares = [restrict(checked.relations, items, count) for items in plan]
+        if self.config.objective != Objective.Masked:
+            for d, relations in enumerate(shares):
+                for name in ("attract", "repel", "ignore"):
+                    edges = len(getattr(relations, name).ids)
+                    if edges > limit:
+                        raise ValueError(
+                            f"relations.{name}: device {d} takes {edges} edges of the step, more than "
+                            f"contrastive.max_edges_per_device ({limit})"
+                        )
+        segments: list[shared_memory.SharedMemory] = []
+        commands = []
+        try:
+            for items, relations in zip(plan, shares, strict=True):
+                shared = _share(segments, checked.contents, items)
+                commands.append(
+                    (
+                        "step",
+                        {
+                            **shared,
+                            "modalities": [int(checked.modalities[i]) for i in items],
+                            "bags": bags[items],
+                            "groups": None if checked.groups is None else checked.groups[items],
+                            "sides": None if checked.sides is None else [int(checked.sides[i]) for i in items],
+                            "choices": None if checked.choices is None else _choice_share(checked.choices, items),
+                            "relations": relations,
+                            "stats": checked.stats is not None,
+                            "arena": checked.arena is not None,
+                        },
+                    )
+                )
+            futures = self._fleet.call(commands)
+        except BaseException:
+            _release(segments)
+            raise
+        done = _merge(futures, plan, count, checked, self._count)
+        done.add_done_callback(lambda _: _release(segments))
+        return done
+
+    def _count(self) -> None:
+        with self._lock:
+            self._steps += 1
+
+    def _save(self, config: Any) -> Future:
+        if self.closed:
+            raise ValueError("trainer: it was closed")
+        saved = save_config(config)
+        if saved.progress is not None:
+            raise ValueError(
+                "progress: an executor of several devices does not relay progress from its worker processes "
+                "yet; leave it None"
+            )
+        shipped = saved
+        futures = self._fleet.call([("save", shipped)] * len(self._fleet.devices))
+        done: Future = Future()
+        done.set_running_or_notify_cancel()
+
+        def all_done(_: Future) -> None:
+            if all(f.done() for f in futures) and not done.done():
+                errors = [f.exception() for f in futures if f.exception() is not None]
+                if errors:
+                    done.set_exception(errors[0])
+                else:
+                    done.set_result(None)
+
+        for f in futures:
+            f.add_done_callback(all_done)
+        return done
+
+
+class _FleetOn(On):
+    trainer: FleetTrainer
+
+    def step(self, modalities: Any, contents: Any, config: TrainerStepConfig | None = None) -> torch.Tensor | None:
+        return self.trainer._submit(modalities, contents, config).result()
+
+    def save(self, config: Any) -> None:
+        self.trainer._save(config).result()
+
+
+class _FleetDeferred(Deferred):
+    trainer: FleetTrainer
+
+    def step(self, modalities: Any, contents: Any, config: TrainerStepConfig | None = None) -> Future:
+        return self.trainer._submit(modalities, contents, config)
+
+    def save(self, config: Any) -> Future:
+        return self.trainer._save(config)
+
+
+# --------------------------------------------------------------------------------------------------
+# The worker process's side
+
+
+def serve(pipe: Any, device_name: str, threads: int) -> None:
+    """A worker's loop: commands in order, answers as they complete (steps answer when done)."""
+    if threads:
+        torch.set_num_threads(threads)
+    device = torch.device(device_name)
+    retired_segments: list[shared_memory.SharedMemory] = []
+    state: dict[str, Any] = {"trainer": None, "mesh": None, "retired": retired_segments}
+    send = threading.Lock()
+
+    def answer(ident: int, status: str, value: Any) -> None:
+        with send, contextlib.suppress(OSError, ValueError):
+            pipe.send((ident, status, value))
+
+    def fail(ident: int, error: BaseException) -> None:
+        message = str(error)
+        if type(error).__name__ not in _ERRORS:
+            message = f"{type(error).__name__}: {message}\n{traceback.format_exc()}"
+        answer(ident, "error", (type(error).__name__, message))
+
+    while True:
+        try:
+            ident, verb, argument = pipe.recv()
+        except (EOFError, OSError):
+            break
+        if verb == "exit":
+            break
+        try:
+            if verb == "step":
+                _worker_step(state, ident, argument, answer, fail)
+                continue
+            answer(ident, "ok", _WORKER_VERBS[verb](state, device, argument))
+        except BaseException as error:
+            fail(ident, error)
+    trainer = state["trainer"]
+    if trainer is not None:
+        with contextlib.suppress(BaseException):
+            trainer.close()
+    if state["mesh"] is not None:
+        with contextlib.suppress(BaseException):
+            state["mesh"].close()
+    state.clear()
+    gc.collect()  # a failed step's traceback may still hold views of its segment
+    for memory in retired_segments:
+        try:
+            memory.close()
+        except BufferError:  # still viewed: leave the mapping to the process's end, quietly
+            memory._mmap = None  # type: ignore[attr-defined]
+
+
+def _worker_join(state: dict[str, Any], device: torch.device, argument: Any) -> None:
+    from .executor import Executor
+    from .mesh import Mesh, join, nccl_defaults
+
+    world_spec, rank, size, timeout, hosts_of, description, tier = argument
+    if device.type == "cuda":
+        nccl_defaults(tier)
+        executor = Executor.for_vram([device.index or 0])
+    else:
+        executor = Executor.cpu()
+    world = join(world_spec, rank, size, device, timeout, hosts_of)
+    mesh = Mesh._member(executor, dataclasses.replace(description, ranks=(rank,)), world)
+    state["mesh"] = mesh
+
+
+def _worker_leave(state: dict[str, Any], device: torch.device, argument: Any) -> None:
+    if state["trainer"] is not None:
+        state["trainer"].close()
+        state["trainer"] = None
+    if state["mesh"] is not None:
+        state["mesh"].close()
+        state["mesh"] = None
+
+
+def _worker_init(state: dict[str, Any], device: torch.device, argument: Any) -> int:
+    from .trainer import Trainer
+
+    config, media, host_processes = argument
+    mesh = state["mesh"]
+    if mesh is None:
+        raise MeshError("mesh: this device's worker belongs to no world; bootstrap a mesh over the executor first")
+    if state["trainer"] is not None:
+        state["trainer"].close()
+    run = dataclasses.replace(config, mesh=mesh)
+    trainer = Trainer.init_vram(mesh.executor, run, media=media, host_processes=host_processes)
+    state["trainer"] = trainer
+    return trainer.steps_taken
+
+
+def _worker_close_trainer(state: dict[str, Any], device: torch.device, argument: Any) -> None:
+    if state["trainer"] is not None:
+        state["trainer"].close()
+        state["trainer"] = None
+
+
+def _worker_save(state: dict[str, Any], device: torch.device, argument: Any) -> None:
+    trainer = state["trainer"]
+    if trainer is None:
+        raise ValueError("trainer: none was made on this executor")
+    trainer.save(argument)
+
+
+_WORKER_VERBS = {
+    "join": _worker_join,
+    "leave": _worker_leave,
+    "init": _worker_init,
+    "close_trainer": _worker_close_trainer,
+    "save": _worker_save,
+}
+
+
+def _worker_step(state: dict[str, Any], ident: int, argument: dict[str, Any], answer: Any, fail: Any) -> None:
+    """Submits the step to this worker's trainer over the shared bytes (no copy) and answers when done."""
+
+    trainer: Trainer = state["trainer"]
+    retired: list[shared_memory.SharedMemory] = state["retired"]
+    for old in list(retired):  # segments of earlier steps, closed once nothing reads them any more
+        with contextlib.suppress(BufferError):
+            old.close()
+            retired.remove(old)
+    # Attaching registers the name with the resource tracker this worker shares with the calling process
+    # (spawned children inherit it): a second registration of the same name, which the caller's unlink ends.
+    memory = shared_memory.SharedMemory(name=argument["name"])
+    offsets = argument["offsets"]
+    view = memory.buf
+    assert view is not None
+    contents = [view[offsets[k] : offsets[k + 1]] for k in range(len(offsets) - 1)]
+
+    def release() -> None:
+        contents.clear()
+        retired.append(memory)  # the calling process unlinks it; the mapping goes with its last view
+
+    try:
+        if trainer is None:
+            raise ValueError("trainer: none was made on this executor")
+        stats = TrainerStepStats() if argument["stats"] else None
+        arena = Arena() if argument["arena"] else None
+        config = TrainerStepConfig(
+            bags=argument["bags"],
+            temperature_groups=[] if argument["groups"] is None else argument["groups"],
+            sides=[] if argument["sides"] is None else argument["sides"],
+            choices=((), ()) if argument["choices"] is None else argument["choices"][:2],
+            choice_targets=((), ()) if argument["choices"] is None else argument["choices"][2:],
+            relations=argument["relations"],
+            stats=stats,
+            arena=arena,
+        )
+        checked = trainer._check_step(argument["modalities"], contents, config, copy_buffers=False)
+        future = trainer._submit_step(checked)
+    except BaseException as error:
+        release()
+        fail(ident, error)
+        return
+
+    def done(f: Future) -> None:
+        try:
+            f.result()
+            value: dict[str, Any] = {"stats": None, "embeddings": None, "present": None}
+            if stats is not None:
+                value["stats"] = dataclasses.asdict(stats)
+            if arena is not None and arena.embeddings is not None:
+                value["embeddings"] = arena.embeddings.float().numpy()
+                value["present"] = arena.present.numpy() if arena.present is not None else None
+            release()
+            answer(ident, "ok", value)
+        except BaseException as error:
+            release()
+            fail(ident, error)
+
+    future.add_done_callback(done)
+
+
+def _choice_share(
+    choices: ChoiceTapes, items: Sequence[int] | np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One device's part of a step's checked choices: (data, offsets, targets, offsets) tapes of `items`."""
+    parts = [choices.of(i) for i in items]
+    offsets = np.cumsum([0] + [len(legal) for legal, _ in parts]).astype(np.int64)
+    data = np.concatenate([legal for legal, _ in parts]) if parts else np.zeros(0, dtype=np.uint8)
+    targets = np.concatenate([target for _, target in parts]) if parts else np.zeros(0, dtype=np.float32)
+    return data.astype(np.uint8), offsets, targets.astype(np.float32), offsets

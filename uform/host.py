@@ -1,0 +1,757 @@
+"""The host stage of a trainer's steps, on the trainer's threads or in host processes of its own.
+
+A step has a host stage (decode its media items in a `DecodePool`, then `data.batch.prepare`: pack, corrupt,
+pair; FlexAttention's block tables on CUDA) and a device stage (copy, forward, backward, AdamW). `host_stage` is
+the host stage as one function of the run, the step's checked arguments and its number; every draw in it is
+keyed by (seed, step, stream), so it answers the same arrays wherever and in whatever order it runs.
+
+In process (``host_processes=0``), the trainer's two host threads call `host_stage` themselves. Their Python and
+numpy work then shares the interpreter lock with the device thread, which launches the step's kernels: on an H200
+at the seed's geometry with 128 JPEGs a step, that costs 13-18% of the step (BENCHMARKS.md). `HostProcesses`
+moves the work out: the trainer's process keeps only the device stage and one copy of the finished arrays. The
+shape is PyTorch DataLoader's (worker processes that build whole batches; a pin-memory thread in the main process,
+`torch/utils/data/dataloader.py`), with two differences: a step is numbered when it is called, and its number keys
+its draws, so any process may prepare any step and the answers never depend on which one did, or when; and the
+arrays come back through shared memory that the trainer's process copies once, into page-locked memory on CUDA.
+
+The processes (``host_processes=N``, started on the first step that needs one):
+
+- Each host process is started with the run's config, its `MediaPolicy` and the attention path, owns a
+  `DecodePool` of its own (``media.workers`` split over the N processes; started lazily, so a text-only process
+  never starts decoders) and prepares up to `HOST_SLOTS` steps at once on two threads of its own: while one waits
+  for its step's media, the other packs. It is not daemonic, because a daemonic process may not start the decoder
+  processes; it ignores SIGINT (the trainer's process handles Ctrl-C), exits when its pipe to the trainer reports
+  end of file (the trainer's process died), killing its decoders, and is ended by `close` (also run at interpreter
+  exit, before multiprocessing joins its children, and when the object is collected).
+- A step travels as one message: its contents are copied once, back to back, into the input area of one of the
+  process's slots in a shared-memory slab (`media.pool.create_slab`: a sparse file under /dev/shm, unlinked at
+  once and mapped by the host process through its descriptor, so no name outlives a killed process), and the rest of its checked arguments (modalities, bags, groups, sides, choices,
+  relations) pickled beside them with protocol 5, large buffers out of band into the same area. The host process
+  reads the contents as views of the slab (no copy) and answers the `Batch`, the block tables and the skipped
+  items the same way, into the slot's output area (`media.pool.slab_payload`, the decode workers' own mechanism).
+  The trainer's process maps the answer's arrays from the slab and copies each once, into page-locked memory on
+  CUDA (where the asynchronous copy to the GPU reads it) or an owned array on the CPU; the slot is then free for
+  the next step. Pages of a slab are reserved before they are written (``posix_fallocate``), so a full /dev/shm
+  sends the message through the pipe instead of killing a process with SIGBUS; areas keep the pages they reached.
+- Failures answer the step that met them, in the trainer's process: a strict `MediaError` naming the item (the
+  trainer unchanged), any other exception of the host stage as itself, and a host process that died (killed, out
+  of memory) a `HostProcessError` for every step it held; the next step starts a new process. A skipped item comes
+  back as (index, reason) and the trainer warns with `MediaWarning` in its own process. Decode time limits are the
+  host process's `DecodePool`'s, as in process.
+
+This module imports numpy and the light uform modules only (torch loads lazily, in the trainer's process), so a
+host process starts without torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import mmap
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.util
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+import types
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .config import TrainerInitVramConfig
+from .data.batch import Batch, prepare
+from .data.blocks import block_tables
+from .data.items import ChoiceTapes
+from .enums import LateInteractionSide, Modality
+from .media.decode import MediaPolicy, decode_items
+from .media.limits import MediaError
+from .media.pool import (
+    DecodePool,
+    SlabFile,
+    create_slab,
+    decode_parallelism,
+    exit_status,
+    load_message,
+    release_slab,
+    reserve_slab,
+    slab_payload,
+)
+from .relations import Edges, Relations
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["HOST_SLOTS", "HostAnswer", "HostJob", "HostProcessError", "HostProcesses", "host_stage"]
+
+HOST_SLOTS = 2
+"""Steps one host process prepares at once (two threads: one packs while the other waits for its media)."""
+
+_INPUT_BYTES = 1 << 30
+"""Each slot's input area (virtual: pages are reserved as steps reach them); contents beyond it cross the pipe."""
+_OUTPUT_BYTES = 1 << 30
+"""Each slot's output area, likewise."""
+_IN_BAND_BELOW = 4096
+"""Buffers smaller than this travel inside the pickled message rather than through the slab."""
+_ALIGN = 64
+_BOOT_SECONDS = 120.0
+"""How long a host process may take to start and map its slab."""
+_CLOSE_GRACE_SECONDS = 10.0
+"""How long `close` waits for a host process to end its decoders and exit before killing it."""
+_REAP_SECONDS = 5.0
+
+_DEFAULT_CONTEXT = "forkserver" if sys.platform.startswith("linux") else "spawn"
+_DECODER_PRELOAD = ["uform.media.decode", "uform.media.image", "uform.media.video", "uform.media.audio"]
+
+
+class HostProcessError(RuntimeError):
+    """A host process died (killed, out of memory) while it held a step; the step was not taken."""
+
+
+# ---- the host stage, wherever it runs ----------------------------------------------------------------------
+
+
+@dataclass
+class HostJob:
+    """What the host stage reads of a step: its checked arguments (the trainer's `_Checked` but the arena and
+    the stats, which stay with the caller)."""
+
+    modalities: list[Modality]
+    contents: Sequence[bytes | memoryview]
+    bags: np.ndarray | None = None
+    groups: np.ndarray | None = None
+    sides: list[LateInteractionSide] | None = None
+    choices: ChoiceTapes | None = None
+    relations: Any = None
+
+
+@dataclass
+class HostAnswer:
+    """What the host stage answers: the step's batch, FlexAttention's block tables (empty off the flex path) and
+    the media items that did not decode, as (index, reason)."""
+
+    batch: Batch
+    tables: dict[str, np.ndarray]
+    failed: list[tuple[int, str]]
+
+
+def host_stage(
+    config: TrainerInitVramConfig,
+    policy: MediaPolicy,
+    attention: str,
+    decoders: Callable[[], DecodePool],
+    job: HostJob,
+    step: int,
+) -> HostAnswer:
+    """Decodes the step's media items in `decoders()` (the pool, made on first need), then packs, corrupts and
+    pairs the step (`data.batch.prepare`) and, on the flex attention path, builds its block tables. Raises
+    `MediaError` naming the first item that failed under a strict `policy`."""
+    items = [i for i, m in enumerate(job.modalities) if m != Modality.Text]
+    units: dict = {}
+    skipped = None
+    failed: list[tuple[int, str]] = []
+    if items:
+        late = config.late_interaction.weight > 0
+        max_units = config.batch.max_columns_per_row - (2 if late else 1)
+        units, failed = decode_items(decoders(), policy, config.batch, job.modalities, job.contents, items, max_units)
+        skipped = np.zeros(len(job.modalities), dtype=bool)
+        for i, _ in failed:
+            skipped[i] = True
+    batch = prepare(
+        config,
+        job.modalities,
+        job.contents,
+        bags=job.bags,
+        groups=job.groups,
+        sides=job.sides,
+        relations=job.relations,
+        step=step,
+        units=units,
+        skipped=skipped,
+        choices=job.choices,
+    )
+    tables = block_tables(batch.segments) if attention == "flex" else {}
+    return HostAnswer(batch, tables, failed)
+
+
+def adopt(answer: HostAnswer, pin: bool) -> dict[str, torch.Tensor]:
+    """The host tensors of an answer whose arrays may be views of a slab: each array copied once (into
+    page-locked memory when `pin`), and the batch made to hold those copies (`Batch.adopt`)."""
+    import torch
+
+    host = answer.batch.host_tensors(pin, copy=True)
+    for name, table in answer.tables.items():
+        t = torch.from_numpy(table) if pin else torch.from_numpy(np.array(table, order="C", copy=True))
+        host[f"block.{name}"] = t.pin_memory() if pin else t
+    answer.batch.adopt(host)
+    answer.tables = {}
+    return host
+
+
+# ---- the trainer's side -------------------------------------------------------------------------------------
+
+
+class _Host:
+    """The trainer's view of one host process."""
+
+    def __init__(self, index: int, process: Any, conn: Connection, slab: mmap.mmap | None, fd: int | None) -> None:
+        self.index = index
+        self.process = process
+        self.conn = conn
+        self.slab = slab  # None: everything crosses the pipe
+        self.fd = fd  # the slab file's descriptor here, to reserve pages of the input areas
+        # Closed when nothing can reserve through it any more: at shutdown, or once this record is collected
+        # (a process that died may still have a step writing its job).
+        self.close_fd = weakref.finalize(self, os.close, fd) if fd is not None else None
+        self.free = list(range(HOST_SLOTS))
+        self.reserved = [0] * HOST_SLOTS  # bytes of each input area backed so far
+        self.pending: dict[int, tuple[Future, int]] = {}  # ident -> (its reply, the step)
+        self.send_lock = threading.Lock()
+        self.dead: str | None = None  # why, once it died
+        self.reader: threading.Thread | None = None
+
+
+class HostProcesses:
+    """Host processes that run `host_stage` for a trainer (see the module's docstring); `prepare` may be called
+    from several threads at once. Processes start on the first `prepare` that needs them."""
+
+    def __init__(
+        self,
+        count: int,
+        config: TrainerInitVramConfig,
+        policy: MediaPolicy,
+        attention: str,
+        pin: bool,
+        context: str = _DEFAULT_CONTEXT,
+    ) -> None:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"host_processes: expected an int >= 1, got {count!r}")
+        self.count = count
+        self.pin = pin
+        # What a host process needs of the run: no mesh, no progress callback (neither crosses a process).
+        self._config = dataclasses.replace(config, mesh=None, progress=None)
+        self._policy = policy
+        self._attention = attention
+        self.decoders = max(1, (policy.workers or decode_parallelism()) // count)
+        """Decoding processes of each host process."""
+        self._ctx: Any = multiprocessing.get_context(context)
+        self.input_bytes = _INPUT_BYTES
+        self.output_bytes = _OUTPUT_BYTES
+        self._hosts: list[_Host | None] = [None] * count
+        self._starting: set[int] = set()  # indices whose process is starting (outside the lock)
+        self._cond = threading.Condition()
+        self._ids = itertools.count()
+        self._closed = False
+        self._owner = os.getpid()
+        self._finalizer = multiprocessing.util.Finalize(
+            self, _shutdown, args=(self._hosts, self._owner), exitpriority=10
+        )
+
+    # -- public ----------------------------------------------------------------------------------------------
+
+    def prepare(self, job: HostJob, step: int) -> tuple[Batch, dict[str, torch.Tensor], list[tuple[int, str]]]:
+        """`host_stage` of step `step` in a host process: answers the batch (holding its own memory), its host
+        tensors (page-locked when pinning) and the failed media items. Raises what the host stage raised, or
+        `HostProcessError` when the process died holding the step."""
+        for _attempt in range(3):
+            host, slot, ident, future = self._acquire(step)
+            slab = host.slab  # ours until the answer is copied, even if the process dies meanwhile
+            try:
+                sent = self._send(host, slab, slot, ident, job, step)
+                if not sent:  # it died before the job reached it: the job may go to a new process
+                    continue
+                kind, payload = future.result()
+                if kind == "error":
+                    raise _load_error(payload)
+                answer: HostAnswer = load_message(payload, slab, copy=False)
+                tensors = adopt(answer, self.pin)
+                return answer.batch, tensors, answer.failed
+            finally:
+                self._release(host, slot, ident)
+        raise HostProcessError(f"uform: step {step}: host processes keep dying before they take a step")
+
+    @property
+    def processes(self) -> list[Any]:
+        """The host processes running now (for inspection and tests)."""
+        with self._cond:
+            return [h.process for h in self._hosts if h is not None and h.dead is None]
+
+    def close(self) -> None:
+        """Ends the host processes (they end their decoders). Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._finalizer()
+
+    # -- slots ----------------------------------------------------------------------------------------------
+
+    def _acquire(self, step: int) -> tuple[_Host, int, int, Future]:
+        """A free slot of the least busy live host process (started or restarted here, outside the lock, so the
+        other processes' answers keep flowing meanwhile), registered for a new job; waits while every slot is
+        taken or starting."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise RuntimeError("uform: the trainer's host processes were closed")
+                if os.getpid() != self._owner:
+                    raise RuntimeError("uform: host processes cannot be used in a forked child")
+                for index, host in enumerate(self._hosts):
+                    if host is not None and host.dead is not None:  # its reader frees it
+                        self._hosts[index] = None
+                candidates = [
+                    (len(h.pending) if h else 0, i)
+                    for i, h in enumerate(self._hosts)
+                    if (h is None and i not in self._starting) or (h is not None and h.free)
+                ]
+                if candidates:
+                    _, index = min(candidates)
+                    host = self._hosts[index]
+                    if host is not None:
+                        return self._register(host, step)
+                    self._starting.add(index)
+                    break
+                self._cond.wait()
+        try:
+            started = self._start(index)
+        except BaseException:
+            with self._cond:
+                self._starting.discard(index)
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._starting.discard(index)
+            self._cond.notify_all()
+            if not self._closed:
+                self._hosts[index] = started
+                return self._register(started, step)
+        _shutdown([started], self._owner)  # closed while it started: the finalizer already ran, so end it here
+        raise RuntimeError("uform: the trainer's host processes were closed")
+
+    def _register(self, host: _Host, step: int) -> tuple[_Host, int, int, Future]:
+        """Takes one of the host's free slots for a new job (under the lock)."""
+        slot = host.free.pop()
+        ident = next(self._ids)
+        future: Future = Future()
+        host.pending[ident] = (future, step)
+        return host, slot, ident, future
+
+    def _release(self, host: _Host, slot: int, ident: int) -> None:
+        with self._cond:
+            host.pending.pop(ident, None)
+            if host.dead is None:
+                host.free.append(slot)
+            self._cond.notify_all()
+
+    # -- a host process's life --------------------------------------------------------------------------------
+
+    def _start(self, index: int) -> _Host:
+        size = HOST_SLOTS * (self.input_bytes + self.output_bytes)
+        slab, fd = create_slab(size, prefix="uform-host-")
+        ours, theirs = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(
+            target=_host_main,
+            args=(
+                theirs,
+                None if fd is None else SlabFile(fd),
+                size,
+                self.input_bytes,
+                self.output_bytes,
+                self._config,
+                self._policy,
+                self._attention,
+                self.decoders,
+            ),
+            name=f"uform-host-{index}",
+            daemon=False,  # it starts the decoder processes, which a daemonic process may not
+        )
+        try:
+            try:
+                process.start()
+            finally:
+                theirs.close()  # we keep only our end, so its death reads as end of file
+            mapped = _await_ready(process, ours)
+        except BaseException:
+            with contextlib.suppress(OSError, ValueError):
+                process.kill()
+                process.join(_REAP_SECONDS)
+            ours.close()
+            release_slab(slab)
+            if fd is not None:
+                os.close(fd)
+            raise
+        if not mapped and slab is not None:  # it could not map the slab: everything crosses the pipe
+            release_slab(slab)
+            os.close(fd)  # type: ignore[arg-type]
+            slab, fd = None, None
+        host = _Host(index, process, ours, slab, fd)
+        # The reader holds the host and the condition, not this object, so an unclosed HostProcesses is still
+        # collected (and its finalizer ends the processes).
+        host.reader = threading.Thread(
+            target=_read, args=(host, self._cond), name=f"uform-host-reader-{index}", daemon=True
+        )
+        host.reader.start()
+        return host
+
+    def _send(self, host: _Host, slab: mmap.mmap | None, slot: int, ident: int, job: HostJob, step: int) -> bool:
+        """Writes the job into the slot's input area and sends it; False when the process is gone."""
+        payload = self._job_payload(host, slab, slot, job)
+        message = pickle.dumps(("step", ident, slot, step, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            with host.send_lock:
+                host.conn.send_bytes(message)
+        except (OSError, ValueError):
+            with self._cond:  # no later step goes to it; its reader frees it once it reads end of file
+                host.dead = host.dead or "its pipe broke"
+            with contextlib.suppress(OSError, ValueError):
+                host.process.kill()
+            return False
+        return True
+
+    def _job_payload(self, host: _Host, slab: mmap.mmap | None, slot: int, job: HostJob) -> bytes:
+        """The job as bytes: the contents back to back at the start of the slot's input area, the rest pickled
+        (large buffers after the contents, in the same area); everything in band where the slab has no room."""
+        contents = job.contents
+        lengths = np.fromiter((len(c) for c in contents), dtype=np.int64, count=len(contents))
+        offsets = np.zeros(len(contents) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        total = int(offsets[-1])
+        start = slot * (self.input_bytes + self.output_bytes)
+        end = start + self.input_bytes
+        shared = slab is not None and total <= self.input_bytes and self._reserve(host, slot, total)
+        if shared:
+            assert slab is not None
+            for content, a, b in zip(contents, offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
+                slab[start + a : start + b] = content  # the one copy of the contents
+        record = (
+            np.fromiter((int(m) for m in job.modalities), dtype=np.int8, count=len(job.modalities)),
+            offsets if shared else None,
+            None if shared else [bytes(c) for c in contents],
+            job.bags,
+            job.groups,
+            None if job.sides is None else np.array([int(s) for s in job.sides], dtype=np.int8),
+            job.choices,
+            _portable_relations(job.relations),
+        )
+        if slab is not None:
+            at = start + -(-total // _ALIGN) * _ALIGN
+            payload = slab_payload(
+                record,
+                slab,
+                start=at,
+                end=end,
+                reserve=lambda length: self._reserve(host, slot, at - start + length),
+                in_band_below=_IN_BAND_BELOW,
+            )
+            if payload is not None:
+                return payload
+        return pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def _reserve(self, host: _Host, slot: int, length: int) -> bool:
+        """Backs the first `length` bytes of the slot's input area with memory (once: areas keep their pages)."""
+        if length <= host.reserved[slot]:
+            return True
+        start = slot * (self.input_bytes + self.output_bytes)
+        if host.fd is None or not reserve_slab(host.fd, start + host.reserved[slot], length - host.reserved[slot]):
+            return False
+        host.reserved[slot] = length
+        return True
+
+
+def _read(host: _Host, cond: threading.Condition) -> None:
+    """A host process's reader thread: routes each answer to the step waiting for it; at end of file, fails
+    every step the process held and frees what the trainer's process held of it."""
+    while True:
+        try:
+            kind, ident, payload = pickle.loads(host.conn.recv_bytes())
+        except (EOFError, OSError):
+            break
+        except Exception:  # not a message of ours: the process is broken
+            with contextlib.suppress(OSError, ValueError):
+                host.process.kill()
+            break
+        with cond:
+            entry = host.pending.get(ident)
+        if entry is not None:
+            entry[0].set_result((kind, payload))
+    host.process.join(_REAP_SECONDS)
+    if host.process.is_alive():  # a broken pipe but a live process: make sure it is gone
+        with contextlib.suppress(OSError, ValueError):
+            host.process.kill()
+            host.process.join(_REAP_SECONDS)
+    status = exit_status(host.process.exitcode)
+    with cond:
+        host.dead = f"the host process (pid {host.process.pid}) died ({status})"
+        for future, step in host.pending.values():
+            if not future.done():
+                future.set_exception(
+                    HostProcessError(
+                        f"uform: step {step}: {host.dead} while it prepared the step; the step was not taken, "
+                        "and the next step starts a new host process"
+                    )
+                )
+        cond.notify_all()
+    _bury(host, unmap=False)  # a step may still be copying its answer out of the slab: the mapping goes with it
+
+
+def _await_ready(process: Any, conn: Connection) -> bool:
+    """Waits for a fresh host process's ready message; answers whether it mapped the slab."""
+    deadline = time.monotonic() + _BOOT_SECONDS
+    while True:
+        timeout = deadline - time.monotonic()
+        ready = multiprocessing.connection.wait([conn, process.sentinel], max(0.0, timeout))
+        if conn in ready:
+            try:
+                kind, mapped = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            if kind == "ready":
+                return bool(mapped)
+        if process.sentinel in ready or timeout <= 0:
+            break
+    process.join(_REAP_SECONDS if not process.is_alive() else 0)
+    status = "it did not answer" if process.is_alive() else f"it exited ({exit_status(process.exitcode)})"
+    raise HostProcessError(
+        f"uform: a host process failed to start: {status} (does the main module start the trainer outside "
+        "`if __name__ == '__main__':`?)"
+    )
+
+
+def _bury(host: _Host, unmap: bool) -> None:
+    """Frees what the trainer's process held of a host process that ended (idempotent); the slab is unmapped
+    now when `unmap`, else when the last step that reads it lets it go."""
+    with host.send_lock, contextlib.suppress(OSError):  # never while a step is being sent
+        host.conn.close()
+    if unmap:
+        release_slab(host.slab)
+        if host.close_fd is not None:
+            with contextlib.suppress(OSError):
+                host.close_fd()
+        host.fd = None
+    host.slab = None
+
+
+def _shutdown(hosts: list[_Host | None], owner: int) -> None:
+    """Ends every host process: each is asked to exit (it ends its decoders), stragglers are killed."""
+    if os.getpid() != owner:  # a forked child does not own them
+        return
+    live = [h for h in hosts if h is not None]
+    for host in live:
+        with contextlib.suppress(OSError, ValueError), host.send_lock:
+            host.conn.send_bytes(b"")  # the exit request
+    deadline = time.monotonic() + _CLOSE_GRACE_SECONDS
+    for host in live:
+        with contextlib.suppress(OSError, ValueError, AssertionError):
+            host.process.join(max(0.0, deadline - time.monotonic()))
+            if host.process.is_alive():
+                host.process.kill()
+                host.process.join(_REAP_SECONDS)
+        if host.reader is not None and host.reader is not threading.current_thread():
+            host.reader.join(_REAP_SECONDS)
+        _bury(host, unmap=True)
+    hosts[:] = [None] * len(hosts)
+
+
+def _portable_relations(relations: Any) -> Any:
+    """The step's relations with every edge field a numpy array (as `relations` reads them), so that any
+    sequence the caller used crosses to the host process."""
+    if not isinstance(relations, Relations):
+        return relations
+    sets = {}
+    for name in ("attract", "repel", "ignore"):
+        edges = getattr(relations, name)
+        arrays: dict[str, Any] = {f: v if isinstance(v, np.ndarray) else np.asarray(v) for f, v in vars(edges).items()}
+        sets[name] = Edges(**arrays)
+    return Relations(**sets)
+
+
+def _load_error(payload: bytes) -> BaseException:
+    error = pickle.loads(payload)
+    return error if isinstance(error, BaseException) else HostProcessError(str(error))
+
+
+def _error_payload(error: BaseException) -> bytes:
+    """An exception of the host stage as bytes the trainer's process raises: itself where it pickles and comes
+    back whole, else a RuntimeError naming it; either way with the host process's traceback as a note."""
+    where = "".join(traceback.format_exception(error)).rstrip()
+    try:
+        payload = pickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL)
+        back = pickle.loads(payload)
+        if type(back) is not type(error) or str(back) != str(error):
+            raise TypeError("it does not come back whole")
+    except Exception:
+        back = RuntimeError(f"{type(error).__name__}: {error}")
+    if not isinstance(back, MediaError):  # a MediaError's message is the user's answer, as in process
+        back.add_note(f"in the host process:\n{where}")
+    return pickle.dumps(back, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+# ---- the host process ---------------------------------------------------------------------------------------
+
+
+def _host_main(
+    conn: Connection,
+    slab_file: SlabFile | None,
+    size: int,
+    input_bytes: int,
+    output_bytes: int,
+    config: TrainerInitVramConfig,
+    policy: MediaPolicy,
+    attention: str,
+    decoders: int,
+) -> None:
+    """A host process's whole life: map the slab, say ready, then prepare each step it is sent on a thread of
+    its own until an empty message (exit) or end of file (the trainer's process died)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's process's to handle
+    # The decoder processes this one starts need none of the trainer's main module (their jobs are uform's own
+    # functions), yet multiprocessing re-runs the main module in every child it starts (a forkserver or spawn
+    # child imports it as __mp_main__): a training script that imports torch at its top would load torch in
+    # each decoder (about 2 s and 300 MB apiece). This process's children see a main module without a file, and
+    # their fork server preloads the decoding libraries instead, once.
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    with contextlib.suppress(Exception):  # no fork server on this platform
+        multiprocessing.get_context("forkserver").set_forkserver_preload(_DECODER_PRELOAD)
+    slab, fd = None, None
+    if slab_file is not None:
+        try:
+            slab, fd = slab_file.map(size), slab_file.fd  # the descriptor stays open: it reserves output pages
+        except (OSError, ValueError):
+            slab_file.close()
+    state = _HostState(conn, slab, fd, input_bytes, output_bytes, config, policy, attention, decoders)
+    if not state.send(pickle.dumps(("ready", slab is not None))):
+        return
+    jobs = ThreadPoolExecutor(HOST_SLOTS, thread_name_prefix="uform-host-job")
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):  # the trainer's process is gone: nothing is waiting for any answer
+            state.abandon()
+            os._exit(0)
+        if not data:
+            break
+        jobs.submit(state.run, data)
+    jobs.shutdown(wait=True)
+    state.close()
+
+
+class _HostState:
+    """What a host process's job threads share."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        slab: mmap.mmap | None,
+        fd: int | None,
+        input_bytes: int,
+        output_bytes: int,
+        config: TrainerInitVramConfig,
+        policy: MediaPolicy,
+        attention: str,
+        decoders: int,
+    ) -> None:
+        self.conn = conn
+        self.slab = slab
+        self.fd = fd
+        self.input_bytes = input_bytes
+        self.output_bytes = output_bytes
+        self.config = config
+        self.policy = policy
+        self.attention = attention
+        self.workers = decoders
+        self.reserved = [0] * HOST_SLOTS  # bytes of each output area backed so far
+        self.pool: DecodePool | None = None
+        self.lock = threading.Lock()
+        self.send_lock = threading.Lock()
+
+    def decoders(self) -> DecodePool:
+        with self.lock:
+            if self.pool is None:
+                self.pool = DecodePool(self.workers, self.policy.limits.timeout_seconds)
+            return self.pool
+
+    def send(self, payload: bytes) -> bool:
+        try:
+            with self.send_lock:
+                self.conn.send_bytes(payload)
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def run(self, data: bytes) -> None:
+        ident = -1
+        try:
+            _, ident, slot, step, payload = pickle.loads(data)
+            job = self._job(slot, payload)
+            answer = host_stage(self.config, self.policy, self.attention, self.decoders, job, step)
+            del job
+            reply = ("ok", ident, self._answer(slot, answer))
+        except BaseException as error:  # the trainer's process raises it for the step
+            reply = ("error", ident, _error_payload(error))
+        self.send(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _job(self, slot: int, payload: bytes) -> HostJob:
+        modalities, offsets, inline, bags, groups, sides, choices, relations = load_message(
+            payload, self.slab, copy=False
+        )
+        if inline is not None:
+            contents: Sequence[bytes | memoryview] = inline
+        else:
+            assert self.slab is not None
+            start = slot * (self.input_bytes + self.output_bytes)
+            view = memoryview(self.slab)[start : start + int(offsets[-1])]
+            contents = [view[a:b] for a, b in itertools.pairwise(offsets.tolist())]
+        return HostJob(
+            modalities=[Modality(int(m)) for m in modalities],
+            contents=contents,
+            bags=bags,
+            groups=groups,
+            sides=None if sides is None else [LateInteractionSide(int(s)) for s in sides],
+            choices=choices,
+            relations=relations,
+        )
+
+    def _answer(self, slot: int, answer: HostAnswer) -> bytes:
+        if self.slab is not None:
+            start = slot * (self.input_bytes + self.output_bytes) + self.input_bytes
+            payload = slab_payload(
+                answer,
+                self.slab,
+                start=start,
+                end=start + self.output_bytes,
+                reserve=lambda length: self._reserve(slot, start, length),
+                in_band_below=_IN_BAND_BELOW,
+            )
+            if payload is not None:
+                return payload
+        return pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def _reserve(self, slot: int, start: int, length: int) -> bool:
+        if length <= self.reserved[slot]:
+            return True
+        assert self.fd is not None
+        if not reserve_slab(self.fd, start + self.reserved[slot], length - self.reserved[slot]):
+            return False
+        self.reserved[slot] = length
+        return True
+
+    def abandon(self) -> None:
+        """The trainer's process died: kill the decoders now (a decode in flight may hold the pool's lock)."""
+        if self.pool is not None:
+            self.pool._finalizer()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        if self.slab is not None:
+            release_slab(self.slab)
+        if self.fd is not None:
+            os.close(self.fd)

@@ -1,0 +1,328 @@
+"""One process's place in a run's world, and the collectives a world step needs.
+
+Shape legend: S segment slots of one device's step, D hidden, W world size (processes, one per device).
+
+- `World`: this process's rank, the world size, the process group the step's own collectives use
+  (the embedding gather, the count and stats reductions) and a second group of the same ranks for the
+  gradient buckets, so that buckets launched from backward hooks can never interleave with the step's
+  collectives in a different order on different processes.
+- `gather_with_grad`: every process's pooled embeddings, with a backward that sums the column gradients
+  of every process and hands each its own slice (the all-gather whose adjoint is a reduce-scatter). A
+  process scores its S rows against the world's W S columns, so memory grows as S x W S, never (W S)^2;
+  past that, SigLIP's chunked ring (Zhai et al. 2023: each process passes its column block around a ring
+  and scores one block at a time) is the way on.
+- `GradientReducer`: sums every parameter's gradient over the world, in buckets launched from
+  post-accumulate-grad hooks while backward is still running (PyTorch DDP's Reducer design, Li et al.
+  2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training"; written here from that
+  description, with a SUM instead of DDP's mean because each process's loss is already divided by the
+  world's counts).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+BUCKET_BYTES = 25 << 20
+"""Gradient bytes per bucket (DDP's default): big enough to keep the link busy, small enough to start early."""
+
+
+class MeshError(RuntimeError):
+    """The world could not be formed, or a process of it stopped or stalled: the message says which and how
+    to go on (restart every process; `resume` continues the run)."""
+
+
+@dataclass
+class World:
+    """One process's membership of the run's world (one device per process)."""
+
+    rank: int
+    """This process's index in the world; the process of index zero writes checkpoints."""
+    size: int
+    """Processes (devices) in the world."""
+    backend: str
+    """`nccl` on CUDA devices, `gloo` on the CPU."""
+    device: torch.device
+    """This process's device."""
+    timeout: float
+    """Seconds any collective may wait for a peer before it fails."""
+    group: Any = None
+    """The step's own collectives (gather, counts, stats); None is the default group."""
+    gradients: Any = None
+    """The gradient buckets' group."""
+    failed: list[str] = field(default_factory=list)
+    """Why the world broke, once a collective failed (every later step refuses with it)."""
+
+    def all_reduce(self, tensor: Tensor) -> Tensor:
+        """Sums `tensor` over the world, in place; answers it."""
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_gather(self, tensor: Tensor) -> Tensor:
+        """[n, ...] on every process -> [W * n, ...], rank-major."""
+        tensor = tensor.contiguous()
+        out = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
+        _all_gather_single(out, tensor, group=self.group)
+        return out
+
+
+_all_gather_single: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _GatherWithGrad(torch.autograd.Function):
+    """y = concat over ranks of x; dL/dx_r = sum over processes of their dL/dy, rows of rank r."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, world: World) -> Tensor:  # type: ignore[override]
+        ctx.world = world
+        ctx.rows = x.shape[0]
+        return world.all_gather(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        world: World = ctx.world
+        grad = grad.contiguous()
+        if world.backend == "nccl":
+            out = grad.new_empty((ctx.rows, *grad.shape[1:]))
+            _reduce_scatter_single(out, grad, op=dist.ReduceOp.SUM, group=world.group)
+            return out, None
+        # gloo has no reduce-scatter: sum the whole (small: W x S x D) gradient, keep this rank's rows.
+        total = grad.clone()
+        dist.all_reduce(total, group=world.group)
+        return total[world.rank * ctx.rows : (world.rank + 1) * ctx.rows].clone(), None
+
+
+@torch.compiler.disable
+def gather_with_grad(x: Tensor, world: World) -> Tensor:
+    """x [S, ...] on every process -> [W * S, ...] (rank-major), differentiable: the gradient each process
+    receives for its own rows sums every process's gradient of them. Runs eagerly (a compiled step breaks
+    its graph around it)."""
+    return _GatherWithGrad.apply(x, world)
+
+
+@torch.compiler.disable
+def gather(x: Tensor, world: World) -> Tensor:
+    """x [S, ...] -> [W * S, ...] (rank-major), without gradient."""
+    return world.all_gather(x.detach())
+
+
+def world_pairs(
+    z: Tensor, w: Tensor, rank: int, size: int, ambient: bool, ambient_weight: float
+) -> tuple[Tensor, Tensor]:
+    """A process's pair targets z, w [S, S] over its own slots widened to [S, W * S] over the world's:
+    its own block at columns rank * S, every other column a pair across processes, which no edge names,
+    so an ambient negative (-1 at `ambient_weight`) under `Negatives.Ambient` and unscored under `Named`.
+    Empty slots (rows or columns) are masked by the loss."""
+    slots = z.shape[0]
+    if ambient:
+        wide_z = z.new_full((slots, size * slots), -1.0)
+        wide_w = w.new_full((slots, size * slots), float(ambient_weight))
+    else:
+        wide_z = z.new_zeros((slots, size * slots))
+        wide_w = w.new_zeros((slots, size * slots))
+    columns = slice(rank * slots, (rank + 1) * slots)
+    wide_z[:, columns] = z
+    wide_w[:, columns] = w
+    return wide_z, wide_w
+
+
+# --------------------------------------------------------------------------------------------------
+# Gradients
+
+
+def reduction_order(network: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Parameters in about the order backward finishes them, the same on every process: the heads and
+    temperatures (read last in the forward), the final norm, the blocks from last to first (each block's
+    parameters from last to first), then the input side (token and media embeddings)."""
+    named = list(network.named_parameters())
+    tower_blocks: dict[int, list[tuple[str, nn.Parameter]]] = {}
+    heads, norm, inputs = [], [], []
+    for name, p in named:
+        parts = name.split(".")
+        if parts[0] == "tower" and parts[1] == "blocks":
+            tower_blocks.setdefault(int(parts[2]), []).append((name, p))
+        elif parts[0] == "tower":
+            norm.append((name, p))
+        elif parts[0] in ("embed", "media"):
+            inputs.append((name, p))
+        else:
+            heads.append((name, p))
+    blocks = [entry for index in sorted(tower_blocks, reverse=True) for entry in reversed(tower_blocks[index])]
+    return heads + norm + blocks + list(reversed(inputs))
+
+
+class _Bucket:
+    def __init__(self, parameters: list[nn.Parameter]) -> None:
+        self.parameters = parameters
+        self.offsets: list[int] = []
+        at = 0
+        for p in parameters:
+            self.offsets.append(at)
+            at += p.numel()
+        self.numel = at
+        self.buffer: Tensor | None = None  # [numel + len(parameters)]: the gradients, then a used flag each
+        self.pending = 0
+        self.launched = False
+        self.work: Any = None
+
+
+class GradientReducer:
+    """Sums the gradients of `parameters` over the world's gradient group, bucket by bucket as backward
+    produces them. Buckets launch strictly in their fixed order on every process (a ready bucket waits for
+    its predecessors), so the collectives match whatever order backward finishes parameters in.
+
+    A parameter that received no gradient on a process contributes zeros, with a used flag of zero; after
+    the sum, a parameter no process used keeps `grad = None`, as it would in one process over the whole
+    batch (AdamW then leaves it and its moments alone).
+    """
+
+    def __init__(self, parameters: Iterable[nn.Parameter], world: World, bucket_bytes: int | None = None) -> None:
+        self.world = world
+        limit = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        self.buckets: list[_Bucket] = []
+        current: list[nn.Parameter] = []
+        size = 0
+        for p in parameters:
+            if not p.requires_grad:
+                continue
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= limit:
+                self.buckets.append(_Bucket(current))
+                current, size = [], 0
+        if current:
+            self.buckets.append(_Bucket(current))
+        self._where: dict[int, tuple[_Bucket, int]] = {}
+        for bucket in self.buckets:
+            for index, p in enumerate(bucket.parameters):
+                self._where[id(p)] = (bucket, index)
+        self._armed = False
+        self._next = 0
+        self._lock = threading.Lock()
+        self._exact = False
+        self._held: set[int] | None = None
+        self._pending_flags: tuple[Tensor, Any] | None = None
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._ready) for bucket in self.buckets for p in bucket.parameters
+        ]
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def arm(self) -> None:
+        """Before backward: every bucket waits for all its parameters again."""
+        for bucket in self.buckets:
+            if bucket.buffer is None:
+                first = bucket.parameters[0]
+                bucket.buffer = torch.zeros(
+                    bucket.numel + len(bucket.parameters), dtype=first.dtype, device=first.device
+                )
+            else:
+                bucket.buffer[bucket.numel :].zero_()
+            bucket.pending = len(bucket.parameters)
+            bucket.launched = False
+            bucket.work = None
+        self._next = 0
+        self._armed = True
+
+    def _ready(self, p: Tensor) -> None:
+        if not self._armed:
+            return
+        bucket, index = self._where[id(p)]
+        with self._lock:
+            self._copy_in(bucket, index, p)
+            bucket.pending -= 1
+            self._launch_ready()
+
+    def _copy_in(self, bucket: _Bucket, index: int, p: Tensor) -> None:
+        assert bucket.buffer is not None
+        at, n = bucket.offsets[index], bucket.parameters[index].numel()
+        if p.grad is None:
+            bucket.buffer[at : at + n].zero_()
+            return
+        bucket.buffer[at : at + n].copy_(p.grad.reshape(-1))
+        # fill_, not `buffer[k] = 1.0`: assigning a Python number copies a host scalar from pageable memory,
+        # which synchronises the stream; once per parameter it stalled the host on every step (H200 profile:
+        # ~79 cudaStreamSynchronize per step, 2-GPU weak scaling 64-70%).
+        bucket.buffer[bucket.numel + index].fill_(1.0)
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.launched = True
+        bucket.work = dist.all_reduce(bucket.buffer, group=self.world.gradients, async_op=True)
+
+    def finish(self) -> None:
+        """After backward: launch what is left (parameters backward never reached count as unused), wait,
+        and write the world's sums back into `.grad`."""
+        with self._lock:
+            self._armed = False
+            for bucket in self.buckets[self._next :]:
+                assert bucket.buffer is not None
+                if bucket.pending:
+                    for index, p in enumerate(bucket.parameters):
+                        if not bool(bucket.buffer[bucket.numel + index]):
+                            self._copy_in(bucket, index, p)
+                    bucket.pending = 0
+            self._launch_ready()
+        for bucket in self.buckets:
+            bucket.work.wait()
+        flags = torch.cat([b.buffer[b.numel :] for b in self.buckets if b.buffer is not None])
+        unused = self._unused(flags)
+        at = 0
+        for bucket in self.buckets:
+            assert bucket.buffer is not None
+            for index, p in enumerate(bucket.parameters):
+                start, n = bucket.offsets[index], p.numel()
+                if at + index in unused:
+                    p.grad = None
+                elif p.grad is None:
+                    p.grad = bucket.buffer[start : start + n].view_as(p).clone()
+                else:
+                    p.grad.copy_(bucket.buffer[start : start + n].view_as(p))
+            at += len(bucket.parameters)
+
+    def _unused(self, flags: Tensor) -> set[int]:
+        """The parameters no process used this step. On the CPU read exactly every step. On a GPU reading
+        them would stall the host until the device is done, so the set read on the first step is held (it
+        follows from the objective and the config, not the data) and each step's flags are checked one step
+        later; should they ever differ, every later step reads them exactly."""
+        if flags.device.type == "cpu" or self._exact:
+            return {i for i, used in enumerate(flags.tolist()) if used == 0}
+        if self._held is None:
+            self._held = {i for i, used in enumerate(flags.tolist()) if used == 0}
+            return self._held
+        if self._pending_flags is not None:
+            host, event = self._pending_flags
+            event.synchronize()
+            seen = {i for i, used in enumerate(host.tolist()) if used == 0}
+            if seen != self._held:
+                warnings.warn(
+                    "uform: the parameters no process uses changed between steps; reading them every step",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self._exact = True
+                return {i for i, used in enumerate(flags.tolist()) if used == 0}
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending_flags = (host, event)
+        return self._held
+
+    def parameters(self) -> Sequence[nn.Parameter]:
+        return [p for bucket in self.buckets for p in bucket.parameters]
