@@ -28,7 +28,17 @@ from uform import (
 )
 from uform.config import resolve
 from uform.data.batch import prepare
-from uform.losses.late import late_interaction_term, maxsim, maxsim_chunk
+from uform.losses import late
+from uform.losses.late import (
+    block_layout,
+    chunk_elements,
+    late_interaction_term,
+    maxsim,
+    maxsim_chunk,
+    maxsim_geometry,
+    maxsim_row,
+    scatter_rows,
+)
 from uform.model.attention import document_mask
 from uform.serve import Model
 
@@ -109,7 +119,9 @@ def test_maxsim_sends_a_tie_to_the_lowest_token() -> None:
 
 
 def test_maxsim_chunks_stay_bounded_at_the_seed_geometry() -> None:
-    """At the seed's geometry (64 x 1024 rows, 256 segments, span 64) a chunk holds at most 2^25 floats."""
+    """At the seed's geometry (64 x 1024 rows, 256 segments, span 64) a chunk holds at most 2^25 floats (2^27 on
+    CUDA) in any intermediate: the block layout's 4336 blocks of 16 slots (65536 tokens, each of 256 columns padded up to
+    whole blocks) and a grid of 64 blocks per column (1023 tokens at most past a prefix)."""
     seed = resolve(
         uform.TrainerInitVramConfig(
             depth=12,
@@ -119,10 +131,210 @@ def test_maxsim_chunks_stay_bounded_at_the_seed_geometry() -> None:
             schedule=uform.Schedule(steps=10),
         )
     ).late_interaction
-    assert (seed.max_query_tokens_per_device, seed.max_document_tokens_per_device) == (16384, 65536)
-    chunk = maxsim_chunk(seed.max_query_tokens_per_device, seed.max_document_tokens_per_device)
-    assert chunk * seed.max_document_tokens_per_device <= 1 << 25
-    assert math.ceil(seed.max_query_tokens_per_device / chunk) == 32
+    qt, dt, dd, width = (
+        seed.max_query_tokens_per_device,
+        seed.max_document_tokens_per_device,
+        seed.max_documents_per_device,
+        seed.width,
+    )
+    assert (qt, dt, dd, width) == (16384, 65536, 256, 128)
+    assert maxsim_geometry(dt, dd, 16, 1023) == (4336, 64)
+    row = maxsim_row(dt, dd, width, 16, 1023)
+    chunk = maxsim_chunk(qt, row)
+    assert row == 4336 * 16 and chunk * row <= 1 << 25
+    assert math.ceil(qt / chunk) == 34
+    cuda = maxsim_chunk(qt, row, chunk_elements(torch.device("cuda")))  # 512 MiB: a quarter of the chunks
+    assert cuda * row <= 1 << 27 and math.ceil(qt / cuda) == 9
+
+
+def reference_layout(document_of: list[int], columns: int, block: int) -> tuple[list[int], list[list[int]], list[bool]]:
+    """The block layout written out: each column's tokens in token order, then copies of its last token up to
+    a whole block; columns one after the other; unused slots Dt; the grid repeats a column's last block."""
+    slot_token: list[int] = []
+    grid: list[list[int]] = []
+    firsts, counts = [], []
+    for d in range(columns):
+        mine = [u for u, c in enumerate(document_of) if c == d]
+        firsts.append(len(slot_token) // block)
+        counts.append(-(-len(mine) // block))
+        slot_token += mine + [mine[-1]] * (-len(mine) % block) if mine else []
+    blocks, width = maxsim_geometry(len(document_of), columns, block)
+    assert len(slot_token) <= blocks * block
+    slot_token += [len(document_of)] * (blocks * block - len(slot_token))
+    for first, count in zip(firsts, counts, strict=True):
+        grid.append([min(first + min(k, max(count - 1, 0)), blocks - 1) for k in range(width)])
+    return slot_token, grid, [count == 0 for count in counts]
+
+
+# Column lengths 5, 0 (empty), 4, 8, 1, 13, 0, 3 with padding between and after; at block 4 these are a column
+# longer than a block, one exactly a block, one that ends exactly on a block boundary after two, one of a single
+# token and one of three blocks and a part; the shuffled version tags the same tokens out of order.
+LENGTHS = [5, 0, 4, 8, 1, 13, 0, 3]
+CONTIGUOUS = [c for c, n in enumerate(LENGTHS) for _ in range(n)] + [len(LENGTHS)] * 6
+SHUFFLED = [CONTIGUOUS[i] for i in np.random.default_rng(4).permutation(len(CONTIGUOUS))]
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("document_of", [CONTIGUOUS, SHUFFLED], ids=["contiguous", "shuffled"])
+def test_block_layout_places_every_column_in_whole_blocks(block: int, document_of: list[int]) -> None:
+    columns = len(LENGTHS)
+    layout = block_layout(torch.tensor(document_of), columns, block)
+    slot_token, grid, empty = reference_layout(document_of, columns, block)
+    assert layout.slot_token.tolist() == slot_token
+    assert layout.grid.tolist() == grid
+    assert layout.empty.tolist() == empty == [n == 0 for n in LENGTHS]
+    # The grid narrows to the longest column when told; too small a bound is refused (checked in eager CPU calls).
+    tight = block_layout(torch.tensor(document_of), columns, block, longest=max(LENGTHS))
+    assert tight.grid.shape == (columns, -(-max(LENGTHS) // block))
+    assert torch.equal(tight.grid, layout.grid[:, : tight.grid.shape[1]])
+    with pytest.raises(ValueError, match="longest"):
+        block_layout(torch.tensor(document_of), columns, block, longest=max(LENGTHS) - 1)
+
+
+@pytest.mark.parametrize("block", [2, 3, 4])
+def test_block_capacity_holds_the_worst_layout(block: int) -> None:
+    """Nb = floor((Dt + Dd (B - 1)) / B) holds every column padded to whole blocks, e.g. Dd single tokens."""
+    for lengths in ([1] * 7 + [0] * 3, [1] * 10, [3, 3, 3, 1], [10]):
+        document_of = [c for c, n in enumerate(lengths) for _ in range(n)]
+        dt = len(document_of)
+        used = sum(-(-n // block) for n in lengths)
+        assert used <= maxsim_geometry(dt, len(lengths), block)[0]
+        layout = block_layout(torch.tensor(document_of), len(lengths), block)
+        assert sorted(set(layout.slot_token.tolist()) - {dt}) == list(range(dt))
+
+
+def _long_case(document_of: list[int], width: int = 6, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    queries = _unit(9, width, g)
+    queries[7:] = 0  # capacity padding, zeroed as the network zeroes it: every similarity ties at 0
+    documents = _unit(len(document_of), width, g)
+    documents[torch.tensor(document_of) == len(LENGTHS)] = 0
+    return queries, documents, torch.tensor(document_of), len(LENGTHS)
+
+
+def _forward_backward(fn, queries, documents, upstream):
+    q = queries.clone().requires_grad_(True)
+    d = documents.clone().requires_grad_(True)
+    out = fn(q, d)
+    (out * upstream).sum().backward()
+    return out.detach(), q.grad, d.grad
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 4, 16])
+@pytest.mark.parametrize("longest", [None, 13])
+@pytest.mark.parametrize("chunk", [None, 2])
+@pytest.mark.parametrize("document_of", [CONTIGUOUS, SHUFFLED], ids=["contiguous", "shuffled"])
+def test_maxsim_blocks_match_the_brute_force(block: int, longest, chunk, document_of: list[int]) -> None:
+    """Columns longer than a block, exactly a block, ending on a block boundary, empty, padding, padded (tying)
+    query tokens, tags in and out of order: forward and both gradients equal the brute force."""
+    queries, documents, of, columns = _long_case(document_of)
+    upstream = torch.randn(9, columns, generator=torch.Generator().manual_seed(2))
+    mine = _forward_backward(
+        lambda q, d: maxsim(q, d, of, columns, chunk, longest=longest, block=block), queries, documents, upstream
+    )
+    theirs = _forward_backward(lambda q, d: brute_maxsim(q, d, of, columns), queries, documents, upstream)
+    torch.testing.assert_close(mine[0], theirs[0], rtol=0, atol=1e-6)
+    assert torch.equal(mine[0][:, [1, 6]], torch.zeros(9, 2)), "an empty column scores 0"
+    torch.testing.assert_close(mine[1], theirs[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mine[2], theirs[2], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("block", [1, 2, 4])
+def test_a_tie_across_blocks_goes_to_the_lowest_token(block: int) -> None:
+    """Column 0's best vector sits at tokens 1, 3 and 5 (different blocks for block 1 and 2, one block for 4)
+    and column 1's at 7 and 8: each query's gradient reaches the first of them only."""
+    e0, e1 = [1.0, 0.0], [0.0, 1.0]
+    half = [0.6, 0.8]
+    documents = torch.tensor([half, e0, half, e0, half, e0, e1, e1, e1], requires_grad=True)
+    document_of = torch.tensor([0, 0, 0, 0, 0, 0, 2, 1, 1])
+    queries = torch.tensor([e0, e1])
+    out = maxsim(queries, documents, document_of, 2, block=block)
+    assert torch.equal(out, torch.tensor([[1.0, 0.0], [0.8, 1.0]]))
+    out.sum().backward()
+    assert documents.grad is not None
+    expected = torch.zeros(9, 2)
+    expected[1] = torch.tensor(e0)  # query 0's best in column 0
+    expected[0] = torch.tensor(e1)  # query 1's best in column 0 is the first 0.8, token 0
+    expected[7] = torch.tensor(e0) + torch.tensor(e1)  # both queries' best in column 1 (a tie at 0 for query 0)
+    assert torch.equal(documents.grad, expected)
+
+
+def test_half_precision_selection_is_exact_on_half_representable_vectors() -> None:
+    """Vectors that float16 holds exactly: products are exact and float32 sums them, so the float16 path
+    (emulated on the CPU) equals the brute force like the float32 one."""
+    queries, documents, of, columns = _long_case(CONTIGUOUS, width=16, seed=5)
+    queries, documents = queries.half().float(), documents.half().float()
+    upstream = torch.randn(9, columns, generator=torch.Generator().manual_seed(6))
+    mine = _forward_backward(
+        lambda q, d: maxsim(q, d, of, columns, block=4, precision="float16"), queries, documents, upstream
+    )
+    theirs = _forward_backward(lambda q, d: brute_maxsim(q, d, of, columns), queries, documents, upstream)
+    for a, b in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+def test_half_precision_selection_answers_a_real_similarity(precision: str) -> None:
+    """On vectors half precision does not hold, the selected token is a near maximum: `best` is that token's
+    float32 similarity (never above the true maximum) and the gradient goes to that same token."""
+    g = torch.Generator().manual_seed(7)
+    queries, documents = _unit(64, 32, g), _unit(300, 32, g)
+    document_of = torch.arange(300) // 20  # 15 columns of 20 tokens
+    similarity = queries @ documents.T
+    best = maxsim(queries, documents, document_of, 15, block=4, precision=precision)
+    truth = brute_maxsim(queries, documents, document_of, 15)
+    tolerance = 2e-3 if precision == "float16" else 2e-2
+    assert bool((best <= truth + 1e-6).all()) and bool((best >= truth - tolerance).all())
+    for d in range(15):
+        mine = similarity[:, document_of == d]  # [64, 20]
+        assert bool(((mine - best[:, d : d + 1]).abs() < 1e-6).any(dim=1).all()), "best is one token's similarity"
+    # Backward: d best[t, d] / d q_t is the selected token's vector, whose similarity is best[t, d].
+    q = queries.clone().requires_grad_(True)
+    for t, d in ((0, 0), (5, 3), (63, 14)):
+        (grad,) = torch.autograd.grad(maxsim(q, documents, document_of, 15, block=4, precision=precision)[t, d], q)
+        torch.testing.assert_close(float(grad[t] @ queries[t]), float(best[t, d]), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("by_sorting", [True, False])
+def test_scatter_rows_sums_each_destination(by_sorting: bool) -> None:
+    """Both ways of summing the document gradient equal a loop, repeated destinations, dropped ones (index ==
+    size) and entries of weight 0 included."""
+    g = torch.Generator().manual_seed(8)
+    index = torch.randint(0, 6, (7, 5), generator=g)
+    index[0] = 3  # a hot destination
+    index[1, :2] = 6  # dropped
+    index[2, :3] = 3
+    weight = torch.randn(7, 5, generator=g)
+    weight[2, :2] = 0  # adds nothing: moved to a spare row
+    rows = torch.randn(7, 4, generator=g)
+    expected = torch.zeros(7, 4)
+    for t in range(7):
+        for j in range(5):
+            expected[int(index[t, j])] += weight[t, j] * rows[t]
+    out = scatter_rows(index, weight, rows, 6, by_sorting)
+    torch.testing.assert_close(out, expected[:6], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit's, from inside the inductor
+@pytest.mark.parametrize(("precision", "sorted_scatter"), [("float32", None), ("float16", False)])
+def test_maxsim_compiles_whole(monkeypatch, precision: str, sorted_scatter) -> None:
+    """torch.compile(fullgraph=True), as the trainer compiles the step: no graph break, the eager answer; with
+    the CPU's sorted scatter and with CUDA's index_add (and float16 selection, emulated here)."""
+    monkeypatch.setattr(late, "SORTED_SCATTER", sorted_scatter)
+    queries, documents, of, columns = _long_case(CONTIGUOUS)
+    # float16 holds these exactly, so the answer does not depend on whether the CPU inductor keeps the
+    # rounding (it elides a float16 round trip inside a fused kernel; on CUDA the GEMM reads float16 buffers).
+    queries, documents = queries.half().float(), documents.half().float()
+    upstream = torch.randn(9, columns, generator=torch.Generator().manual_seed(9))
+
+    def fn(q, d):
+        return maxsim(q, d, of, columns, longest=13, block=4, precision=precision)
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    mine = _forward_backward(compiled, queries, documents, upstream)
+    theirs = _forward_backward(fn, queries, documents, upstream)
+    for a, b in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -210,6 +210,7 @@ class Network(nn.Module):
             batch["late.w"],
             li.pair_loss,
             positives=positives if li.pair_loss == PairLossForm.Ranked else None,
+            longest=self.config.batch.max_columns_per_row - 1,  # a document is at most one row past its prefix
         )
 
     def total(self, terms: dict[str, Tensor]) -> dict[str, Tensor]:
