@@ -4,7 +4,7 @@
 #   bash bench/mesh_gpu.sh nccl       # world-size invariance with NCCL: 2 processes against 1 GPU alone
 #   bash bench/mesh_gpu.sh torchrun   # weak scaling, 2 GPUs against 1, one process per GPU (torchrun)
 #   bash bench/mesh_gpu.sh executor   # the same through Executor.for_vram([0, 1]) (a worker per GPU)
-#   bash bench/mesh_gpu.sh whole      # torchrun again, the world's step compiled as one graph (no overlap)
+#   bash bench/mesh_gpu.sh blocks     # torchrun again, the world's step compiled block by block (overlap)
 set -euo pipefail
 OUT=${OUT:-.}
 export OUT
@@ -12,6 +12,6 @@ case "${1:-torchrun}" in
   nccl) python -m pytest -q -p no:cacheprovider tests/test_world.py -k nccl -rs 2>&1 | tee "$OUT/mesh-nccl.txt" ;;
   torchrun) python bench/scaling.py --devices 2 2>&1 | tee "$OUT/mesh-scaling-torchrun.txt" ;;
   executor) python bench/scaling.py --devices 2 --launcher executor 2>&1 | tee "$OUT/mesh-scaling-executor.txt" ;;
-  whole) UFORM_WORLD_COMPILE=whole python bench/scaling.py --devices 2 2>&1 | tee "$OUT/mesh-scaling-whole.txt" ;;
-  *) echo "usage: bash bench/mesh_gpu.sh nccl|torchrun|executor|whole" >&2; exit 2 ;;
+  blocks) UFORM_WORLD_COMPILE=blocks python bench/scaling.py --devices 2 2>&1 | tee "$OUT/mesh-scaling-blocks.txt" ;;
+  *) echo "usage: bash bench/mesh_gpu.sh nccl|torchrun|executor|blocks" >&2; exit 2 ;;
 esac

@@ -11,9 +11,9 @@ Steps go through `Trainer.deferred` with two in flight, stats read back every st
 and with --devices processes (one GPU each, `Mesh.from_env()`); --launcher executor runs
 `Executor.for_vram([0])` and then `Executor.for_vram([0, ..., N-1])` (a worker process per device) in this
 process. Prints tokens/s of both and the efficiency, tokens/s(N) / (N x tokens/s(1)); the bar is 0.90.
-NCCL_NVLS_ENABLE stays 0 unless set (the library's default); UFORM_WORLD_COMPILE=whole compiles the world's
-step as one graph instead of block by block (then the gradient reduction cannot overlap backward).
-Writes bench-scaling-<launcher>[-whole].json under $OUT (or the current folder).
+NCCL_NVLS_ENABLE stays 0 unless set (the library's default); UFORM_WORLD_COMPILE=blocks compiles the world's
+step block by block (the gradient reduction overlaps backward) instead of as one graph (the default).
+Writes bench-scaling-<launcher>[-blocks].json under $OUT (or the current folder).
 """
 
 from __future__ import annotations
@@ -213,14 +213,14 @@ def main() -> None:
         "geometry": {k: v for k, v in vars(args).items() if k != "child"},
         "device": device,
         "torch": torch.__version__,
-        "world_compile": os.environ.get("UFORM_WORLD_COMPILE", "blocks"),
+        "world_compile": os.environ.get("UFORM_WORLD_COMPILE", "whole"),
         "one": one,
         "many": many,
         "efficiency": efficiency,
         "bar": BAR,
     }
-    whole = "-whole" if results["world_compile"] == "whole" else ""
-    out = os.path.join(os.environ.get("OUT", "."), f"bench-scaling-{args.launcher}{whole}.json")
+    mode = "-blocks" if results["world_compile"] == "blocks" else ""
+    out = os.path.join(os.environ.get("OUT", "."), f"bench-scaling-{args.launcher}{mode}.json")
     with open(out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"\n{'GPUs':>5} {'ms/step':>9} {'tokens/s':>14}")

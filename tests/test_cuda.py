@@ -323,3 +323,27 @@ def test_cuda_maxsim_matches_the_brute_force(compiled: bool) -> None:
     assert values.dtype == torch.float32
     assert bool((values <= expected[0] + 1e-5).all()) and bool((values >= expected[0] - 2e-3).all())
     assert torch.equal(values[:, [1, 6]], torch.zeros(200, 2)), "an empty column scores 0"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_trainer_on_the_second_device_runs_every_thread_there() -> None:
+    """CUDA's current device is per thread and a new thread's is device 0: the trainer's own threads must
+    start on its device, or its completion events (and a world's gradient flags) are recorded on device 0's
+    stream and read before the work they stand for is done. Same steps on devices 0 and 1, same numbers."""
+    texts, relations = items()
+    runs = []
+    for index in (0, 1):
+        executor = u.Executor.for_vram([index])
+        trainer = u.Trainer.init_vram(executor, config())
+        for pool in (trainer._queue, trainer._host, trainer._completion):
+            assert pool.submit(torch.cuda.current_device).result() == index
+        losses = []
+        for _ in range(4):
+            stats = u.TrainerStepStats()
+            step = u.TrainerStepConfig(relations=relations, stats=stats)
+            trainer.on(executor).step(["text"] * len(texts), texts, step)
+            losses.append(stats.loss)
+        assert next(p.device for p in trainer.network.parameters()) == torch.device("cuda", index)
+        runs.append(losses)
+        trainer.close()
+    np.testing.assert_allclose(runs[1], runs[0], rtol=1e-2)

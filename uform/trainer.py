@@ -104,20 +104,31 @@ class Trainer:
         # step's media in the decode pool, the other packs the step before (with 128 JPEGs beside text at the
         # seed's geometry each half is about as long as the other; bench/data_wait.py). With host processes the
         # threads only send each step to a host process and copy its answer (each process prepares two at once).
-        self._queue = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uform-device")
-        self._host = ThreadPoolExecutor(max_workers=max(2, 2 * host_processes), thread_name_prefix="uform-host")
-        self._completion = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uform-completion")
+        # Every thread of the trainer starts on the trainer's device: CUDA's current device is per thread
+        # and a new thread's is device 0, so on any other device an event recorded or a stream read there
+        # would be device 0's (2-GPU profile: rank 1's completion events and gradient flags were read off
+        # device 0, the flags "changed" and every step synchronised, 67% weak scaling).
+        device = (self.device,)
+        self._queue = ThreadPoolExecutor(1, "uform-device", initializer=_bind_device, initargs=device)
+        self._host = ThreadPoolExecutor(
+            max(2, 2 * host_processes), "uform-host", initializer=_bind_device, initargs=device
+        )
+        self._completion = ThreadPoolExecutor(1, "uform-completion", initializer=_bind_device, initargs=device)
         self._lock = threading.Lock()
         self._next_step = 1
         cuda = self.device.type == "cuda"
         self.attention = "flex" if compiled_flex_available(self.device) else "dense"
         self._losses: Callable[..., dict[str, torch.Tensor]] = self.network.losses
         if cuda and self.world is not None and self.world.size > 1 and _world_compile() == "blocks":
-            # Each block compiled on its own (one graph, reused by every block): backward then finishes the
-            # blocks' gradients one block at a time, so the gradient buckets reduce while earlier blocks are
-            # still differentiating. One graph over the whole step would hand every gradient back at once.
+            # 'blocks': each block compiled on its own (one graph, reused by every block), so backward
+            # finishes the blocks' gradients one block at a time and the gradient buckets reduce while earlier
+            # blocks still differentiate; the heads and losses compile as a graph of their own (broken around
+            # the embedding gather); the embedding lookup and the loop over the blocks run eagerly. Not the
+            # default: on one host's NVLink the whole step's all-reduce takes ~1 ms, less than what the eager
+            # loop costs the host (2 x H200, seed geometry: 89.1% weak scaling against 95.9% for 'whole').
             for block in self.network.tower.blocks:
                 block.compile(dynamic=False)
+            self._losses = _split_step(self.network, torch.compile(self.network.heads, dynamic=False))
         elif cuda:
             self._losses = torch.compile(self.network.losses, dynamic=False)
 
@@ -140,7 +151,8 @@ class Trainer:
         `host_processes` says where each step's host stage runs (decode, pack, corrupt, pair; `uform.host`):
         0 on two threads of this process, N >= 1 in N processes of its own (started on the first step, each
         with its share of `media.workers` decoders), which leave this process only the device stage, so its
-        interpreter lock is the device thread's. None (the default) is 0 for now (see `default_host_processes`).
+        interpreter lock is the device thread's. None (the default) is 1 on CUDA and 0 on the CPU (see
+        `default_host_processes`).
         Where it runs changes no result: the batches, and so the training, are bitwise the same.
         """
         media = MediaPolicy() if media is None else media
@@ -410,7 +422,7 @@ class Trainer:
         event = None
         if cuda:
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
 
         def finish() -> torch.Tensor | None:
             if event is not None:
@@ -500,15 +512,14 @@ def check_step(
 
 
 def default_host_processes(executor: Executor) -> int:
-    """Host processes of a trainer that does not say (`Trainer.init_vram`): none yet, on any device.
+    """Host processes of a trainer that does not say (`Trainer.init_vram`): one on CUDA, none on the CPU.
 
-    On CUDA one host process should win (the device thread needs the interpreter lock to launch kernels and the
-    host stage's Python holds it: at the seed's geometry 256 texts cost 16 ms of this process's CPU a step in
-    process, 1 ms through a host process, bench/data_wait.py on the CPU), but that is a CPU proxy: the default
-    moves to one on CUDA once the GPU's data wait has been measured with it. On the CPU the device stage's
-    kernels run without the lock and a process would only cost its start."""
-    del executor
-    return 0
+    On CUDA the device thread needs the interpreter lock to launch kernels and the in-process host stage's
+    Python holds it. Measured on the H200 machine (`python bench/data_wait.py --executor cuda --host-processes
+    N`, 128 JPEGs beside 128 texts at the seed's geometry, fed instantly 57.8 ms/step): 92.3 ms/step in
+    process, 75.1 ms/step through one host process. On the CPU the device stage's kernels run without the
+    lock and a process would only cost its start."""
+    return 1 if executor.device.type == "cuda" else 0
 
 
 def resolve_run(config: TrainerInitVramConfig) -> tuple[TrainerInitVramConfig, dict[str, str] | None]:
@@ -565,11 +576,32 @@ def _compare_runs(world: World, text: str | None, step: int) -> None:
             )
 
 
+def _bind_device(device: torch.device) -> None:
+    """A thread's initializer: its CUDA current device becomes `device` (nothing to do off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def _split_step(
+    network: Network, heads: Callable[..., dict[str, torch.Tensor]]
+) -> Callable[..., dict[str, torch.Tensor]]:
+    """`network.losses` with the heads' part run by `heads` (a world's step: the tower eager around its
+    separately compiled blocks)."""
+
+    def losses(
+        batch: dict[str, torch.Tensor], mask: Any, positives: int | None = None, late_positives: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        return heads(network.states(batch, mask), batch, positives, late_positives)
+
+    return losses
+
+
 def _world_compile() -> str:
-    """How a world's step compiles on CUDA: 'blocks' (the default; gradient reduction overlaps backward) or
-    'whole' (one graph for the step, as one process alone compiles it; the reduction follows backward),
-    from UFORM_WORLD_COMPILE."""
-    mode = os.environ.get("UFORM_WORLD_COMPILE", "blocks")
+    """How a world's step compiles on CUDA: 'whole' (the default: one graph for the step, as one process
+    alone compiles it, broken only around the embedding gather; the gradient reduction follows backward) or
+    'blocks' (the reduction overlaps backward, for links slow enough that hiding it pays for a partly eager
+    step), from UFORM_WORLD_COMPILE."""
+    mode = os.environ.get("UFORM_WORLD_COMPILE", "whole")
     if mode not in ("blocks", "whole"):
         raise ValueError(f"UFORM_WORLD_COMPILE: expected 'blocks' or 'whole', got {mode!r}")
     return mode

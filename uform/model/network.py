@@ -126,8 +126,18 @@ class Network(nn.Module):
         `late_positives` bound the positives per row of the pooled and the late-interaction terms for
         the ranked form (see `losses.contrastive.pair_loss`).
         """
+        return self.heads(self.states(batch, mask), batch, positives, late_positives)
+
+    def heads(
+        self,
+        states: Tensor,
+        batch: dict[str, Tensor],
+        positives: int | None = None,
+        late_positives: int | None = None,
+    ) -> dict[str, Tensor]:
+        """`losses` from the final-norm states [R, C, D] on: every head and loss term (a step of a world
+        compiles this part on its own, apart from the tower's blocks)."""
         config = self.config
-        states = self.states(batch, mask)  # [R, C, D]
         hidden = states.shape[-1]
         zero = states.new_zeros((), dtype=torch.float32)
         out: dict[str, Tensor] = {}
