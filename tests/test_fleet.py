@@ -8,17 +8,35 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import world_cases as wc
+from safetensors import safe_open
 
-from uform import Arena, Edges, Executor, Mesh, MeshError, MeshOptions, Relations, Trainer, TrainerStepStats
+from uform import (
+    Arena,
+    Edges,
+    Executor,
+    Mesh,
+    MeshError,
+    MeshOptions,
+    Relations,
+    Stopped,
+    Trainer,
+    TrainerInitVramConfig,
+    TrainerSaveConfig,
+    TrainerStepStats,
+)
+from uform.checkpoint import read_metadata
 from uform.enums import Modality
-from uform.fleet import item_sizes, route
+from uform.fleet import ProgressRelay, item_sizes, route
 from uform.relations import first_crossing, restrict
 
 # --------------------------------------------------------------------------------------------------
@@ -244,19 +262,228 @@ def test_late_interaction_and_choices_route_with_their_items(two: Executor) -> N
             assert getattr(a, name) == pytest.approx(getattr(b, name), rel=1e-5), name
 
 
-def test_progress_callbacks_are_refused_not_dropped(two: Executor, tmp_path: Path) -> None:
-    """The workers cannot relay progress yet: a callback is refused with a clear error, never ignored."""
-    from uform import TrainerSaveConfig
+# --------------------------------------------------------------------------------------------------
+# Progress, relayed from the workers: the reports, stops and failures of one device
 
-    with pytest.raises(ValueError, match=r"^progress: an executor of several devices"):
-        Trainer.init_vram(two, wc.config(*wc.CASES[0][1:], progress=lambda done, total: True))
-    trainer = Trainer.init_vram(two, wc.config(*wc.CASES[0][1:]))
+
+RUN = wc.config(*wc.CASES[0][1:])
+EVERY_BAG = list(range(wc.BAGS))
+
+
+def resuming(path: Path, **fields: Any) -> TrainerInitVramConfig:
+    """The run of `RUN`, resumed from `path`."""
+    return wc.config(*wc.CASES[0][1:], resume=path, **fields)
+
+
+class Boom(Exception):
+    """A progress callback's own failure."""
+
+
+def recorded(calls: list[tuple[int, int]], answer: Callable[[int, int], bool | None] = lambda d, t: None) -> Any:
+    """A progress callback that records its reports in `calls` and answers what `answer` does."""
+
+    def progress(done: int, total: int) -> bool | None:
+        calls.append((done, total))
+        return answer(done, total)
+
+    return progress
+
+
+def stop_at(which: str) -> Callable[[int, int], bool]:
+    return lambda done, total: which == "last" and done < total
+
+
+def test_the_relay_decides_each_point_once_for_every_worker() -> None:
+    """First arrival decides: the callback hears each point once; a worker behind gets the verdict at once, a
+    worker at the point being decided waits for it; a stop at a point stops every worker there."""
+    calls: list[tuple[int, int]] = []
+    replies: list[tuple[int, int, str]] = []
+    decisions: list[Callable[[], None]] = []
+    relay = ProgressRelay(
+        recorded(calls, lambda done, total: done < 3), lambda *reply: replies.append(reply), decisions.append
+    )
+    relay.report(0, 10, 1, 4)
+    relay.report(1, 11, 1, 4)  # point 0 is being decided: worker 1 waits for the same verdict
+    assert calls == [] and replies == [] and len(decisions) == 1
+    decisions.pop()()
+    assert calls == [(1, 4)] and replies == [(0, 10, "go"), (1, 11, "go")]
+    for done in (2, 3):
+        relay.report(0, 10, done, 4)
+        decisions.pop()()
+    relay.report(1, 11, 2, 4)  # behind: decided already
+    relay.report(1, 11, 3, 4)
+    assert decisions == [] and calls == [(1, 4), (2, 4), (3, 4)]
+    assert replies[2:] == [(0, 10, "go"), (0, 10, "stop"), (1, 11, "go"), (1, 11, "stop")]
+    assert relay.failure is None
+
+
+def test_a_relay_whose_callback_raises_stops_every_worker() -> None:
+    error = Boom("the callback failed")
+    replies: list[tuple[int, int, str]] = []
+
+    def boom(done: int, total: int) -> None:
+        raise error
+
+    relay = ProgressRelay(boom, lambda *reply: replies.append(reply), lambda decide: decide())
+    relay.report(1, 11, 1, 4)
+    relay.report(0, 10, 1, 4)
+    assert relay.failure is error and replies == [(1, 11, "raised"), (0, 10, "raised")]
+
+
+@pytest.fixture(scope="module")
+def saved(two: Executor, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The workers' checkpoint after one step (weights and moments)."""
+    path = tmp_path_factory.mktemp("relay") / "run.safetensors"
+    trainer = Trainer.init_vram(two, RUN)
+    wc.run_steps(trainer, EVERY_BAG, [1])
+    trainer.save(path)
+    trainer.close()
+    return path
+
+
+@pytest.mark.parametrize("progress_steps", [0, 4])
+def test_a_save_relays_the_reports_of_one_device(two: Executor, tmp_path: Path, progress_steps: int) -> None:
+    def reports(executor: Executor, path: Path) -> list[tuple[int, int]]:
+        trainer = Trainer.init_vram(executor, RUN)
+        wc.run_steps(trainer, EVERY_BAG, [1])
+        calls: list[tuple[int, int]] = []
+        trainer.save(TrainerSaveConfig(path=path, progress=recorded(calls), progress_steps=progress_steps))
+        trainer.close()
+        return calls
+
+    ours = reports(Executor.cpu(), tmp_path / "one.safetensors")
+    theirs = reports(two, tmp_path / "two.safetensors")
+    with safe_open(str(tmp_path / "two.safetensors"), framework="pt") as f:
+        total = len(list(f.keys()))
+    assert theirs == ours
+    assert 1 <= len(ours) <= (progress_steps or 10) and ours[-1] == (total, total)
+
+
+def test_a_relayed_callback_may_wait_for_an_earlier_step(two: Executor, tmp_path: Path) -> None:
+    """The callback runs on a thread of its own: the workers' answers keep coming in while it runs, so it
+    may wait for a step called before the save, as on one device (where steps complete on their own thread)."""
+    trainer = Trainer.init_vram(two, RUN)
     try:
-        path = tmp_path / "refused.safetensors"
-        with pytest.raises(ValueError, match=r"^progress: an executor of several devices"):
-            trainer.save(TrainerSaveConfig(path=str(path), progress=lambda done, total: True))
-        assert not path.exists()
-        trainer.save(str(path))
-        assert path.exists()
+        texts, config = wc.step_inputs(EVERY_BAG, 1)
+        stats = config.stats = TrainerStepStats()
+        step = trainer.deferred(two).step(["text"] * len(texts), texts, config)
+        calls: list[tuple[int, int]] = []
+        threads: set[str] = set()
+
+        def after_the_step(done: int, total: int) -> bool:
+            threads.add(threading.current_thread().name)
+            return step.result(timeout=60) is None
+
+        progress = recorded(calls, after_the_step)
+        saving = trainer.deferred(two).save(TrainerSaveConfig(path=tmp_path / "run.safetensors", progress=progress))
+        texts, config = wc.step_inputs(EVERY_BAG, 2)
+        later = trainer.deferred(two).step(["text"] * len(texts), texts, config)
+        assert saving.result(timeout=120) is None and later.result(timeout=120) is None
+        assert calls and calls[-1][0] == calls[-1][1]
+        assert stats.step == 1 and trainer.steps_taken == 2
+        assert not any(name.startswith("uform-reader") for name in threads), threads
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("progress_steps", [0, 3])
+def test_a_resume_merges_the_workers_reports_into_one_devices(two: Executor, saved: Path, progress_steps: int) -> None:
+    """Every worker reads the file; the callback hears each point once, as from one device."""
+    runs = []
+    for executor in (Executor.cpu(), two):
+        calls: list[tuple[int, int]] = []
+        trainer = Trainer.init_vram(executor, resuming(saved, progress=recorded(calls), progress_steps=progress_steps))
+        assert trainer.steps_taken == 1
+        trainer.close()
+        runs.append(calls)
+    ours, theirs = runs
+    assert theirs == ours
+    assert 1 <= len(ours) <= (progress_steps or 10) and ours[-1][0] == ours[-1][1]
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_a_stopped_save_is_one_devices_and_the_trainer_goes_on(two: Executor, tmp_path: Path, which: str) -> None:
+    path = tmp_path / "run.safetensors"
+    trainer = Trainer.init_vram(two, RUN)
+    alone = Trainer.init_vram(Executor.cpu(), RUN)
+    try:
+        wc.run_steps(trainer, EVERY_BAG, [1])
+        trainer.save(path)
+        before = path.read_bytes()
+        wc.run_steps(trainer, EVERY_BAG, [2])  # the run moved on: a finished save would change the file
+        wc.run_steps(alone, EVERY_BAG, [1, 2])
+        caught, seen = [], []
+        for twin in (alone, trainer):  # a stopped save writes nothing, so both may aim at the same file
+            calls: list[tuple[int, int]] = []
+            with pytest.raises(Stopped) as stopped:
+                twin.save(TrainerSaveConfig(path=path, progress=recorded(calls, stop_at(which)), progress_steps=5))
+            caught.append(str(stopped.value))
+            seen.append(calls)
+        assert caught[1] == caught[0] and seen[1] == seen[0]  # the same reports, stopped at the same tensor
+        assert path.read_bytes() == before and os.listdir(tmp_path) == ["run.safetensors"]
+        deferred = trainer.deferred(two).save(
+            TrainerSaveConfig(path=tmp_path / "new.safetensors", progress=stop_at(which))
+        )
+        assert isinstance(deferred.exception(timeout=120), Stopped)
+        assert os.listdir(tmp_path) == ["run.safetensors"]
+
+        # Nothing of the run changed: the next step is the one-device twin's, and the next save writes.
+        theirs, ours = wc.run_steps(trainer, EVERY_BAG, [3]), wc.run_steps(alone, EVERY_BAG, [3])
+        assert theirs[0]["step"] == 3 and abs(theirs[0]["loss"] - ours[0]["loss"]) <= 1e-5 * abs(ours[0]["loss"])
+        trainer.save(path)
+        assert path.read_bytes() != before and read_metadata(path)["uform.step"] == "3"
+    finally:
+        trainer.close()
+        alone.close()
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_a_stopped_resume_is_one_devices(two: Executor, saved: Path, which: str) -> None:
+    caught, seen = [], []
+    for executor in (Executor.cpu(), two):
+        calls: list[tuple[int, int]] = []
+        with pytest.raises(Stopped) as stopped:
+            Trainer.init_vram(executor, resuming(saved, progress=recorded(calls, stop_at(which))))
+        caught.append(str(stopped.value))
+        seen.append(calls)
+    assert caught[1] == caught[0] and seen[1] == seen[0]  # every worker stopped at the point the callback said
+    # Nothing was placed and nothing is held: the workers make the next trainer, which resumes and steps.
+    trainer = Trainer.init_vram(two, resuming(saved))
+    try:
+        assert trainer.steps_taken == 1
+        assert wc.run_steps(trainer, EVERY_BAG, [2])[0]["step"] == 2
+    finally:
+        trainer.close()
+
+
+def test_a_raising_callback_raises_its_own_error(two: Executor, saved: Path, tmp_path: Path) -> None:
+    """As on one device: the call raises the callback's exception (itself) and stops where it raised."""
+    error = Boom("the callback failed")
+
+    def boom(calls: list[tuple[int, int]], failure: BaseException) -> Any:
+        def answer(done: int, total: int) -> None:
+            if len(calls) == 2:
+                raise failure
+
+        return recorded(calls, answer)
+
+    calls: list[tuple[int, int]] = []
+    with pytest.raises(KeyboardInterrupt):  # BaseException too: raised in the calling thread, not lost
+        Trainer.init_vram(two, resuming(saved, progress=boom(calls, KeyboardInterrupt())))
+    assert len(calls) == 2
+
+    trainer = Trainer.init_vram(two, resuming(saved))
+    try:
+        calls.clear()
+        with pytest.raises(Boom) as caught:
+            trainer.save(TrainerSaveConfig(path=tmp_path / "run.safetensors", progress=boom(calls, error)))
+        assert caught.value is error and len(calls) == 2
+        calls.clear()
+        deferred = trainer.deferred(two).save(
+            TrainerSaveConfig(path=tmp_path / "run.safetensors", progress=boom(calls, error))
+        )
+        assert deferred.exception(timeout=120) is error and len(calls) == 2
+        assert os.listdir(tmp_path) == []
+        assert wc.run_steps(trainer, EVERY_BAG, [2])[0]["step"] == 2
     finally:
         trainer.close()

@@ -11,6 +11,19 @@ the arena's rows come back in the caller's item order.
 
 Commands travel in order over one pipe per worker, so steps and saves apply in the order they were called;
 a worker answers a step once it is done, which resolves that step's future here.
+
+Progress (a save's or a resume's `progress` callback) is relayed over the same pipes: the worker's stand-in
+callback sends a report up and waits for the verdict; here the report is handed to the fleet's progress thread,
+which calls the caller's callback and sends the verdict back down. Neither end ever waits for the other on its
+reading side: a worker reads its pipe on a thread of its own (commands queue for its main thread, verdicts go
+straight to the waiting report), and the callback never runs on a reader thread here, so answers keep flowing
+however long it takes. Which reports: a save relays the writer's (rank 0's; no other worker writes or reports,
+as a process of rank > 0 on one device); a resume, where every worker reads the whole file and reports the same
+points, relays each point once, when the first worker reaches it, and hands that one verdict to every worker
+reaching it. So the callback sees exactly the reports of one device, and a stop stops every worker at the same
+point with the same `Stopped` (nothing placed anywhere), while no worker waits for another (one failing, or
+waiting in a collective, never holds up the rest). A callback that raises stops the workers there, and the
+call raises the callback's own exception, as on one device.
 """
 
 from __future__ import annotations
@@ -20,10 +33,11 @@ import dataclasses
 import gc
 import itertools
 import multiprocessing
+import queue
 import threading
 import traceback
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -32,6 +46,7 @@ import torch
 
 from . import vocab
 from .arena import Arena
+from .checkpoint import ProgressCallback, Stopped
 from .config import TrainerInitVramConfig, TrainerStepConfig, TrainerStepStats
 from .data.items import ChoiceTapes
 from .enums import Modality, Objective
@@ -44,6 +59,7 @@ _ERRORS: dict[str, type[BaseException]] = {
     "TypeError": TypeError,
     "MeshError": MeshError,
     "RuntimeError": RuntimeError,
+    "Stopped": Stopped,
 }
 
 
@@ -83,6 +99,77 @@ def item_sizes(modalities: Sequence[Modality], contents: Sequence[Any], columns:
 # The calling process's side
 
 
+_GO, _STOP, _RAISED = "go", "stop", "raised"
+"""A report's verdict: go on, stop (the callback answered False), or stop for an exception of the callback."""
+
+
+class ProgressRelay:
+    """The calling process's end of one call's progress relay (see the module's docstring).
+
+    Reports are paired by their order: every worker reporting reads or writes the same tensors with the same
+    `progress_steps`, so the k-th reports of every worker are the same (done, total). The first worker to make
+    its k-th report has the callback decide point k; workers reporting it while that runs wait for the same
+    verdict, and those reporting it later get it at once. A worker therefore only ever waits for the callback,
+    never for another worker, and the callback runs once per point, in order, on the fleet's progress thread.
+    """
+
+    def __init__(
+        self,
+        callback: ProgressCallback,
+        reply: Callable[[int, int, str], None],
+        runner: Callable[[Callable[[], None]], None],
+    ) -> None:
+        self.callback = callback
+        self._reply = reply  # (device index, ident, verdict): sends the verdict down that worker's pipe
+        self._runner = runner  # runs a decision on the progress thread
+        self._lock = threading.Lock()
+        self._reports: dict[int, int] = {}  # reports each device has made so far
+        self._verdicts: list[str] = []  # the verdict of every point decided so far
+        self._waiting: list[tuple[int, int]] = []  # (device, ident) of the workers waiting at the next point
+        self.failure: BaseException | None = None
+        """What the callback raised, if it did: the call raises it (the workers only stopped for it)."""
+
+    def report(self, index: int, ident: int, done: int, total: int) -> None:
+        """Device `index` reported (done, total) for its command `ident` and waits (a reader thread calls this)."""
+        with self._lock:
+            point = self._reports.get(index, 0)
+            self._reports[index] = point + 1
+            verdict = self._verdicts[point] if point < len(self._verdicts) else None
+            first = False
+            if verdict is None:  # the next point to decide (a worker reports k + 1 only after k was decided)
+                self._waiting.append((index, ident))
+                first = len(self._waiting) == 1
+        if verdict is not None:
+            self._reply(index, ident, verdict)
+        elif first:
+            self._runner(lambda: self._decide(done, total))
+
+    def _decide(self, done: int, total: int) -> None:
+        try:
+            verdict = _STOP if self.callback(done, total) is False else _GO  # exactly False stops, as on one device
+        except BaseException as error:  # KeyboardInterrupt too: it is re-raised in the calling thread
+            self.failure = error
+            verdict = _RAISED
+        with self._lock:
+            self._verdicts.append(verdict)
+            waiting, self._waiting = self._waiting, []
+        for index, ident in waiting:
+            self._reply(index, ident, verdict)
+
+
+def _failure(futures: Sequence[Future], relay: ProgressRelay | None = None) -> BaseException | None:
+    """What a call over the workers raises once every worker answered, None if none failed: the progress
+    callback's own exception where it raised (the workers only stopped for it), else a device's own error
+    ahead of its peers' MeshErrors (a stalled world follows from the error that stalled it)."""
+    errors = [e for e in (f.exception() for f in futures) if e is not None]
+    if not errors:
+        return None
+    if relay is not None and relay.failure is not None:
+        return relay.failure
+    causes = [e for e in errors if not isinstance(e, MeshError)]
+    return (causes or errors)[0]
+
+
 class Fleet:
     """The worker processes of an executor, started on first use."""
 
@@ -96,12 +183,15 @@ class Fleet:
         self._send = threading.Lock()
         self._ids = itertools.count()
         self._dead: list[str | None] = []
+        self._relays: dict[int, ProgressRelay] = {}  # by the ident of each worker's command that relays
+        self._progress: ThreadPoolExecutor | None = None  # where relayed callbacks run (its thread starts on need)
         self.started = False
 
     def start(self) -> None:
         if self.started:
             return
         context = multiprocessing.get_context("spawn")
+        self._progress = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uform-progress")
         for index, device in enumerate(self.devices):
             ours, theirs = context.Pipe()
             process = context.Process(
@@ -131,11 +221,20 @@ class Fleet:
                     f"(exit code {process.exitcode}); restart every process, and resume continues the run"
                 )
                 self._dead[index] = why
-                for waiting in list(self._pending[index].values()):
+                for ident, waiting in list(self._pending[index].items()):
+                    self._relays.pop(ident, None)
                     if not waiting.done():
                         waiting.set_exception(MeshError(why))
                 self._pending[index].clear()
                 return
+            if status == "progress":  # a report of a command still running: its worker waits for the verdict
+                relay = self._relays.get(ident)
+                if relay is None:  # nothing to relay to (cannot happen: a worker reports only when asked)
+                    self._reply(index, ident, _GO)
+                else:
+                    relay.report(index, ident, *value)
+                continue
+            self._relays.pop(ident, None)
             if ident not in self._pending[index]:
                 continue
             future = self._pending[index].pop(ident)
@@ -145,8 +244,9 @@ class Fleet:
                 kind, message = value
                 future.set_exception(_ERRORS.get(kind, RuntimeError)(message))
 
-    def call(self, commands: Sequence[tuple[str, Any]]) -> list[Future]:
-        """Sends command i to worker i (all under one lock, so every worker sees the calls in one order)."""
+    def call(self, commands: Sequence[tuple[str, Any]], relay: ProgressRelay | None = None) -> list[Future]:
+        """Sends command i to worker i (all under one lock, so every worker sees the calls in one order);
+        the workers' progress reports for these commands go to `relay`."""
         self.start()
         futures = []
         with self._send:
@@ -157,17 +257,45 @@ class Fleet:
                 else:
                     ident = next(self._ids)
                     self._pending[index][ident] = future
+                    if relay is not None:
+                        self._relays[ident] = relay
                     try:
                         self._pipes[index].send((ident, verb, argument))
                     except (OSError, ValueError) as error:
                         self._pending[index].pop(ident, None)
+                        self._relays.pop(ident, None)
                         future.set_exception(MeshError(f"mesh: the worker of {self.devices[index]} is gone ({error})"))
                 futures.append(future)
         return futures
 
-    def everyone(self, verb: str, argument: Any = None) -> list[Any]:
-        """The same command to every worker; answers their values or raises the first error."""
-        return [f.result() for f in self.call([(verb, argument)] * len(self.devices))]
+    def everyone(self, verb: str, argument: Any = None, relay: ProgressRelay | None = None) -> list[Any]:
+        """The same command to every worker; answers their values or raises the first error (the progress
+        callback's own exception where it raised)."""
+        futures = self.call([(verb, argument)] * len(self.devices), relay)
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            if relay is not None and relay.failure is not None:
+                raise relay.failure from None  # the workers' errors only say they stopped for it
+            raise
+
+    def relay(self, callback: ProgressCallback | None) -> ProgressRelay | None:
+        """The relay of one call's progress to `callback` (None: the call reports nothing)."""
+        if callback is None:
+            return None
+        return ProgressRelay(callback, self._reply, self._run_progress)
+
+    def _run_progress(self, decide: Callable[[], None]) -> None:
+        # One thread for every relay: the callbacks run one at a time, as a one-device trainer's saves do on
+        # its queue thread, and never on a reader thread, which must go on reading the workers' answers.
+        assert self._progress is not None
+        with contextlib.suppress(RuntimeError):  # closed: the workers were told to exit, which fails the report
+            self._progress.submit(decide)
+
+    def _reply(self, index: int, ident: int, verdict: str) -> None:
+        """Sends a report's verdict to the worker waiting for it (a gone worker's reader fails its call)."""
+        with self._send, contextlib.suppress(OSError, ValueError):
+            self._pipes[index].send((ident, "progress", verdict))
 
     def close(self) -> None:
         if not self.started:
@@ -183,6 +311,9 @@ class Fleet:
                 process.join()
         for pipe in self._pipes:
             pipe.close()
+        if self._progress is not None:  # a callback still running is the caller's; its verdict goes nowhere
+            self._progress.shutdown(wait=False)
+            self._progress = None
         self.started = False
 
 
@@ -196,10 +327,9 @@ def _merge(
     lock = threading.Lock()
 
     def finish() -> None:
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:  # a device's own error is the cause; its peers' MeshErrors (a stalled world) follow from it
-            causes = [e for e in errors if not isinstance(e, MeshError)]
-            done.set_exception((causes or errors)[0])
+        failure = _failure(futures)
+        if failure is not None:
+            done.set_exception(failure)
             return
         answers = [f.result() for f in futures]
         succeeded()
@@ -287,19 +417,17 @@ class FleetTrainer(Trainer):
     def start(cls, executor: Any, config: TrainerInitVramConfig, media: Any, host_processes: int | None = None) -> Any:
         from .mesh import Mesh, MeshOptions
 
-        if config.progress is not None:
-            raise ValueError(
-                "progress: an executor of several devices does not relay progress from its worker processes "
-                "yet; leave it None"
-            )
         resolved, _stored = resolve_run(config)
         mesh, owns = config.mesh, False
         if mesh is None:  # this process alone: a world of its own devices
             mesh, owns = Mesh.bootstrap(executor, MeshOptions(job="local")), True
         fleet = _fleet_of(executor)
+        # The callback stays here (it need not pickle); every worker reads the checkpoint with a stand-in that
+        # relays its reports, merged into one device's (see the module's docstring).
         shipped = dataclasses.replace(config, mesh=None, progress=None)
+        relayed = config.progress is not None
         try:
-            steps = fleet.everyone("init", (shipped, media, host_processes))
+            steps = fleet.everyone("init", (shipped, media, host_processes, relayed), fleet.relay(config.progress))
         except BaseException:
             with contextlib.suppress(BaseException):
                 fleet.everyone("close_trainer")
@@ -413,21 +541,21 @@ class FleetTrainer(Trainer):
         if self.closed:
             raise ValueError("trainer: it was closed")
         saved = save_config(config)
-        if saved.progress is not None:
-            raise ValueError(
-                "progress: an executor of several devices does not relay progress from its worker processes "
-                "yet; leave it None"
-            )
-        shipped = saved
-        futures = self._fleet.call([("save", shipped)] * len(self._fleet.devices))
+        # Only the worker of rank 0 writes, so its reports are the ones relayed (the others make none).
+        shipped = (dataclasses.replace(saved, progress=None), saved.progress is not None)
+        relay = self._fleet.relay(saved.progress)
+        futures = self._fleet.call([("save", shipped)] * len(self._fleet.devices), relay)
         done: Future = Future()
         done.set_running_or_notify_cancel()
+        finished = threading.Lock()
 
         def all_done(_: Future) -> None:
-            if all(f.done() for f in futures) and not done.done():
-                errors = [f.exception() for f in futures if f.exception() is not None]
-                if errors:
-                    done.set_exception(errors[0])
+            with finished:  # the last two workers may answer at once, on their readers
+                if not all(f.done() for f in futures) or done.done():
+                    return
+                failure = _failure(futures, relay)
+                if failure is not None:
+                    done.set_exception(failure)
                 else:
                     done.set_result(None)
 
@@ -460,6 +588,50 @@ class _FleetDeferred(Deferred):
 # The worker process's side
 
 
+class _Verdicts:
+    """A worker's end of the progress relay: a report goes up the pipe, and the reporting thread waits for the
+    verdict, which the worker's reader thread hands over (the main thread may be the one waiting)."""
+
+    def __init__(self, answer: Callable[[int, str, Any], None]) -> None:
+        self._answer = answer
+        self._lock = threading.Lock()
+        self._waiting: dict[int, Future] = {}  # by the ident of the command that reports
+        self._gone: str | None = None
+
+    def callback(self, ident: int) -> ProgressCallback:
+        """The stand-in for the caller's callback during command `ident`."""
+
+        def progress(done: int, total: int) -> bool:
+            verdict: Future = Future()
+            with self._lock:
+                if self._gone is not None:
+                    raise RuntimeError(f"progress: {self._gone}")
+                self._waiting[ident] = verdict
+            self._answer(ident, "progress", (done, total))
+            said = verdict.result()
+            if said == _RAISED:  # the caller raises the callback's own exception; this only stops the call
+                raise RuntimeError("progress: the callback raised in the calling process")
+            if said not in (_GO, _STOP):  # why the calling process will not answer (see `close`)
+                raise RuntimeError(f"progress: {said}")
+            return said == _GO
+
+        return progress
+
+    def settle(self, ident: int, verdict: str) -> None:
+        with self._lock:
+            waiting = self._waiting.pop(ident, None)
+        if waiting is not None:
+            waiting.set_result(verdict)
+
+    def close(self, why: str) -> None:
+        """The calling process will answer no more: a waiting report, and any later one, fails the call."""
+        with self._lock:
+            self._gone = why
+            waiting, self._waiting = list(self._waiting.values()), {}
+        for verdict in waiting:
+            verdict.set_result(why)
+
+
 def serve(pipe: Any, device_name: str, threads: int) -> None:
     """A worker's loop: commands in order, answers as they complete (steps answer when done)."""
     if threads:
@@ -479,18 +651,37 @@ def serve(pipe: Any, device_name: str, threads: int) -> None:
             message = f"{type(error).__name__}: {message}\n{traceback.format_exc()}"
         answer(ident, "error", (type(error).__name__, message))
 
+    verdicts = _Verdicts(answer)
+    commands: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read() -> None:
+        # The pipe is read here, not by the main thread: a command may wait for a verdict (a save's or a
+        # resume's progress) on the main thread or the trainer's, and the verdict comes down this pipe.
+        while True:
+            try:
+                message = pipe.recv()
+            except (EOFError, OSError):
+                commands.put((-1, "exit", None))
+                verdicts.close("the calling process is gone")
+                return
+            if message[1] == "progress":
+                verdicts.settle(message[0], message[2])
+                continue
+            commands.put(message)
+            if message[1] == "exit":
+                verdicts.close("the executor was closed")
+                return
+
+    threading.Thread(target=read, daemon=True, name="uform-worker-reader").start()
     while True:
-        try:
-            ident, verb, argument = pipe.recv()
-        except (EOFError, OSError):
-            break
+        ident, verb, argument = commands.get()
         if verb == "exit":
             break
         try:
             if verb == "step":
                 _worker_step(state, ident, argument, answer, fail)
                 continue
-            answer(ident, "ok", _WORKER_VERBS[verb](state, device, argument))
+            answer(ident, "ok", _WORKER_VERBS[verb](state, device, argument, verdicts.callback(ident)))
         except BaseException as error:
             fail(ident, error)
     trainer = state["trainer"]
@@ -509,7 +700,7 @@ def serve(pipe: Any, device_name: str, threads: int) -> None:
             memory._mmap = None  # type: ignore[attr-defined]
 
 
-def _worker_join(state: dict[str, Any], device: torch.device, argument: Any) -> None:
+def _worker_join(state: dict[str, Any], device: torch.device, argument: Any, progress: Any) -> None:
     from .executor import Executor
     from .mesh import Mesh, join, nccl_defaults
 
@@ -524,7 +715,7 @@ def _worker_join(state: dict[str, Any], device: torch.device, argument: Any) -> 
     state["mesh"] = mesh
 
 
-def _worker_leave(state: dict[str, Any], device: torch.device, argument: Any) -> None:
+def _worker_leave(state: dict[str, Any], device: torch.device, argument: Any, progress: Any) -> None:
     if state["trainer"] is not None:
         state["trainer"].close()
         state["trainer"] = None
@@ -533,32 +724,33 @@ def _worker_leave(state: dict[str, Any], device: torch.device, argument: Any) ->
         state["mesh"] = None
 
 
-def _worker_init(state: dict[str, Any], device: torch.device, argument: Any) -> int:
+def _worker_init(state: dict[str, Any], device: torch.device, argument: Any, progress: ProgressCallback) -> int:
     from .trainer import Trainer
 
-    config, media, host_processes = argument
+    config, media, host_processes, relayed = argument
     mesh = state["mesh"]
     if mesh is None:
         raise MeshError("mesh: this device's worker belongs to no world; bootstrap a mesh over the executor first")
     if state["trainer"] is not None:
         state["trainer"].close()
-    run = dataclasses.replace(config, mesh=mesh)
+    run = dataclasses.replace(config, mesh=mesh, progress=progress if relayed else None)
     trainer = Trainer.init_vram(mesh.executor, run, media=media, host_processes=host_processes)
     state["trainer"] = trainer
     return trainer.steps_taken
 
 
-def _worker_close_trainer(state: dict[str, Any], device: torch.device, argument: Any) -> None:
+def _worker_close_trainer(state: dict[str, Any], device: torch.device, argument: Any, progress: Any) -> None:
     if state["trainer"] is not None:
         state["trainer"].close()
         state["trainer"] = None
 
 
-def _worker_save(state: dict[str, Any], device: torch.device, argument: Any) -> None:
+def _worker_save(state: dict[str, Any], device: torch.device, argument: Any, progress: ProgressCallback) -> None:
     trainer = state["trainer"]
     if trainer is None:
         raise ValueError("trainer: none was made on this executor")
-    trainer.save(argument)
+    config, relayed = argument
+    trainer.save(dataclasses.replace(config, progress=progress if relayed else None))
 
 
 _WORKER_VERBS = {
