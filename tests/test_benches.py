@@ -1,0 +1,44 @@
+"""The bench scripts that answer numbers run end to end on the CPU at a tiny scale (the lead runs them on a
+GPU at the seed's): bench/encode.py, and bench/maxsim.py, whose current MaxSim agrees with the previous one it
+keeps as the reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+torch.set_num_threads(2)
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def load(name: str) -> ModuleType:
+    """bench/<name>.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_encode_bench_smoke(tmp_path: Path) -> None:
+    tiny = "--device cpu --depth 1 --hidden 128 --rows 2 --columns 128 --segments 8 --texts 12 --text-bytes 40"
+    tiny += f" --images 3 --image-side 32 --workers 1 --repeats 1 --out {tmp_path}"
+    results = load("encode").main(tiny.split())
+    for kind, count in (("text", 12), ("image", 3), ("decode", 3)):
+        assert results[kind]["items"] == count and results[kind]["items_per_s"] > 0
+    assert json.loads((tmp_path / "bench-encode.json").read_text())["text"]["items"] == 12
+
+
+def test_maxsim_bench_smoke(tmp_path: Path) -> None:
+    results = load("maxsim").main(f"--device cpu --scale 0.03 --steps 1 --warmup 0 --out {tmp_path}".split())
+    runs = results["runs"]
+    assert set(runs) == {"reference/eager", "float32/eager", "float16/eager"}
+    assert all(r["ms"] > 0 for r in runs.values())
+    assert runs["float32/eager"]["check"]["ok"] and runs["float16/eager"]["check"]["ok"]
+    assert runs["float32/eager"]["check"]["values_max_abs"] <= 1e-5
+    assert json.loads((tmp_path / "bench-maxsim.json").read_text())["runs"].keys() == runs.keys()
