@@ -155,8 +155,9 @@ class World:
     def mark(self, what: str) -> None:
         """Notes that collectives of the world were just launched, by a CUDA event on the current stream
         (after the launch, so it completes once they have): the watch aborts the world should it still be
-        unfinished `timeout` seconds from now. A no-op where the world is not watched (gloo, one process)."""
-        if self._stop is None:
+        unfinished `timeout` seconds from now. A no-op where the world is not watched (gloo, one process,
+        a closed mesh)."""
+        if self._stop is None or self._stop.is_set():
             return
         event = torch.cuda.Event()
         event.record()
