@@ -194,6 +194,12 @@ def test_errors_name_every_failed_group() -> None:
     )
 
 
+def test_only_the_errors_torch_names_count() -> None:
+    step, gradients = Group(), Group()
+    step.error, gradients.error = "SUCCESS", "SOMETHING_NEW"
+    assert nccl_world(step, gradients).errors() == ""
+
+
 def test_a_torch_that_cannot_report_errors_reports_none() -> None:
     old = SimpleNamespace(_get_backend=lambda device: SimpleNamespace(), abort=lambda: None)
     assert nccl_world(old, old).errors() == ""

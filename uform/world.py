@@ -188,9 +188,8 @@ class World:
             except Exception:  # no NCCL backend, an older torch, a group already gone
                 continue
             kind = getattr(state, "name", str(state))
-            if kind != "SUCCESS":
-                what = _ERRORS.get(kind, "NCCL reported {kind}").format(timeout=self.timeout, kind=kind)
-                found.append(f"{what} ({kind} on the {name} group)")
+            if kind in _ERRORS:  # the failures torch names (ErrorType); SUCCESS, or a name unknown here, is not
+                found.append(f"{_ERRORS[kind].format(timeout=self.timeout)} ({kind} on the {name} group)")
         return "; ".join(found)
 
     def abort(self, reason: str) -> str:
