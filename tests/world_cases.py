@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -248,6 +249,77 @@ def fault(args: argparse.Namespace, reports: Path) -> None:
     os._exit(0)  # the world is broken: leave without the collective teardown
 
 
+def kill(args: argparse.Namespace, reports: Path) -> None:
+    """A world of two (NCCL with --cuda): two steps and a save, then process 1 dies before step 3, which
+    process 0 must report as a MeshError within the deadline; every later step refuses at once, the aborted
+    world saves nothing, the process outlives torch's own handling of the timeout (--linger seconds) and its
+    trainer and mesh close."""
+    mesh = mesh_of(args, Executor.for_vram([args.host]) if args.cuda else None)
+    description = mesh.describe()
+    rank, size = description.ranks[0], description.world_size
+    report: dict[str, Any] = {
+        "description": _describe(description),
+        "error_handling": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+    }
+    trainer = Trainer.init_vram(
+        mesh.executor, config(Objective.Contrastive, PairLossForm.Sigmoid, Negatives.Ambient, mesh=mesh)
+    )
+    bags = share(rank, size)
+    report["stats"] = run_steps(trainer, bags, [1, 2])
+    trainer.save(reports / "kill.safetensors")
+    _write(reports, f"kill-{rank}", report, {})
+    if rank == 1:
+        os._exit(9)  # dies mid-run, as a killed process
+    start = time.monotonic()
+    try:
+        run_steps(trainer, bags, [3])
+        report["error"] = None
+    except Exception as error:
+        report["error"] = f"{type(error).__name__}: {error}"
+    report["seconds"] = time.monotonic() - start
+    start = time.monotonic()
+    try:
+        run_steps(trainer, bags, [3])
+        report["again"] = None
+    except Exception as error:
+        report["again"] = f"{type(error).__name__}: {error}"
+    report["again_seconds"] = time.monotonic() - start
+    try:
+        trainer.save(reports / "after.safetensors")
+        report["save"] = None
+    except Exception as error:
+        report["save"] = f"{type(error).__name__}: {error}"
+    _write(reports, f"kill-{rank}", report, {})
+    time.sleep(args.linger)  # torch's watchdog handles the timed-out collective meanwhile; it must not end us
+    report["lingered"] = args.linger
+    _write(reports, f"kill-{rank}", report, {})
+    start = time.monotonic()
+
+    def leave() -> None:
+        trainer.close()
+        mesh.close()
+
+    closing = threading.Thread(target=leave, daemon=True)
+    closing.start()
+    closing.join(60)
+    report["closed_seconds"] = None if closing.is_alive() else time.monotonic() - start
+    _write(reports, f"kill-{rank}", report, {})
+    os._exit(0)
+
+
+def resume_alone(args: argparse.Namespace, reports: Path) -> None:
+    """The reference of a resume: one process, one device, resumes the checkpoint and takes step 3 over the
+    whole global batch."""
+    executor = Executor.for_vram([0]) if args.cuda else Executor.cpu()
+    resumed = config(
+        Objective.Contrastive, PairLossForm.Sigmoid, Negatives.Ambient, resume=str(reports / args.checkpoint)
+    )
+    trainer = Trainer.init_vram(executor, resumed)
+    stats = run_steps(trainer, list(range(BAGS)), [3])
+    trainer.close()
+    _write(reports, "resume-alone", {"stats": stats}, {})
+
+
 def alone(args: argparse.Namespace, reports: Path) -> None:
     """The reference of the GPU test: one process, one device, the whole global batch."""
     executor = Executor.for_vram([0]) if args.cuda else Executor.cpu()
@@ -264,7 +336,7 @@ def alone(args: argparse.Namespace, reports: Path) -> None:
 
 def resume(args: argparse.Namespace, reports: Path) -> None:
     """After the fault: every process restarts with resume (in another world size) and takes step 3."""
-    mesh = mesh_of(args)
+    mesh = mesh_of(args, Executor.for_vram([args.host]) if args.cuda else None)
     description = mesh.describe()
     rank, size = description.ranks[0], description.world_size
     trainer = Trainer.init_vram(
@@ -274,7 +346,7 @@ def resume(args: argparse.Namespace, reports: Path) -> None:
             PairLossForm.Sigmoid,
             Negatives.Ambient,
             mesh=mesh,
-            resume=str(reports / "fault.safetensors"),
+            resume=str(reports / args.checkpoint),
         ),
     )
     stats = run_steps(trainer, share(rank, size), [3])
@@ -305,7 +377,14 @@ def _write(reports: Path, name: str, report: dict[str, Any], arrays: dict[str, n
     os.replace(temporary, reports / f"{name}.json")
 
 
-SCENARIOS = {"invariance": invariance, "fault": fault, "resume": resume, "alone": alone}
+SCENARIOS = {
+    "invariance": invariance,
+    "fault": fault,
+    "resume": resume,
+    "alone": alone,
+    "kill": kill,
+    "resume_alone": resume_alone,
+}
 
 
 def main() -> None:
@@ -320,6 +399,8 @@ def main() -> None:
     parser.add_argument("--store", default="file")
     parser.add_argument("--torchrun", action="store_true")
     parser.add_argument("--cuda", action="store_true", help="one CUDA device per process (NCCL)")
+    parser.add_argument("--checkpoint", default="fault.safetensors", help="what resume resumes, in REPORTS")
+    parser.add_argument("--linger", type=float, default=0.0, help="seconds the survivor of kill stays after")
     args = parser.parse_args()
     try:
         SCENARIOS[args.scenario](args, args.reports)

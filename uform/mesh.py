@@ -58,6 +58,9 @@ HEARTBEAT = 0.5
 POLL = 0.05
 """Seconds between looks at the exchange directory."""
 
+ABORT_SETTLE = 30.0
+"""Seconds `Mesh.close` waits for the aborts of a failed NCCL world before it forgets its groups."""
+
 _JOB = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
@@ -370,11 +373,42 @@ def _store(world: dict[str, Any], ranks: int, timeout: float) -> Any:
     return store
 
 
+GROUP_SLACK = 90.0
+"""Seconds an NCCL process group's own timeout exceeds the mesh's deadline. The world's watch aborts a
+collective still unfinished at the deadline (`World.mark`); after the abort torch's watchdog finds it
+finished. Were the group's timeout the deadline itself, the watchdog would time out every collective then
+in flight, and for each one sleep 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (60 s at its default; pytorch PR
+#150652) holding the group's work list, which any later destruction of the group waits for. 90 s is that
+60 s and a margin: a communication error torch sees first costs one such sleep, after which the works
+still listed must not yet have timed out."""
+
+
+def group_timeout(backend: str, timeout: float) -> datetime.timedelta:
+    """The process groups' own timeout for a mesh deadline of `timeout` seconds: the deadline on gloo (its
+    collectives raise by themselves); on NCCL the deadline and GROUP_SLACK (the world's watch keeps the
+    deadline)."""
+    return datetime.timedelta(seconds=timeout + (GROUP_SLACK if backend == "nccl" else 0.0))
+
+
+ASYNC_ERROR_HANDLING = "2"
+"""The library's TORCH_NCCL_ASYNC_ERROR_HANDLING: 2, torch's CleanUpOnly (abort the communicators of a failed
+or timed-out collective, leave the process alive). torch's default, 3 (SkipCleanUp), ends the whole process
+from its watchdog thread when a collective times out, so a survivor of a dead peer would die instead of
+raising `MeshError`, should torch see a failure before the world's own watch does (`World.watch`: a
+communication error torch reads from NCCL, a collective the world did not launch); 0 would leave such a
+collective's kernels waiting. Sources: docs/decisions.md ("NCCL faults")."""
+
+
 def nccl_defaults(tier: MultimemTier) -> None:
-    """NVLink multicast stays off unless asked for: NCCL_NVLS_ENABLE=0 unless the user set it."""
+    """The library's NCCL settings, each only where the user did not set the variable: NVLink multicast
+    off unless asked for (NCCL_NVLS_ENABLE=0), and failed collectives cleaned up without ending the process
+    (TORCH_NCCL_ASYNC_ERROR_HANDLING=2). torch reads the latter when a process group is made, so this runs
+    before every `init_process_group` / `new_group` of an NCCL world."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "1" if tier != MultimemTier.Off else "0")
     if tier == MultimemTier.Domain:
         os.environ.setdefault("NCCL_MNNVL_ENABLE", "1")
+    if "NCCL_ASYNC_ERROR_HANDLING" not in os.environ:  # torch's older spelling, which it still reads
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", ASYNC_ERROR_HANDLING)
 
 
 def effective_tier(requested: MultimemTier, backend: str, gpu_class: GPUClass, hosts: int) -> MultimemTier:
@@ -417,13 +451,15 @@ def join(
         store=dist.PrefixStore("pg/", prefixed),
         rank=rank,
         world_size=ranks,
-        timeout=datetime.timedelta(seconds=timeout),
+        timeout=group_timeout(backend, timeout),
         device_id=device if backend == "nccl" else None,
     )
-    gradients = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout))
-    return World(
+    gradients = dist.new_group(backend=backend, timeout=group_timeout(backend, timeout))
+    member = World(
         rank=rank, size=ranks, backend=backend, device=device, timeout=timeout, group=None, gradients=gradients
     )
+    member.watch()
+    return member
 
 
 def _torchrun_environment() -> dict[str, int] | None:
@@ -523,7 +559,7 @@ class Mesh:
         if backend == "nccl":
             nccl_defaults(options.multimem)
             torch.cuda.set_device(device)
-        timeout = datetime.timedelta(seconds=options.timeout_seconds)
+        timeout = group_timeout(backend, options.timeout_seconds)
         owns = not dist.is_initialized()
         if owns:
             dist.init_process_group(
@@ -540,12 +576,16 @@ class Mesh:
             group=None,
             gradients=gradients,
         )
+        world.watch()
         # Every process's device class, gathered, so the run dispatches as the lowest.
         mine = 0
         if backend == "nccl":
             mine = int(GPUClass.from_capability(*torch.cuda.get_device_capability(device)))
         classes = world.all_gather(torch.tensor([mine], dtype=torch.int64, device=device))
         gpu_class = GPUClass(int(classes.min())) if backend == "nccl" else GPUClass.CPU
+        if world.aborted:  # the gather was cut short: its answer is not the others' classes
+            world.unwatch()
+            raise MeshError(f"mesh: the processes could not gather their GPU classes ({world.aborted})")
         per_host = env["LOCAL_WORLD_SIZE"]
         hosts = max(1, size // per_host)
         description = MeshDescription(
@@ -661,7 +701,20 @@ class Mesh:
         if self.executor.has_workers():
             with contextlib.suppress(Exception):  # a dead worker has left already
                 self.executor.leave_workers()
-        if self.world is not None and dist.is_initialized():
+        if self.world is not None:
+            self.world.unwatch()
+        done = False  # the groups of an aborted NCCL world are not destroyed (they would wait for the dead)
+        if self.world is not None and self.world.aborted and dist.is_initialized():
+            # torch's bail-out for failed groups instead (destroy_process_group is for normal exits; pytorch
+            # PR #132291): it forgets them without waiting on them. Not while an abort still runs, whose
+            # communicator it would wait for: such a process leaves its groups to its exit.
+            done = not self.world.settle(min(self.world.timeout, ABORT_SETTLE))
+            if not done:
+                with contextlib.suppress(Exception):
+                    abort = dist.distributed_c10d._abort_process_group
+                    abort(None if self._owns_group else self.world.gradients)
+                    done = True
+        if self.world is not None and not done and dist.is_initialized():
             with contextlib.suppress(Exception):
                 if self._owns_group:
                     dist.destroy_process_group()

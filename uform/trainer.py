@@ -50,7 +50,7 @@ from .model.attention import compiled_flex_available, document_mask
 from .model.network import Network
 from .optim import build_optimizer, learning_rate
 from .relations import check_relations
-from .world import GradientReducer, MeshError, World, reduction_order
+from .world import GradientReducer, MeshError, World, WorldAborted, reduction_order, wait_event
 
 FORMAT = "uform.trainer.1"
 
@@ -270,6 +270,13 @@ class Trainer:
             self.mesh._release(self)
 
     def _submit_step(self, checked: _Checked) -> Future:
+        if self.world is not None and self.world.failed:
+            # A broken world refuses at once, here rather than behind the device thread, which may still be
+            # held by the failed step's device work while an NCCL abort lets go of it.
+            refused: Future = Future()
+            refused.set_running_or_notify_cancel()
+            refused.set_exception(MeshError(self.world.failed[0]))
+            return refused
         with self._lock:
             step = self._next_step
             self._next_step += 1
@@ -425,7 +432,12 @@ class Trainer:
             event.record(torch.cuda.current_stream(self.device))
 
         def finish() -> torch.Tensor | None:
-            if event is not None:
+            if event is not None and world is not None:
+                try:  # in a world, a peer that died leaves this event unfinished: a wait with a deadline
+                    wait_event(event, world, f"step {step}'s device work")
+                except WorldAborted as error:
+                    raise _broken(world, error, step) from error
+            elif event is not None:
                 event.synchronize()
             if checked.stats is not None:
                 stats = checked.stats
@@ -445,6 +457,13 @@ class Trainer:
         return finish
 
     def _run_save(self, config: TrainerSaveConfig) -> None:
+        if self.world is not None and self.world.aborted:
+            # The abort may have cut a step's collectives short after its update was launched: the weights
+            # may hold part of a step, so they are not written (the last checkpoint is the one to resume).
+            raise MeshError(
+                (self.world.failed or [f"mesh: the world failed ({self.world.aborted})"])[0]
+                + "; this process's weights may hold part of a step, so it saves none"
+            )
         if self.world is not None and self.world.rank != 0:
             return  # only the process of index zero writes; every process holds the same weights
         names = dict(self.network.named_parameters())
@@ -547,9 +566,11 @@ def _compare_runs(world: World, text: str | None, step: int) -> None:
     mine = torch.tensor([int(text is not None), *digest.tolist(), step], dtype=torch.int64, device=world.device)
     try:
         every = world.all_gather(mine[None]).cpu().tolist()  # [W, 4]
+        world.check()  # an NCCL world aborted while this process waited: `every` is not the others' rows
         texts: list[Any] = [None] * world.size
         if all(row[0] for row in every) and any(row[1:3] != every[0][1:3] for row in every):
             torch.distributed.all_gather_object(texts, text, group=world.group)
+            world.check()
     except Exception as error:
         raise MeshError(f"mesh: the processes of the run could not compare their runs ({error})") from error
     if text is None:

@@ -16,12 +16,25 @@ Shape legend: S segment slots of one device's step, D hidden, W world size (proc
   2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training"; written here from that
   description, with a SUM instead of DDP's mean because each process's loss is already divided by the
   world's counts).
+- NCCL faults (`World.watch`, `World.mark`, `World.abort`, `wait_event`): a peer that dies leaves this
+  process's NCCL kernels waiting for it forever, and torch's own handling of that (its watchdog, under
+  TORCH_NCCL_ASYNC_ERROR_HANDLING, whose default ends the process) never reaches the trainer. So the world
+  keeps its own deadline: every collective it launches is marked (a CUDA event and the launch time), and a
+  watch thread aborts every communicator of the world, all at once, when a mark is still unfinished a
+  deadline after its launch or torch reports an error; the abort lets every wait on the device return, and
+  the trainer raises `MeshError` as it does for gloo's closed connection. The NCCL groups' own timeout is
+  longer (`mesh.GROUP_SLACK`), so torch's watchdog finds the collectives aborted and finished rather than
+  timed out, and torch is asked to clean up without ending the process should it see an error first
+  (`mesh.nccl_defaults`). docs/decisions.md ("NCCL faults") has the sources.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,10 +46,30 @@ from torch import Tensor, nn
 BUCKET_BYTES = 25 << 20
 """Gradient bytes per bucket (DDP's default): big enough to keep the link busy, small enough to start early."""
 
+WATCH_SECONDS = 0.2
+"""Seconds between two looks of the world's watch (a CUDA event query and two mutex reads)."""
+
+GRACE_SECONDS = 5.0
+"""A wait for a step's device work gives up this long after the world's deadline: the step's collectives
+were marked before the wait began, so the watch aborts a stalled world first; the grace only matters for
+device work of collectives the world did not launch."""
+
+_ERRORS = {
+    "TIMEOUT": "a collective waited past the {timeout:g} s deadline",
+    "COMM_ERROR": "NCCL reported a communication error (a peer process exited or the network failed)",
+    "REMOTE_ERROR": "another process of the world reported an NCCL failure",
+}
+
 
 class MeshError(RuntimeError):
     """The world could not be formed, or a process of it stopped or stalled: the message says which and how
     to go on (restart every process; `resume` continues the run)."""
+
+
+class WorldAborted(RuntimeError):
+    """This process aborted the world's NCCL communicators (the message says why): no collective of the
+    world completes any more, and device results of the work in flight are not to be trusted. The trainer
+    turns it into the step's `MeshError`."""
 
 
 @dataclass
@@ -59,18 +92,159 @@ class World:
     """The gradient buckets' group."""
     failed: list[str] = field(default_factory=list)
     """Why the world broke, once a collective failed (every later step refuses with it)."""
+    aborted: str = ""
+    """Why this process aborted the world's NCCL communicators; empty while it has not (always on gloo)."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _aborts: list[threading.Thread] = field(default_factory=list, repr=False, compare=False)
+    _stop: threading.Event | None = field(default=None, repr=False, compare=False)
+    _marks: deque[tuple[Any, float, str]] = field(default_factory=deque, repr=False, compare=False)
 
     def all_reduce(self, tensor: Tensor) -> Tensor:
         """Sums `tensor` over the world, in place; answers it."""
+        self.check()
         dist.all_reduce(tensor, group=self.group)
+        self.mark("an all-reduce of the step")
         return tensor
 
     def all_gather(self, tensor: Tensor) -> Tensor:
         """[n, ...] on every process -> [W * n, ...], rank-major."""
+        self.check()
         tensor = tensor.contiguous()
         out = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
         _all_gather_single(out, tensor, group=self.group)
+        self.mark("an all-gather of the step")
         return out
+
+    # ---- NCCL faults -------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raises `WorldAborted` once this process has aborted the world (a collective launched on an
+        aborted communicator would only fail, or start a new one's rendezvous with peers that are gone)."""
+        if self.aborted:
+            raise WorldAborted(self.aborted)
+
+    def groups(self) -> list[tuple[str, Any]]:
+        """The world's process groups by their part: 'step' (the step's own collectives) and 'gradients'."""
+        step = self.group
+        if step is None:
+            with contextlib.suppress(Exception):  # not initialized (any more): nothing to look at
+                step = dist.distributed_c10d._get_default_group()
+        return [(name, pg) for name, pg in (("step", step), ("gradients", self.gradients)) if pg is not None]
+
+    def watch(self) -> None:
+        """Starts the world's watch (a daemon thread; NCCL worlds of two or more only): every WATCH_SECONDS
+        it looks at the oldest unfinished mark and at torch's error state of the groups, and aborts the
+        world (`abort`) when the mark is past the deadline or torch reports an error."""
+        if self.backend != "nccl" or self.size < 2 or self._stop is not None:
+            return
+        stop = self._stop = threading.Event()
+
+        def look() -> None:
+            while not stop.wait(WATCH_SECONDS):
+                reason = self.errors() or self.overdue()
+                if reason:
+                    self.abort(reason)
+                    return
+
+        threading.Thread(target=look, name="uform-world-watch", daemon=True).start()
+
+    def unwatch(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    def mark(self, what: str) -> None:
+        """Notes that collectives of the world were just launched, by a CUDA event on the current stream
+        (after the launch, so it completes once they have): the watch aborts the world should it still be
+        unfinished `timeout` seconds from now. A no-op where the world is not watched (gloo, one process,
+        a closed mesh)."""
+        if self._stop is None or self._stop.is_set():
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self._marks.append((event, time.monotonic(), what))
+
+    def overdue(self) -> str:
+        """Why the world is stalled, from its marks (empty while it is not): marks finish in the order they
+        were made on the one stream, so finished ones are dropped from the front and the first unfinished
+        one is the oldest."""
+        while self._marks:
+            event, launched, what = self._marks[0]
+            if event.query():
+                self._marks.popleft()
+                continue
+            waited = time.monotonic() - launched
+            if waited > self.timeout:
+                return f"{what} has not finished {waited:.1f} s after its launch, past the {self.timeout:g} s deadline"
+            break
+        return ""
+
+    def errors(self) -> str:
+        """What torch's NCCL watchdog has seen go wrong in the world's groups, as a sentence; empty when
+        nothing has (or this torch cannot say: `get_error` came with torch 2.6, pytorch PR #140087)."""
+        found = []
+        for name, pg in self.groups():
+            try:
+                state = pg._get_backend(torch.device("cuda")).get_error()
+            except Exception:  # no NCCL backend, an older torch, a group already gone
+                continue
+            kind = getattr(state, "name", str(state))
+            if kind in _ERRORS:  # the failures torch names (ErrorType); SUCCESS, or a name unknown here, is not
+                found.append(f"{_ERRORS[kind].format(timeout=self.timeout)} ({kind} on the {name} group)")
+        return "; ".join(found)
+
+    def abort(self, reason: str) -> str:
+        """Aborts every NCCL communicator of the world, once, and answers why it was (the first reason).
+
+        The groups are aborted at the same time, each from a thread of its own, and this returns without
+        waiting for them: `ncclCommAbort` of one communicator may wait for the whole device, which a kernel
+        of another communicator still waiting for the dead peer never lets go of (NVIDIA/nccl#1013,
+        pytorch#119797); concurrent aborts set every communicator's abort flag before any of them waits.
+        `aborted` is set first, so a wait that polls it gives up at once even if an abort hangs."""
+        with self._lock:
+            if self.aborted:
+                return self.aborted
+            self.aborted = f"{reason}; this process aborted the world's NCCL communicators"
+            for name, pg in self.groups():
+                thread = threading.Thread(target=_abort_group, args=(pg,), name=f"uform-abort-{name}", daemon=True)
+                thread.start()
+                self._aborts.append(thread)
+            return self.aborted
+
+    def settle(self, seconds: float) -> bool:
+        """Waits up to `seconds` for the aborts `abort` started; answers whether they all returned."""
+        deadline = time.monotonic() + seconds
+        with self._lock:  # `abort` sets `aborted` before it starts the threads, under this lock
+            threads = list(self._aborts)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in threads)
+
+
+def _abort_group(pg: Any) -> None:
+    with contextlib.suppress(Exception):  # a group whose backend cannot abort, or one already gone
+        pg.abort()
+
+
+def wait_event(event: Any, world: World, what: str, grace: float = GRACE_SECONDS) -> None:
+    """Waits for a CUDA `event` recorded after device work of `world`'s collectives, polling it, so that the
+    wait ends even where an abort does not release the device (`event.synchronize()` would wait forever).
+
+    Raises `WorldAborted` when the world is aborted before the event completes (or when it completes but the
+    watchdog reports an error: aborted collectives end early, with partial results), and aborts the world
+    itself when `world.timeout + grace` seconds pass first. Polls at 50 us, doubling to 1 ms: a step's
+    answer waits at most about a millisecond longer than `synchronize` would make it."""
+    deadline = time.monotonic() + world.timeout + grace
+    pause = 5e-5
+    while not event.query():
+        if world.aborted:
+            raise WorldAborted(world.aborted)
+        if time.monotonic() > deadline:
+            raise WorldAborted(world.abort(f"{what} did not finish within {world.timeout + grace:g} s"))
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
+    reason = world.aborted or world.errors()
+    if reason:
+        raise WorldAborted(world.abort(reason))
 
 
 _all_gather_single: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -89,10 +263,12 @@ class _GatherWithGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
         world: World = ctx.world
+        world.check()
         grad = grad.contiguous()
         if world.backend == "nccl":
             out = grad.new_empty((ctx.rows, *grad.shape[1:]))
             _reduce_scatter_single(out, grad, op=dist.ReduceOp.SUM, group=world.group)
+            world.mark("the reduce-scatter of the gathered embeddings' gradient")
             return out, None
         # gloo has no reduce-scatter: sum the whole (small: W x S x D) gradient, keep this rank's rows.
         total = grad.clone()
@@ -262,6 +438,7 @@ class GradientReducer:
     def _launch(self, bucket: _Bucket) -> None:
         """The bucket's gradients (zeros for parameters backward did not reach) and used flags into its
         buffer, then its all-reduce, asynchronous."""
+        self.world.check()
         assert bucket.buffer is not None
         used = [i for i, fired in enumerate(bucket.fired) if fired]
         if used:
@@ -287,6 +464,7 @@ class GradientReducer:
             self._launch_ready()
         for bucket in self.buckets:
             bucket.work.wait()
+        self.world.mark("the gradient buckets' all-reduces")
         flags = torch.cat([b.buffer[b.numel :] for b in self.buckets if b.buffer is not None])
         unused = self._unused(flags)
         at = 0
@@ -307,7 +485,7 @@ class GradientReducer:
             return self._held
         if self._pending_flags is not None:
             host, event = self._pending_flags
-            event.synchronize()
+            wait_event(event, self.world, "the previous step's gradient reduction")
             seen = {i for i, used in enumerate(host.tolist()) if used == 0}
             if seen != self._held:
                 warnings.warn(
