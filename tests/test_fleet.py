@@ -34,7 +34,7 @@ from uform import (
     TrainerSaveConfig,
     TrainerStepStats,
 )
-from uform.checkpoint import read_metadata
+from uform.checkpoint import CheckpointError, read_metadata
 from uform.enums import Modality
 from uform.fleet import ProgressRelay, item_sizes, route
 from uform.relations import first_crossing, restrict
@@ -487,3 +487,19 @@ def test_a_raising_callback_raises_its_own_error(two: Executor, saved: Path, tmp
         assert wc.run_steps(trainer, EVERY_BAG, [2])[0]["step"] == 2
     finally:
         trainer.close()
+
+
+def test_a_damaged_checkpoint_is_refused_as_on_one_device(two: Executor, saved: Path, tmp_path: Path) -> None:
+    """A worker's CheckpointError crosses back as a CheckpointError (not a RuntimeError around a traceback),
+    with one device's message: a byte of the tensor data flipped, so the header still reads and only the
+    digest, checked by each worker as it loads, finds it."""
+    damaged = tmp_path / "damaged.safetensors"
+    data = bytearray(saved.read_bytes())
+    data[-3] ^= 0x40
+    damaged.write_bytes(bytes(data))
+    refused = []
+    for executor in (Executor.cpu(), two):
+        with pytest.raises(CheckpointError) as error:
+            Trainer.init_vram(executor, resuming(damaged))
+        refused.append(str(error.value))
+    assert refused[1] == refused[0]

@@ -46,10 +46,12 @@ import torch
 
 from . import vocab
 from .arena import Arena
-from .checkpoint import ProgressCallback, Stopped
+from .checkpoint import CheckpointError, ProgressCallback, Stopped
 from .config import TrainerInitVramConfig, TrainerStepConfig, TrainerStepStats
 from .data.items import ChoiceTapes
 from .enums import Modality, Objective
+from .host import HostProcessError
+from .media.limits import MediaError
 from .relations import first_crossing, restrict
 from .trainer import Deferred, On, Trainer, check_step, resolve_run, save_config
 from .world import MeshError
@@ -60,7 +62,12 @@ _ERRORS: dict[str, type[BaseException]] = {
     "MeshError": MeshError,
     "RuntimeError": RuntimeError,
     "Stopped": Stopped,
+    "CheckpointError": CheckpointError,
+    "MediaError": MediaError,
+    "HostProcessError": HostProcessError,
 }
+"""The errors a worker's failure crosses back as, by name (any other arrives as a RuntimeError naming it, with the
+worker's traceback): those the library raises on purpose, so that a caller catches the same type as on one device."""
 
 
 def route(sizes: np.ndarray, bags: np.ndarray | None, devices: int) -> list[np.ndarray]:
@@ -731,8 +738,9 @@ def _worker_init(state: dict[str, Any], device: torch.device, argument: Any, pro
     mesh = state["mesh"]
     if mesh is None:
         raise MeshError("mesh: this device's worker belongs to no world; bootstrap a mesh over the executor first")
-    if state["trainer"] is not None:
+    if state["trainer"] is not None:  # dropped before the new one is made: a failed init leaves none behind
         state["trainer"].close()
+        state["trainer"] = None
     run = dataclasses.replace(config, mesh=mesh, progress=progress if relayed else None)
     trainer = Trainer.init_vram(mesh.executor, run, media=media, host_processes=host_processes)
     state["trainer"] = trainer
