@@ -11,8 +11,9 @@ Steps go through `Trainer.deferred` with two in flight, stats read back every st
 and with --devices processes (one GPU each, `Mesh.from_env()`); --launcher executor runs
 `Executor.for_vram([0])` and then `Executor.for_vram([0, ..., N-1])` (a worker process per device) in this
 process. Prints tokens/s of both and the efficiency, tokens/s(N) / (N x tokens/s(1)); the bar is 0.90.
-NCCL_NVLS_ENABLE stays 0 unless set (the library's default); UFORM_WORLD_COMPILE=blocks compiles the world's
-step block by block (the gradient reduction overlaps backward) instead of as one graph (the default).
+NCCL_NVLS_ENABLE stays 0 unless set (the library's default); --world-compile blocks (or UFORM_WORLD_COMPILE=blocks
+in the environment) compiles the world's step block by block (the gradient reduction overlaps backward) instead
+of as one graph (the default; `Trainer.init_vram(..., world_compile=...)`).
 Writes bench-scaling-<launcher>[-blocks].json under $OUT (or the current folder).
 """
 
@@ -123,7 +124,7 @@ def child(args: argparse.Namespace) -> None:
 
     mesh = u.Mesh.from_env()
     d = mesh.describe()
-    trainer = u.Trainer.init_vram(mesh.executor, run_config(args, mesh))
+    trainer = u.Trainer.init_vram(mesh.executor, run_config(args, mesh), world_compile=args.world_compile)
     result = measure(args, trainer, mesh.executor, 1, offset=d.ranks[0] * args.segments)
     if args.profile:
         profile(args, trainer, mesh.executor, d.ranks[0], offset=d.ranks[0] * args.segments)
@@ -176,7 +177,7 @@ def with_executor(args: argparse.Namespace, devices: int) -> dict[str, Any]:
         executor = u.Executor._cpu_workers(devices) if devices > 1 else u.Executor.cpu()
     else:
         executor = u.Executor.for_vram(list(range(devices)))
-    trainer = u.Trainer.init_vram(executor, run_config(args))
+    trainer = u.Trainer.init_vram(executor, run_config(args), world_compile=args.world_compile)
     result = measure(args, trainer, executor, devices, offset=0)
     result["world_size"] = devices
     trainer.close()
@@ -192,6 +193,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--profile", type=int, default=0, help="profile this many more steps per process")
+    parser.add_argument(
+        "--world-compile",
+        choices=("whole", "blocks"),
+        default=os.environ.get("UFORM_WORLD_COMPILE", "whole"),
+        help="how the world's step compiles (Trainer.init_vram's world_compile)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)  # a smoke test of the script
     args = parser.parse_args()
@@ -213,7 +220,7 @@ def main() -> None:
         "geometry": {k: v for k, v in vars(args).items() if k != "child"},
         "device": device,
         "torch": torch.__version__,
-        "world_compile": os.environ.get("UFORM_WORLD_COMPILE", "whole"),
+        "world_compile": args.world_compile,
         "one": one,
         "many": many,
         "efficiency": efficiency,

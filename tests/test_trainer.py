@@ -468,6 +468,18 @@ def test_init_refuses_wrong_argument_types(executor: Executor) -> None:
         Trainer(executor, make_config())
 
 
+def test_world_compile_is_whole_or_blocks(executor: Executor) -> None:
+    trainer = Trainer.init_vram(executor, make_config())
+    assert trainer.world_compile == "whole"  # the default: one graph per step (BENCHMARKS.md, weak scaling)
+    trainer.close()
+    trainer = Trainer.init_vram(executor, make_config(), world_compile="blocks")
+    assert trainer.world_compile == "blocks"
+    trainer.close()
+    for bad, error in (("block", ValueError), ("", ValueError), (None, TypeError), (1, TypeError)):
+        with pytest.raises(error, match="world_compile: expected 'whole' or 'blocks'"):
+            Trainer.init_vram(executor, make_config(), world_compile=bad)  # type: ignore[arg-type]
+
+
 def test_init_refuses_a_file_that_is_no_checkpoint(executor: Executor, tmp_path) -> None:
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}" + b" " * 14)

@@ -421,7 +421,14 @@ class FleetTrainer(Trainer):
         self._lock = threading.Lock()
 
     @classmethod
-    def start(cls, executor: Any, config: TrainerInitVramConfig, media: Any, host_processes: int | None = None) -> Any:
+    def start(
+        cls,
+        executor: Any,
+        config: TrainerInitVramConfig,
+        media: Any,
+        host_processes: int | None = None,
+        world_compile: str = "whole",
+    ) -> Any:
         from .mesh import Mesh, MeshOptions
 
         resolved, _stored = resolve_run(config)
@@ -434,7 +441,9 @@ class FleetTrainer(Trainer):
         shipped = dataclasses.replace(config, mesh=None, progress=None)
         relayed = config.progress is not None
         try:
-            steps = fleet.everyone("init", (shipped, media, host_processes, relayed), fleet.relay(config.progress))
+            steps = fleet.everyone(
+                "init", (shipped, media, host_processes, world_compile, relayed), fleet.relay(config.progress)
+            )
         except BaseException:
             with contextlib.suppress(BaseException):
                 fleet.everyone("close_trainer")
@@ -734,7 +743,7 @@ def _worker_leave(state: dict[str, Any], device: torch.device, argument: Any, pr
 def _worker_init(state: dict[str, Any], device: torch.device, argument: Any, progress: ProgressCallback) -> int:
     from .trainer import Trainer
 
-    config, media, host_processes, relayed = argument
+    config, media, host_processes, world_compile, relayed = argument
     mesh = state["mesh"]
     if mesh is None:
         raise MeshError("mesh: this device's worker belongs to no world; bootstrap a mesh over the executor first")
@@ -742,7 +751,9 @@ def _worker_init(state: dict[str, Any], device: torch.device, argument: Any, pro
         state["trainer"].close()
         state["trainer"] = None
     run = dataclasses.replace(config, mesh=mesh, progress=progress if relayed else None)
-    trainer = Trainer.init_vram(mesh.executor, run, media=media, host_processes=host_processes)
+    trainer = Trainer.init_vram(
+        mesh.executor, run, media=media, host_processes=host_processes, world_compile=world_compile
+    )
     state["trainer"] = trainer
     return trainer.steps_taken
 

@@ -54,6 +54,9 @@ from .world import GradientReducer, MeshError, World, WorldAborted, reduction_or
 
 FORMAT = "uform.trainer.1"
 
+WORLD_COMPILES = ("whole", "blocks")
+"""How a world's step may compile on CUDA (`Trainer.init_vram`'s `world_compile`)."""
+
 
 @dataclass
 class _Checked:
@@ -75,7 +78,13 @@ class Trainer:
     """A training run on one executor; make it with `Trainer.init_vram`."""
 
     def __init__(
-        self, executor: Executor, config: TrainerInitVramConfig, *, host_processes: int = 0, _token: object = None
+        self,
+        executor: Executor,
+        config: TrainerInitVramConfig,
+        *,
+        host_processes: int = 0,
+        world_compile: str = "whole",
+        _token: object = None,
     ) -> None:
         if _token is not _PRIVATE:
             raise TypeError("Trainer: make one with Trainer.init_vram(executor, config)")
@@ -119,7 +128,9 @@ class Trainer:
         cuda = self.device.type == "cuda"
         self.attention = "flex" if compiled_flex_available(self.device) else "dense"
         self._losses: Callable[..., dict[str, torch.Tensor]] = self.network.losses
-        if cuda and self.world is not None and self.world.size > 1 and _world_compile() == "blocks":
+        self.world_compile = world_compile
+        """How a world's step compiles on CUDA (`Trainer.init_vram`)."""
+        if cuda and self.world is not None and self.world.size > 1 and world_compile == "blocks":
             # 'blocks': each block compiled on its own (one graph, reused by every block), so backward
             # finishes the blocks' gradients one block at a time and the gradient buckets reduce while earlier
             # blocks still differentiate; the heads and losses compile as a graph of their own (broken around
@@ -142,6 +153,7 @@ class Trainer:
         *,
         media: MediaPolicy | None = None,
         host_processes: int | None = None,
+        world_compile: str = "whole",
     ) -> Trainer:
         """Builds the run on `executor`, from `config.seed` or resumed from `config.resume`.
 
@@ -154,6 +166,13 @@ class Trainer:
         interpreter lock is the device thread's. None (the default) is 1 on CUDA and 0 on the CPU (see
         `default_host_processes`).
         Where it runs changes no result: the batches, and so the training, are bitwise the same.
+
+        `world_compile` says how the step of a world of several CUDA devices compiles: "whole" (the default)
+        one graph, as one device alone compiles it, the gradients reduced after backward; "blocks" each tower
+        block a graph of its own and the heads another, so the gradient buckets reduce while backward runs.
+        On one host's NVLink the reduction is short and "whole" is faster (2 x H200: 95.9% weak scaling against
+        89.1%, BENCHMARKS.md); "blocks" is for links slow enough that hiding the reduction pays. It changes
+        nothing elsewhere (one device, the CPU).
         """
         media = MediaPolicy() if media is None else media
         if not isinstance(media, MediaPolicy):
@@ -162,6 +181,10 @@ class Trainer:
             raise TypeError(f"host_processes: expected None or an int, got {type(host_processes).__name__}")
         if host_processes is not None and host_processes < 0:
             raise ValueError(f"host_processes: must not be negative, got {host_processes}")
+        if not isinstance(world_compile, str):
+            raise TypeError(f"world_compile: expected 'whole' or 'blocks', got {type(world_compile).__name__}")
+        if world_compile not in WORLD_COMPILES:
+            raise ValueError(f"world_compile: expected 'whole' or 'blocks', got {world_compile!r}")
         if not isinstance(executor, Executor):
             raise TypeError(f"executor: expected an Executor, got {type(executor).__name__}")
         if not isinstance(config, TrainerInitVramConfig):
@@ -171,12 +194,12 @@ class Trainer:
         if executor.has_workers():
             from .fleet import FleetTrainer
 
-            return FleetTrainer.start(executor, config, media, host_processes)
+            return FleetTrainer.start(executor, config, media, host_processes, world_compile)
         world = None if config.mesh is None else config.mesh.world
         try:
             resolved, stored = resolve_run(config)
             hosts = default_host_processes(executor) if host_processes is None else host_processes
-            trainer = cls(executor, resolved, host_processes=hosts, _token=_PRIVATE)
+            trainer = cls(executor, resolved, host_processes=hosts, world_compile=world_compile, _token=_PRIVATE)
             trainer.media = media
             trainer.network.initialize(resolved.seed)
             trainer.network.to(trainer.device)
@@ -615,17 +638,6 @@ def _split_step(
         return heads(network.states(batch, mask), batch, positives, late_positives)
 
     return losses
-
-
-def _world_compile() -> str:
-    """How a world's step compiles on CUDA: 'whole' (the default: one graph for the step, as one process
-    alone compiles it, broken only around the embedding gather; the gradient reduction follows backward) or
-    'blocks' (the reduction overlaps backward, for links slow enough that hiding it pays for a partly eager
-    step), from UFORM_WORLD_COMPILE."""
-    mode = os.environ.get("UFORM_WORLD_COMPILE", "whole")
-    if mode not in ("blocks", "whole"):
-        raise ValueError(f"UFORM_WORLD_COMPILE: expected 'blocks' or 'whole', got {mode!r}")
-    return mode
 
 
 def _world_counts(terms: dict[str, torch.Tensor], world: World) -> dict[str, torch.Tensor]:
