@@ -1,11 +1,14 @@
 """The bench scripts that answer numbers run end to end on the CPU at a tiny scale (the lead runs them on a
-GPU at the seed's): bench/encode.py, and bench/maxsim.py, whose current MaxSim agrees with the previous one it
-keeps as the reference."""
+GPU at the seed's): bench/encode.py; bench/maxsim.py, whose current MaxSim agrees with the previous one it
+keeps as the reference; and bench/scaling.py through an executor of two CPU workers."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -42,3 +45,13 @@ def test_maxsim_bench_smoke(tmp_path: Path) -> None:
     assert runs["float32/eager"]["check"]["ok"] and runs["float16/eager"]["check"]["ok"]
     assert runs["float32/eager"]["check"]["values_max_abs"] <= 1e-5
     assert json.loads((tmp_path / "bench-maxsim.json").read_text())["runs"].keys() == runs.keys()
+
+
+def test_scaling_bench_smoke(tmp_path: Path) -> None:
+    tiny = "--cpu --launcher executor --devices 2 --depth 1 --hidden 128 --rows 2 --columns 128 --segments 8"
+    command = [sys.executable, str(BENCH / "scaling.py"), *tiny.split(), "--steps", "2", "--warmup", "1"]
+    command += ["--world-compile", "blocks"]
+    subprocess.run(command, check=True, env={**os.environ, "OUT": str(tmp_path)}, timeout=300, capture_output=True)
+    results = json.loads((tmp_path / "bench-scaling-executor-blocks.json").read_text())
+    assert results["world_compile"] == "blocks" and results["many"]["world_size"] == 2
+    assert results["one"]["tokens_per_s"] > 0 and results["many"]["tokens_per_s"] > 0 and results["efficiency"] > 0
