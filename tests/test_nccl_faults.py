@@ -138,6 +138,13 @@ def test_an_abort_that_hangs_does_not_hold_anyone() -> None:
 # The watch
 
 
+def until_aborted(world: World, seconds: float = 5.0) -> None:
+    """Waits (at most `seconds`) for the world's watch to abort it."""
+    deadline = time.monotonic() + seconds
+    while not world.aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_the_watch_aborts_the_world_when_torch_reports_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(uform.world, "WATCH_SECONDS", 0.02)
     step, gradients = Group(), Group()
@@ -146,9 +153,7 @@ def test_the_watch_aborts_the_world_when_torch_reports_an_error(monkeypatch: pyt
     time.sleep(0.2)
     assert not world.aborted and world.errors() == ""
     step.error = "TIMEOUT"  # torch's watchdog: a collective of the step group ran past the deadline
-    deadline = time.monotonic() + 5
-    while not world.aborted and time.monotonic() < deadline:
-        time.sleep(0.01)
+    until_aborted(world)
     assert "waited past the 30 s deadline (TIMEOUT on the step group)" in world.aborted
     assert world.settle(5.0) and (step.aborts, gradients.aborts) == (1, 1)
     world.unwatch()
@@ -162,9 +167,7 @@ def test_the_watch_aborts_the_world_when_a_collective_is_past_the_deadline(monke
     world.watch()
     now = time.monotonic()
     world._marks.extend([(Event(done=True), now, "an all-reduce of the step"), (Event(), now, "an all-gather")])
-    deadline = time.monotonic() + 5
-    while not world.aborted and time.monotonic() < deadline:
-        time.sleep(0.01)
+    until_aborted(world)
     assert 0.3 <= time.monotonic() - now < 3
     assert world.aborted.startswith("an all-gather has not finished ") and "past the 0.3 s deadline" in world.aborted
     assert world.settle(5.0) and (step.aborts, gradients.aborts) == (1, 1)

@@ -197,6 +197,33 @@ def invariance(args: argparse.Namespace, reports: Path) -> None:
     _write(reports, f"invariance-{size}-{rank}", report, arrays)
 
 
+def attempt(report: dict[str, Any], key: str, call: Any, seconds: str | None = None) -> None:
+    """Runs `call`; notes in `report[key]` its error as "Type: message" (None if it raised none) and, when
+    `seconds` names a key, how long it took there."""
+    start = time.monotonic()
+    try:
+        call()
+        report[key] = None
+    except Exception as error:
+        report[key] = f"{type(error).__name__}: {error}"
+    if seconds is not None:
+        report[seconds] = time.monotonic() - start
+
+
+def survive_a_dead_peer(
+    trainer: Trainer, bags: list[int], rank: int, reports: Path, name: str, report: dict[str, Any]
+) -> None:
+    """Steps 1 and 2 and a save to `<name>.safetensors`; then process 1 dies, as a killed process, and every
+    other tries step 3 (`error`, `seconds`) and once more (`again`, `again_seconds`)."""
+    report["stats"] = run_steps(trainer, bags, [1, 2])
+    trainer.save(reports / f"{name}.safetensors")
+    _write(reports, f"{name}-{rank}", report, {})
+    if rank == 1:
+        os._exit(9)
+    attempt(report, "error", lambda: run_steps(trainer, bags, [3]), "seconds")
+    attempt(report, "again", lambda: run_steps(trainer, bags, [3]), "again_seconds")
+
+
 def fault(args: argparse.Namespace, reports: Path) -> None:
     """A world of three: a process that builds another run is refused on every process; then two steps, a
     save, and process 1 dies before step 3, which the others must report clearly within the deadline."""
@@ -225,26 +252,7 @@ def fault(args: argparse.Namespace, reports: Path) -> None:
     trainer = Trainer.init_vram(
         mesh.executor, config(Objective.Contrastive, PairLossForm.Sigmoid, Negatives.Ambient, mesh=mesh)
     )
-    bags = share(rank, mesh.describe().world_size)
-    report["stats"] = run_steps(trainer, bags, [1, 2])
-    trainer.save(reports / "fault.safetensors")
-    _write(reports, f"fault-{rank}", report, {})
-    if rank == 1:
-        os._exit(9)  # dies mid-run, as a killed process
-    start = time.monotonic()
-    try:
-        run_steps(trainer, bags, [3])
-        report["error"] = None
-    except Exception as error:
-        report["error"] = f"{type(error).__name__}: {error}"
-    report["seconds"] = time.monotonic() - start
-    start = time.monotonic()
-    try:
-        run_steps(trainer, bags, [3])
-        report["again"] = None
-    except Exception as error:
-        report["again"] = f"{type(error).__name__}: {error}"
-    report["again_seconds"] = time.monotonic() - start
+    survive_a_dead_peer(trainer, share(rank, mesh.describe().world_size), rank, reports, "fault", report)
     _write(reports, f"fault-{rank}", report, {})
     os._exit(0)  # the world is broken: leave without the collective teardown
 
@@ -264,31 +272,8 @@ def kill(args: argparse.Namespace, reports: Path) -> None:
     trainer = Trainer.init_vram(
         mesh.executor, config(Objective.Contrastive, PairLossForm.Sigmoid, Negatives.Ambient, mesh=mesh)
     )
-    bags = share(rank, size)
-    report["stats"] = run_steps(trainer, bags, [1, 2])
-    trainer.save(reports / "kill.safetensors")
-    _write(reports, f"kill-{rank}", report, {})
-    if rank == 1:
-        os._exit(9)  # dies mid-run, as a killed process
-    start = time.monotonic()
-    try:
-        run_steps(trainer, bags, [3])
-        report["error"] = None
-    except Exception as error:
-        report["error"] = f"{type(error).__name__}: {error}"
-    report["seconds"] = time.monotonic() - start
-    start = time.monotonic()
-    try:
-        run_steps(trainer, bags, [3])
-        report["again"] = None
-    except Exception as error:
-        report["again"] = f"{type(error).__name__}: {error}"
-    report["again_seconds"] = time.monotonic() - start
-    try:
-        trainer.save(reports / "after.safetensors")
-        report["save"] = None
-    except Exception as error:
-        report["save"] = f"{type(error).__name__}: {error}"
+    survive_a_dead_peer(trainer, share(rank, size), rank, reports, "kill", report)
+    attempt(report, "save", lambda: trainer.save(reports / "after.safetensors"))
     _write(reports, f"kill-{rank}", report, {})
     time.sleep(args.linger)  # torch's watchdog handles the timed-out collective meanwhile; it must not end us
     report["lingered"] = args.linger
