@@ -1,4 +1,5 @@
-"""What the bench scripts share: their text corpus and the Joint run they time (a sibling module, not a package)."""
+"""What the bench scripts share: their text corpus, its pairs and the Joint run they time (a sibling module, not a
+package)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,22 @@ def topic_text() -> bytes:
     import pydoc_data.topics
 
     return " ".join(" ".join(v.split()) for v in pydoc_data.topics.topics.values()).encode()
+
+
+def topic_slices(count: int, length: int, offset: int = 0) -> list[bytes]:
+    """`count` slices of `length` bytes of `topic_text`, starting `offset` slices in (the corpus repeats, a space
+    between copies, where more is asked for than it holds)."""
+    text = topic_text()
+    need = (offset + count) * length
+    text = (text + b" ") * (1 + need // len(text))
+    return [text[(offset + i) * length : (offset + i + 1) * length] for i in range(count)]
+
+
+def pair_relations(count: int) -> Any:
+    """Relations over `count` items in which items 2k and 2k + 1 attract each other."""
+    import uform as u
+
+    return u.Relations(attract=u.Edges(offsets=list(range(count + 1)), ids=[i ^ 1 for i in range(count)]))
 
 
 def joint_config(args: Any, *, batch: dict[str, Any] | None = None, **fields: Any) -> Any:

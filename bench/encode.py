@@ -37,16 +37,7 @@ import torch
 # Run as a script, the checkout's uform wins over an installed one; its sibling `common` is found when loaded too.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_geometry
-
-
-def topic_slices(count: int, length: int) -> list[bytes]:
-    import pydoc_data.topics
-
-    text = " ".join(" ".join(v.split()) for v in pydoc_data.topics.topics.values()).encode()
-    repeats = 1 + count * length // max(1, len(text))
-    text = (text + b" ") * repeats
-    return [text[i * length : (i + 1) * length] for i in range(count)]
+from common import add_geometry, topic_slices  # sibling modules, not a package
 
 
 def jpegs(count: int, side: int, seed: int = 0) -> list[bytes]:

@@ -23,12 +23,7 @@ import sys
 import time
 
 import torch
-from common import add_geometry, joint_config, topic_text  # a sibling module of the bench scripts
-
-
-def topic_slices(count: int, length: int) -> list[bytes]:
-    text = topic_text()
-    return [text[i * length : (i + 1) * length] for i in range(count)]
+from common import add_geometry, joint_config, pair_relations, topic_slices  # sibling modules, not a package
 
 
 def run(args: argparse.Namespace, name: str) -> dict:
@@ -47,7 +42,7 @@ def run(args: argparse.Namespace, name: str) -> dict:
     n = args.segments
     per_item = args.rows * args.columns // n - 3  # prefix, side marker and an appended MASK fit
     items = topic_slices(n, per_item)
-    relations = u.Relations(attract=u.Edges(offsets=list(range(n + 1)), ids=[i ^ 1 for i in range(n)]))
+    relations = pair_relations(n)
     step = u.TrainerStepConfig(relations=relations)
     if late:
         step.sides = ["query" if i % 2 == 0 else "document" for i in range(n)]

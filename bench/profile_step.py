@@ -11,8 +11,7 @@ import os
 import time
 
 import torch
-from common import add_geometry  # type: ignore[import-not-found]
-from step import topic_slices  # type: ignore[import-not-found]
+from common import add_geometry, pair_relations, topic_slices  # type: ignore[import-not-found]
 from torch.profiler import ProfilerActivity, profile
 
 import uform as u
@@ -40,7 +39,7 @@ def main() -> None:
     )
     n = args.segments
     items = topic_slices(n, args.rows * args.columns // n - 1)
-    relations = u.Relations(attract=u.Edges(offsets=list(range(n + 1)), ids=[i ^ 1 for i in range(n)]))
+    relations = pair_relations(n)
     verbs = trainer.deferred(executor)
 
     def step(stats: bool) -> object:

@@ -30,48 +30,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import add_geometry  # a sibling module of the bench scripts
+from common import add_geometry, joint_config, pair_relations, topic_slices  # sibling modules, not a package
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 BAR = 0.90
 
 
-def items(count: int, length: int, offset: int) -> list[bytes]:
-    """`count` slices of `length` bytes of CPython's pydoc topics, starting `offset` slices in."""
-    import pydoc_data.topics
-
-    text = " ".join(" ".join(v.split()) for v in pydoc_data.topics.topics.values()).encode()
-    need = (offset + count) * length
-    text = (text * (need // len(text) + 1))[:need]
-    return [text[(offset + i) * length : (offset + i + 1) * length] for i in range(count)]
-
-
-def run_config(args: argparse.Namespace, mesh: Any = None) -> Any:
-    import uform as u
-
-    return u.TrainerInitVramConfig(
-        depth=args.depth,
-        hidden=args.hidden,
-        objective=u.Objective.Joint,
-        batch=u.BatchShape(
-            max_rows_per_device=args.rows, max_segments_per_device=args.segments, max_columns_per_row=args.columns
-        ),
-        schedule=u.Schedule(steps=10_000),
-        seed=42,
-        mesh=mesh,
-    )
-
-
 def step_inputs(args: argparse.Namespace, devices: int, offset: int) -> tuple[list[bytes], Any]:
     """The items of `devices` devices' worth of batch, pairs (2k, 2k + 1) attracting, each pair a bag."""
-    import uform as u
-
     n = args.segments * devices
     per_item = args.rows * args.columns // args.segments - 1  # prefix + content fill the rows exactly
-    contents = items(n, per_item, offset)
-    relations = u.Relations(attract=u.Edges(offsets=list(range(n + 1)), ids=[i ^ 1 for i in range(n)]))
-    return contents, (relations, [i // 2 for i in range(n)])
+    return topic_slices(n, per_item, offset), (pair_relations(n), [i // 2 for i in range(n)])
 
 
 def measure(args: argparse.Namespace, trainer: Any, executor: Any, devices: int, offset: int) -> dict[str, Any]:
@@ -124,7 +94,7 @@ def child(args: argparse.Namespace) -> None:
 
     mesh = u.Mesh.from_env()
     d = mesh.describe()
-    trainer = u.Trainer.init_vram(mesh.executor, run_config(args, mesh), world_compile=args.world_compile)
+    trainer = u.Trainer.init_vram(mesh.executor, joint_config(args, mesh=mesh), world_compile=args.world_compile)
     result = measure(args, trainer, mesh.executor, 1, offset=d.ranks[0] * args.segments)
     if args.profile:
         profile(args, trainer, mesh.executor, d.ranks[0], offset=d.ranks[0] * args.segments)
@@ -177,7 +147,7 @@ def with_executor(args: argparse.Namespace, devices: int) -> dict[str, Any]:
         executor = u.Executor._cpu_workers(devices) if devices > 1 else u.Executor.cpu()
     else:
         executor = u.Executor.for_vram(list(range(devices)))
-    trainer = u.Trainer.init_vram(executor, run_config(args), world_compile=args.world_compile)
+    trainer = u.Trainer.init_vram(executor, joint_config(args), world_compile=args.world_compile)
     result = measure(args, trainer, executor, devices, offset=0)
     result["world_size"] = devices
     trainer.close()

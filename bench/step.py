@@ -23,35 +23,19 @@ import sys
 import time
 
 import torch
-from common import add_geometry  # a sibling module of the bench scripts
-
-
-def topic_slices(count: int, length: int) -> list[bytes]:
-    import pydoc_data.topics
-
-    text = " ".join(" ".join(v.split()) for v in pydoc_data.topics.topics.values()).encode()
-    return [text[i * length : (i + 1) * length] for i in range(count)]
+from common import add_geometry, joint_config, pair_relations, topic_slices  # sibling modules, not a package
 
 
 def bench_uform(args: argparse.Namespace) -> dict:
     import uform as u
 
     executor = u.Executor.for_vram([0])
-    config = u.TrainerInitVramConfig(
-        depth=args.depth,
-        hidden=args.hidden,
-        objective=u.Objective.Joint,
-        batch=u.BatchShape(
-            max_rows_per_device=args.rows, max_segments_per_device=args.segments, max_columns_per_row=args.columns
-        ),
-        schedule=u.Schedule(steps=10_000),
-        seed=42,
-    )
+    config = joint_config(args)
     trainer = u.Trainer.init_vram(executor, config)
     n = args.segments
     per_item = args.rows * args.columns // n - 1  # prefix + content fill the rows exactly
     items = topic_slices(n, per_item)
-    relations = u.Relations(attract=u.Edges(offsets=list(range(n + 1)), ids=[i ^ 1 for i in range(n)]))
+    relations = pair_relations(n)
     modalities = [u.Modality.Text] * n
     verbs = trainer.deferred(executor)
     stats = [u.TrainerStepStats() for _ in range(args.steps + args.warmup)]
