@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -117,6 +118,51 @@ def assert_same_output(a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         return
     assert a.dtype == b.dtype and a.shape == b.shape
     assert torch.equal(a, b)
+
+
+GoodStep = Callable[[Trainer], tuple[TrainerStepStats, torch.Tensor]]
+
+
+def two_good_steps(trainer: Trainer, good_step: GoodStep) -> tuple[Any, Any, TrainerStepStats, torch.Tensor]:
+    """The reference of the refusal tests: a snapshot after one good step, and the snapshot, stats and
+    output of a second."""
+    good_step(trainer)
+    first = snapshot(trainer)
+    stats, out = good_step(trainer)
+    return first, snapshot(trainer), stats, out
+
+
+def assert_refusal_changes_nothing(
+    trainer: Trainer,
+    reference: Any,
+    good_step: GoodStep,
+    verb: str,
+    modalities: Any,
+    contents: Any,
+    config: Any,
+    error: type[Exception],
+    field: str,
+) -> None:
+    """`trainer`, fresh, takes a good step; then `trainer.<verb>(executor).step(modalities, contents, config)`
+    must raise `error` naming `field` (a deferred refusal may come through its future) and change nothing: the
+    trainer still matches the reference's first snapshot, and its next good step is the reference's second,
+    bitwise (`two_good_steps`)."""
+    first, second, reference_stats, reference_out = reference
+    good_step(trainer)
+    assert_same(snapshot(trainer), first)
+    receiver = getattr(trainer, verb)(trainer.executor)
+    with pytest.raises(error) as caught:
+        answer = receiver.step(modalities, contents, config)
+        if isinstance(answer, Future):
+            answer.result(timeout=60)
+    assert field in str(caught.value), f"{caught.value!r} does not name {field}"
+    assert trainer.steps_taken == 1
+    assert_same(snapshot(trainer), first)
+    stats, out = good_step(trainer)
+    assert stats == reference_stats
+    assert stats.step == 2
+    assert_same_output(out, reference_out)
+    assert_same(snapshot(trainer), second)
 
 
 def direct_terms(trainer: Trainer, texts: list[str], relations: Relations | None, step: int = 1) -> tuple[Any, dict]:

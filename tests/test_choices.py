@@ -5,7 +5,6 @@ new terms on, and a bitwise resume."""
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -15,11 +14,13 @@ from conftest import (
     COLUMNS,
     SEGMENTS,
     TEXTS,
+    assert_refusal_changes_nothing,
     assert_same,
     assert_same_output,
     make_config,
     pair_relations,
     snapshot,
+    two_good_steps,
 )
 
 import uform
@@ -213,10 +214,7 @@ def _good_step(trainer: Trainer) -> tuple[TrainerStepStats, torch.Tensor]:
 def reference(executor):
     trainer = Trainer.init_vram(executor, choice_config())
     try:
-        _good_step(trainer)
-        first = snapshot(trainer)
-        stats, out = _good_step(trainer)
-        yield first, snapshot(trainer), stats, out
+        yield two_good_steps(trainer, _good_step)
     finally:
         trainer.close()
 
@@ -270,22 +268,8 @@ BAD_CALLS: list[tuple[str, Any, TrainerStepConfig, type[Exception], str]] = [
     ("modalities", "config", "error", "field"), [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS]
 )
 def test_a_refused_call_changes_nothing(make_trainer, reference, verb, modalities, config, error, field) -> None:
-    first, second, reference_stats, reference_out = reference
     trainer = make_trainer(choice_config())
-    _good_step(trainer)
-    assert_same(snapshot(trainer), first)
-    receiver = getattr(trainer, verb)(trainer.executor)
-    with pytest.raises(error) as caught:
-        answer = receiver.step(modalities, TEXTS, config)
-        if isinstance(answer, Future):
-            answer.result(timeout=60)
-    assert field in str(caught.value), f"{caught.value!r} does not name {field}"
-    assert trainer.steps_taken == 1
-    assert_same(snapshot(trainer), first)
-    stats, out = _good_step(trainer)
-    assert stats == reference_stats
-    assert_same_output(out, reference_out)
-    assert_same(snapshot(trainer), second)
+    assert_refusal_changes_nothing(trainer, reference, _good_step, verb, modalities, TEXTS, config, error, field)
 
 
 def test_every_tape_form_is_the_same_step(make_trainer, reference) -> None:

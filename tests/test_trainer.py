@@ -14,6 +14,7 @@ from conftest import (
     COLUMNS,
     SEGMENTS,
     TEXTS,
+    assert_refusal_changes_nothing,
     assert_same,
     assert_same_output,
     direct_terms,
@@ -22,6 +23,7 @@ from conftest import (
     pair_relations,
     snapshot,
     step_with,
+    two_good_steps,
 )
 
 import uform
@@ -240,10 +242,7 @@ def reference(executor: Executor):
     must match."""
     trainer = Trainer.init_vram(executor, make_config())
     try:
-        _good_step(trainer)
-        first = snapshot(trainer)
-        stats, out = _good_step(trainer)
-        yield first, snapshot(trainer), stats, out
+        yield two_good_steps(trainer, _good_step)
     finally:
         trainer.close()
 
@@ -267,23 +266,9 @@ def test_the_good_call_is_good(make_trainer) -> None:
 def test_a_refused_call_changes_nothing(
     make_trainer, reference, verb: str, modalities, contents, config, error, field: str
 ) -> None:
-    first, second, reference_stats, reference_out = reference
-    trainer = make_trainer()
-    _good_step(trainer)
-    assert_same(snapshot(trainer), first)
-    receiver = getattr(trainer, verb)(trainer.executor)
-    with pytest.raises(error) as caught:
-        answer = receiver.step(modalities, contents, config)
-        if isinstance(answer, Future):  # a deferred refusal may arrive through its future
-            answer.result(timeout=60)
-    assert field in str(caught.value), f"{caught.value!r} does not name {field}"
-    assert trainer.steps_taken == 1
-    assert_same(snapshot(trainer), first)
-    stats, out = _good_step(trainer)
-    assert stats == reference_stats
-    assert stats.step == 2
-    assert_same_output(out, reference_out)
-    assert_same(snapshot(trainer), second)
+    assert_refusal_changes_nothing(
+        make_trainer(), reference, _good_step, verb, modalities, contents, config, error, field
+    )
 
 
 def test_a_refused_call_does_not_touch_the_callers_stats_or_arena(make_trainer) -> None:
