@@ -83,8 +83,9 @@ from .media.pool import (
     decode_parallelism,
     exit_status,
     load_message,
+    reap,
     release_slab,
-    reserve_slab,
+    reserve_area,
     slab_payload,
 )
 from .media.units import Units
@@ -437,7 +438,9 @@ class HostProcesses:
         total = int(offsets[-1])
         start = slot * (self.input_bytes + self.output_bytes)
         end = start + self.input_bytes
-        shared = slab is not None and total <= self.input_bytes and self._reserve(host, slot, total)
+        shared = (
+            slab is not None and total <= self.input_bytes and reserve_area(host.fd, host.reserved, slot, start, total)
+        )
         if shared:
             assert slab is not None
             for content, a, b in zip(contents, offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
@@ -459,22 +462,12 @@ class HostProcesses:
                 slab,
                 start=at,
                 end=end,
-                reserve=lambda length: self._reserve(host, slot, at - start + length),
+                reserve=lambda length: reserve_area(host.fd, host.reserved, slot, start, at - start + length),
                 in_band_below=_IN_BAND_BELOW,
             )
             if payload is not None:
                 return payload
         return pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
-
-    def _reserve(self, host: _Host, slot: int, length: int) -> bool:
-        """Backs the first `length` bytes of the slot's input area with memory (once: areas keep their pages)."""
-        if length <= host.reserved[slot]:
-            return True
-        start = slot * (self.input_bytes + self.output_bytes)
-        if host.fd is None or not reserve_slab(host.fd, start + host.reserved[slot], length - host.reserved[slot]):
-            return False
-        host.reserved[slot] = length
-        return True
 
 
 def _read(host: _Host, cond: threading.Condition) -> None:
@@ -560,11 +553,7 @@ def _shutdown(hosts: list[_Host | None], owner: int) -> None:
             host.conn.send_bytes(b"")  # the exit request
     deadline = time.monotonic() + _CLOSE_GRACE_SECONDS
     for host in live:
-        with contextlib.suppress(OSError, ValueError, AssertionError):
-            host.process.join(max(0.0, deadline - time.monotonic()))
-            if host.process.is_alive():
-                host.process.kill()
-                host.process.join(_REAP_SECONDS)
+        reap(host.process, deadline)
         if host.reader is not None and host.reader is not threading.current_thread():
             host.reader.join(_REAP_SECONDS)
         _bury(host, unmap=True)
@@ -737,21 +726,12 @@ class _HostState:
                 self.slab,
                 start=start,
                 end=start + self.output_bytes,
-                reserve=lambda length: self._reserve(slot, start, length),
+                reserve=lambda length: reserve_area(self.fd, self.reserved, slot, start, length),
                 in_band_below=_IN_BAND_BELOW,
             )
             if payload is not None:
                 return payload
         return pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
-
-    def _reserve(self, slot: int, start: int, length: int) -> bool:
-        if length <= self.reserved[slot]:
-            return True
-        assert self.fd is not None
-        if not reserve_slab(self.fd, start + self.reserved[slot], length - self.reserved[slot]):
-            return False
-        self.reserved[slot] = length
-        return True
 
     def abandon(self) -> None:
         """The trainer's process died: kill the decoders now (a decode in flight may hold the pool's lock)."""

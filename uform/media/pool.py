@@ -423,11 +423,7 @@ def _shutdown(workers: list[_Worker]) -> None:
                 worker.process.kill()
     deadline = time.monotonic() + _CLOSE_GRACE_SECONDS
     for worker in workers:
-        with contextlib.suppress(OSError, ValueError, AssertionError):
-            worker.process.join(max(0.0, deadline - time.monotonic()))
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join(_REAP_SECONDS)
+        reap(worker.process, deadline)
         release_slab(worker.slab)
         worker.slab = None
     workers.clear()
@@ -489,6 +485,27 @@ def reserve_slab(fd: int, offset: int, length: int) -> bool:
     except (OSError, AttributeError):  # ENOSPC, or no posix_fallocate on this platform
         return False
     return True
+
+
+def reserve_area(fd: int | None, reserved: list[int], index: int, start: int, length: int) -> bool:
+    """Backs the first `length` bytes of area `index` of a slab file, which begins at `start`, with memory
+    (`reserve_slab`); `reserved[index]` counts the bytes already backed and grows (an area keeps its pages, so
+    each byte is reserved once). False when there is no room, or no file."""
+    if length <= reserved[index]:
+        return True
+    if fd is None or not reserve_slab(fd, start + reserved[index], length - reserved[index]):
+        return False
+    reserved[index] = length
+    return True
+
+
+def reap(process: Any, deadline: float) -> None:
+    """Waits for `process` to exit until `deadline` (time.monotonic), then kills it and waits for that."""
+    with contextlib.suppress(OSError, ValueError, AssertionError):
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join(_REAP_SECONDS)
 
 
 def release_slab(slab: mmap.mmap | None) -> None:
