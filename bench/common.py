@@ -4,6 +4,8 @@ package)."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from typing import Any
 
 
@@ -70,3 +72,14 @@ def add_geometry(
         ("segments", segments),
     ):
         parser.add_argument(f"--{name}", type=int, default=default)
+
+
+def write_json(name: str, data: Any, folder: str | None = None) -> str:
+    """Writes `data` as `name` under `folder` (default: $OUT, else the current folder, made if missing); answers
+    the path."""
+    folder = folder or os.environ.get("OUT") or "."
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    return path

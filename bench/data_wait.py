@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import pathlib
 import sys
@@ -53,7 +52,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from common import add_geometry, joint_config, topic_text  # sibling scripts, not a package
+from common import add_geometry, joint_config, topic_text, write_json  # sibling scripts, not a package
 from decode import PHOTOS, photo
 
 
@@ -320,9 +319,7 @@ def main() -> None:
     for name in ("host", "pipeline", "fed"):
         if name in pressure:
             print(describe(name, pressure[name]))
-    path = os.path.join(os.environ.get("OUT") or ".", "bench-data-wait.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
+    path = write_json("bench-data-wait.json", result)
     print(f"wrote {path}")
 
 

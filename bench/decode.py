@@ -29,7 +29,6 @@ import argparse
 import functools
 import importlib.resources
 import io
-import json
 import os
 import pathlib
 import platform
@@ -38,7 +37,7 @@ import time
 from typing import Any
 
 import numpy as np
-from common import add_geometry, joint_config, topic_text  # a sibling module of the bench scripts
+from common import add_geometry, joint_config, topic_text, write_json  # a sibling module of the bench scripts
 
 os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")  # pygame greets on import otherwise
 
@@ -280,9 +279,7 @@ def main() -> None:
         report["decode"] = decode_rates(args)
     if not args.skip_prepare:
         report["prepare"] = host_prepare_seconds(args)
-    path = os.path.join(os.environ.get("OUT") or ".", "bench-decode.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
+    path = write_json("bench-decode.json", report)
     print(f"\nwrote {path}")
 
 

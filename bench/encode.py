@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import sys
 import tempfile
@@ -37,7 +36,7 @@ import torch
 # Run as a script, the checkout's uform wins over an installed one; its sibling `common` is found when loaded too.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_geometry, topic_slices  # sibling modules, not a package
+from common import add_geometry, topic_slices, write_json  # sibling modules, not a package
 
 
 def jpegs(count: int, side: int, seed: int = 0) -> list[bytes]:
@@ -145,9 +144,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             _, best = timed(lambda: pool.map(decode_item, jobs), args.repeats)
         results["decode"] = {"items": len(images), "items_per_s": len(images) / best, "workers": pool.workers}
         print(f"{'decode':<6} {len(images) / best:>12,.1f} items/s  ({pool.workers} decoder processes)", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench-encode.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    write_json("bench-encode.json", results, args.out)
     sys.stdout.flush()
     return results
 

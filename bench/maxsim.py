@@ -28,7 +28,6 @@ Writes bench-maxsim.json under $OUT (or the current folder). Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -42,6 +41,9 @@ from torch import Tensor
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # time this checkout's uform, whatever else is installed
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling `common`, found when loaded by path too
+from common import write_json  # noqa: E402
 
 from uform.losses.late import maxsim, maxsim_chunk  # noqa: E402
 
@@ -266,10 +268,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f" {c['grad_q_rel']:.1e} / {c['grad_d_rel']:.1e}, picked differently {c['picked_differently']:.2%}"
                 )
             print(f"  {name:18s} {r['ms']:9.2f} ms{speed}{extra}{check}")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bench-maxsim.json")
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1)
+    path = write_json("bench-maxsim.json", results, args.out)
     print(f"wrote {path}", file=sys.stderr)
     return results
 

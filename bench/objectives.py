@@ -16,14 +16,18 @@ per run and writes bench-objectives.json under $OUT (or the current folder). Usa
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 
 import torch
-from common import add_geometry, joint_config, pair_relations, topic_slices  # sibling modules, not a package
+from common import (  # sibling modules, not a package
+    add_geometry,
+    joint_config,
+    pair_relations,
+    topic_slices,
+    write_json,
+)
 
 
 def run(args: argparse.Namespace, name: str) -> dict:
@@ -93,9 +97,7 @@ def main() -> None:
     for r in results:
         extra = f"  peak {r['peak_gib']:.2f} GiB" if "peak_gib" in r else ""
         print(f"  {r['run']:8s} {1000 * r['median_step_s']:9.1f} ms  x{r['median_step_s'] / base:.2f}{extra}")
-    path = os.path.join(os.environ.get("OUT", "."), "bench-objectives.json")
-    with open(path, "w") as f:
-        json.dump({"args": vars(args), "results": results}, f, indent=1)
+    path = write_json("bench-objectives.json", {"args": vars(args), "results": results})
     print(f"wrote {path}", file=sys.stderr)
 
 

@@ -30,7 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import add_geometry, joint_config, pair_relations, topic_slices  # sibling modules, not a package
+from common import (  # sibling modules, not a package
+    add_geometry,
+    joint_config,
+    pair_relations,
+    topic_slices,
+    write_json,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -197,9 +203,7 @@ def main() -> None:
         "bar": BAR,
     }
     mode = "-blocks" if results["world_compile"] == "blocks" else ""
-    out = os.path.join(os.environ.get("OUT", "."), f"bench-scaling-{args.launcher}{mode}.json")
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(f"bench-scaling-{args.launcher}{mode}.json", results)
     print(f"\n{'GPUs':>5} {'ms/step':>9} {'tokens/s':>14}")
     for count, r in ((1, one), (args.devices, many)):
         print(f"{count:>5} {r['ms']:>9.2f} {r['tokens_per_s']:>14,.0f}")

@@ -17,13 +17,17 @@ Prints a table and writes bench-step.json under $OUT (or the current folder). Us
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 
 import torch
-from common import add_geometry, joint_config, pair_relations, topic_slices  # sibling modules, not a package
+from common import (  # sibling modules, not a package
+    add_geometry,
+    joint_config,
+    pair_relations,
+    topic_slices,
+    write_json,
+)
 
 
 def bench_uform(args: argparse.Namespace) -> dict:
@@ -130,9 +134,7 @@ def main() -> None:
         results["hf_bert"] = bench_bert(args)
         print("hf_bert", results["hf_bert"], flush=True)
         results["speedup_vs_bert"] = results["uform_joint"]["tokens_per_s"] / results["hf_bert"]["tokens_per_s"]
-    out = os.path.join(os.environ.get("OUT", "."), "bench-step.json")
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1)
+    write_json("bench-step.json", results)
     print(f"\n{'variant':<14} {'ms/step':>9} {'tokens/s':>12} {'peak GiB':>9}")
     for name in ("uform_joint", "hf_bert"):
         if name in results:
