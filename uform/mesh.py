@@ -454,9 +454,21 @@ def join(
         timeout=group_timeout(backend, timeout),
         device_id=device if backend == "nccl" else None,
     )
+    return _world_member(backend, device, timeout)
+
+
+def _world_member(backend: str, device: torch.device, timeout: float) -> World:
+    """This process's `World` over the default process group just formed: a second group of the same ranks for
+    the gradient buckets, and its watch started (NCCL only)."""
     gradients = dist.new_group(backend=backend, timeout=group_timeout(backend, timeout))
     member = World(
-        rank=rank, size=ranks, backend=backend, device=device, timeout=timeout, group=None, gradients=gradients
+        rank=dist.get_rank(),
+        size=dist.get_world_size(),
+        backend=backend,
+        device=device,
+        timeout=timeout,
+        group=None,
+        gradients=gradients,
     )
     member.watch()
     return member
@@ -559,24 +571,14 @@ class Mesh:
         if backend == "nccl":
             nccl_defaults(options.multimem)
             torch.cuda.set_device(device)
-        timeout = group_timeout(backend, options.timeout_seconds)
         owns = not dist.is_initialized()
         if owns:
+            timeout = group_timeout(backend, options.timeout_seconds)
             dist.init_process_group(
                 backend, init_method="env://", timeout=timeout, device_id=device if backend == "nccl" else None
             )
-        rank, size = dist.get_rank(), dist.get_world_size()
-        gradients = dist.new_group(backend=backend, timeout=timeout)
-        world = World(
-            rank=rank,
-            size=size,
-            backend=backend,
-            device=device,
-            timeout=options.timeout_seconds,
-            group=None,
-            gradients=gradients,
-        )
-        world.watch()
+        world = _world_member(backend, device, options.timeout_seconds)
+        rank, size = world.rank, world.size
         # Every process's device class, gathered, so the run dispatches as the lowest.
         mine = 0
         if backend == "nccl":
