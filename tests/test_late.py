@@ -579,16 +579,7 @@ def test_capacity_overflow_is_dropped_whole_and_counted(make_trainer, limits, te
 
 
 def _network_terms(trainer, texts, sides, relations):
-    batch = prepare(
-        trainer.config,
-        [Modality.Text] * len(texts),
-        [t.encode() for t in texts],
-        bags=None,
-        groups=None,
-        sides=list(sides),
-        relations=relations,
-        step=1,
-    )
+    batch = _prepare(trainer.config, texts, sides, relations)  # the config is resolved already: resolving is a no-op
     tensors = batch.host_tensors(False)
     mask = document_mask(tensors["segments"], "dense")
     tensors["cos"], tensors["sin"] = trainer.network.rotary(tensors["positions"], torch.float32)
