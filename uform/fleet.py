@@ -465,12 +465,6 @@ class FleetTrainer(Trainer):
         self._check_executor(executor)
         return _FleetDeferred(self)
 
-    def step(self, modalities: Any, contents: Any, config: TrainerStepConfig | None = None) -> torch.Tensor | None:
-        return _FleetOn(self).step(modalities, contents, config)
-
-    def save(self, config: Any) -> None:
-        _FleetOn(self).save(config)
-
     @property
     def steps_taken(self) -> int:
         return self._steps

@@ -266,11 +266,11 @@ class Trainer:
 
     def step(self, modalities: Any, contents: Any, config: TrainerStepConfig | None = None) -> torch.Tensor | None:
         """One optimizer step on the trainer's own executor, blocking; see `On.step`."""
-        return On(self).step(modalities, contents, config)
+        return self.on(self.executor).step(modalities, contents, config)
 
     def save(self, config: Any) -> None:
         """Writes a checkpoint on the trainer's own executor, blocking; see `On.save`."""
-        On(self).save(config)
+        self.on(self.executor).save(config)
 
     @property
     def steps_taken(self) -> int:
