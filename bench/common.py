@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from typing import Any
 
 
@@ -83,3 +85,15 @@ def write_json(name: str, data: Any, folder: str | None = None) -> str:
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
     return path
+
+
+def in_flight(submit: Callable[[int], Future], indices: Iterable[int], pending: int) -> None:
+    """Calls `submit(k)` for each of `indices` (deferred steps), waiting for the oldest answer whenever more than
+    `pending` are unanswered, then for every answer (0: one step at a time)."""
+    waiting: list[Future] = []
+    for k in indices:
+        waiting.append(submit(k))
+        if len(waiting) > pending:
+            waiting.pop(0).result()
+    for future in waiting:
+        future.result()

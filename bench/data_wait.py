@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from common import add_geometry, joint_config, topic_text, write_json  # sibling scripts, not a package
+from common import add_geometry, in_flight, joint_config, topic_text, write_json  # sibling scripts, not a package
 from decode import PHOTOS, photo
 
 
@@ -176,15 +176,12 @@ def timed_steps(trainer: Any, modalities: list[Any], contents: list[bytes], rela
     verbs = trainer.deferred(trainer.executor)
     stats = u.TrainerStepStats()
 
+    def step(_: int) -> Future:
+        return verbs.step(modalities, contents, u.TrainerStepConfig(relations=relations, stats=stats))
+
     def run(count: int) -> float:
         started = time.perf_counter()
-        pending: list[Future] = []
-        for _ in range(count):
-            pending.append(verbs.step(modalities, contents, u.TrainerStepConfig(relations=relations, stats=stats)))
-            if len(pending) == 2:
-                pending.pop(0).result()
-        for future in pending:
-            future.result()
+        in_flight(step, range(count), 1)
         return (time.perf_counter() - started) / count
 
     run(args.warmup)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from common import (  # sibling modules, not a package
     add_geometry,
+    in_flight,
     joint_config,
     pair_relations,
     topic_slices,
@@ -65,18 +66,11 @@ def measure(args: argparse.Namespace, trainer: Any, executor: Any, devices: int,
 
     sync = torch.cuda.synchronize if not args.cpu and not executor.has_workers() else (lambda: None)
     t0 = time.perf_counter()
-    for k in range(args.warmup):
-        run(k).result()
+    in_flight(run, range(args.warmup), 0)
     warmup_s = time.perf_counter() - t0
     sync()
     t0 = time.perf_counter()
-    pending = []
-    for k in range(args.warmup, args.warmup + args.steps):
-        pending.append(run(k))
-        if len(pending) > 2:
-            pending.pop(0).result()
-    for f in pending:
-        f.result()
+    in_flight(run, range(args.warmup, args.warmup + args.steps), 2)
     sync()
     seconds = (time.perf_counter() - t0) / args.steps
     return {

@@ -23,6 +23,7 @@ import time
 import torch
 from common import (  # sibling modules, not a package
     add_geometry,
+    in_flight,
     joint_config,
     pair_relations,
     topic_slices,
@@ -48,19 +49,12 @@ def bench_uform(args: argparse.Namespace) -> dict:
         return verbs.step(modalities, items, u.TrainerStepConfig(relations=relations, stats=stats[k]))
 
     t0 = time.perf_counter()
-    for k in range(args.warmup):
-        run(k).result()
+    in_flight(run, range(args.warmup), 0)
     compile_s = time.perf_counter() - t0
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    pending = []
-    for k in range(args.warmup, args.warmup + args.steps):
-        pending.append(run(k))
-        if len(pending) > 2:
-            pending.pop(0).result()
-    for f in pending:
-        f.result()
+    in_flight(run, range(args.warmup, args.warmup + args.steps), 2)
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - t0) / args.steps
     last = stats[-1]
