@@ -35,7 +35,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -501,6 +501,3 @@ class GradientReducer:
         event.record(torch.cuda.current_stream(flags.device))
         self._pending_flags = (host, event)
         return self._held
-
-    def parameters(self) -> Sequence[nn.Parameter]:
-        return [p for bucket in self.buckets for p in bucket.parameters]
