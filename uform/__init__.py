@@ -45,6 +45,11 @@ _WHERE = {
     "Model": "serve",
     "load": "serve",
     "Trainer": "trainer",
+    "UformWarning": "notices",
+    "MediaWarning": "notices",
+    "NonFiniteWarning": "notices",
+    "CapacityWarning": "notices",
+    "ScheduleWarning": "notices",
 }
 
 
@@ -85,6 +90,7 @@ if TYPE_CHECKING:
     from .evaluate import evaluate_retrieval
     from .executor import Executor
     from .mesh import Mesh, MeshDescription, MeshError, MeshOptions
+    from .notices import CapacityWarning, MediaWarning, NonFiniteWarning, ScheduleWarning, UformWarning
     from .relations import Edges, Relations
     from .serve import Model, load
     from .trainer import Trainer
@@ -92,6 +98,11 @@ if TYPE_CHECKING:
 __version__ = "4.0.0rc1"
 
 __all__ = [
+    "CapacityWarning",
+    "MediaWarning",
+    "NonFiniteWarning",
+    "ScheduleWarning",
+    "UformWarning",
     "Arena",
     "AudioShape",
     "BatchShape",

@@ -48,6 +48,7 @@ from .media.pool import DecodePool
 from .media.units import Units
 from .model.attention import compiled_flex_available, document_mask
 from .model.network import Network
+from .notices import MediaWarning
 from .optim import build_optimizer, learning_rate
 from .relations import check_relations
 from .world import GradientReducer, MeshError, World, WorldAborted, reduction_order, wait_event
@@ -695,10 +696,6 @@ _STAT_TERMS = (
     "late_interaction_loss",
     "choices_loss",
 )
-
-
-class MediaWarning(UserWarning):
-    """A media item of a step was skipped: it could not be decoded or broke a limit."""
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
