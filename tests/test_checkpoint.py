@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import json
 import os
 import pathlib
 import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 import safetensors
@@ -14,6 +22,8 @@ import torch
 
 from uform import checkpoint
 from uform.checkpoint import CheckpointError, Stopped, read_checkpoint, read_metadata, write_checkpoint
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 INT_VIEW = {
     torch.bfloat16: torch.int16,
@@ -428,3 +438,225 @@ def test_missing_file_is_file_not_found(tmp_path):
         read_checkpoint(tmp_path / "absent.safetensors")
     with pytest.raises(FileNotFoundError):
         read_metadata(tmp_path / "absent.safetensors")
+
+
+# --------------------------------------------------------------------------------------------------
+# Hostile files: forged with a digest recomputed (anyone can), named pipes, absurd sizes
+
+
+def forge(path: pathlib.Path, entries: dict[str, tuple[str, list[int], bytes]], metadata: dict[str, str]) -> None:
+    """A file laid out as our writer lays one out, with any dtype, shape and bytes, and a correct digest."""
+    header: dict = {}
+    records, offset, payload = {}, 0, b""
+    for name, (dtype, shape, raw) in entries.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(raw)]}
+        records[name] = checkpoint._tensor_record(name, dtype, shape, memoryview(raw))
+        offset += len(raw)
+        payload += raw
+    header["__metadata__"] = {**metadata, checkpoint.DIGEST_KEY: checkpoint._combine(records, metadata)}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + payload)
+
+
+def test_forge_helper_makes_files_the_reader_accepts(tmp_path):
+    path = tmp_path / "forged.safetensors"
+    forge(path, {"a": ("I8", [2, 2], bytes([1, 2, 3, 4])), "e": ("F32", [0, 3], b"")}, {"k": "v"})
+    tensors, metadata = read_checkpoint(path)
+    assert tensors["a"].tolist() == [[1, 2], [3, 4]] and tensors["e"].shape == (0, 3)
+    assert metadata["k"] == "v"
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [[0, 2**62, 4], [2**40, 0, 2**40], [0, 2**63], [0] + [2] * 70],
+    ids=["stride_overflow", "empty_of_2^80", "dim_past_int64", "rank_71"],
+)
+def test_absurd_shapes_with_a_recomputed_digest_are_refused(tmp_path, shape):
+    path = tmp_path / "absurd.safetensors"
+    forge(path, {"ok": ("F32", [2], bytes(8)), "absurd": ("F32", shape, b"")}, {})
+    refused(path, "'absurd'")
+    with pytest.raises(CheckpointError, match="'absurd'"):
+        read_metadata(path)
+
+
+def test_boolean_bytes_other_than_zero_and_one_are_refused(tmp_path):
+    path = tmp_path / "bool.safetensors"
+    forge(path, {"flags": ("BOOL", [3], bytes([0, 1, 2]))}, {})
+    refused(path, "'flags'")
+    forge(path, {"flags": ("BOOL", [3], bytes([0, 1, 1]))}, {})
+    assert read_checkpoint(path)[0]["flags"].tolist() == [False, True, True]
+
+
+def run_with_deadline(call, seconds: float = 30.0) -> BaseException | None:
+    """Runs `call` in a thread; answers what it raised (None if it returned), or fails the test if it is still
+    running at the deadline (a read blocked on a FIFO would be; the caller then unblocks it)."""
+    outcome: list[BaseException | None] = []
+
+    def target() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        return TimeoutError(f"still running after {seconds} s")
+    return outcome[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_named_pipe_is_refused_at_once(tmp_path):
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    try:
+        for name in ("read_checkpoint", "read_metadata", "read_layout"):
+            error = run_with_deadline(lambda name=name: getattr(checkpoint, name)(fifo))
+            assert isinstance(error, CheckpointError), error
+            assert str(fifo) in str(error) and "named pipe" in str(error)
+    finally:
+        # A reader still blocked in open() (the unfixed code) is released: a writer appears, then goes.
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_a_folder_is_refused_naming_it(tmp_path):
+    with pytest.raises(CheckpointError, match="folder") as info:
+        read_checkpoint(tmp_path)
+    assert str(tmp_path) in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# Saves that fail or were killed
+
+
+@pytest.mark.parametrize("where", ["write", "fsync"])
+def test_out_of_space_names_the_path_and_leaves_nothing(saved, monkeypatch, where):
+    before = saved.read_bytes()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as the kernel reports it: no file named
+
+    if where == "fsync":
+        monkeypatch.setattr(checkpoint.os, "fsync", full)
+    else:
+        real_fdopen = os.fdopen
+
+        class Full(io.RawIOBase):
+            """The temp file, answering ENOSPC once its first bytes are in (a disk that filled mid-save)."""
+
+            def __init__(self, fd):
+                self.inner = real_fdopen(fd, "wb")
+                self.written = 0
+
+            def write(self, data):
+                if self.written:
+                    full()
+                self.written += len(data)
+                return self.inner.write(data)
+
+            def fileno(self):
+                return self.inner.fileno()
+
+            def close(self):
+                self.inner.close()
+                super().close()
+
+        monkeypatch.setattr(checkpoint.os, "fdopen", lambda fd, mode: Full(fd))
+    with pytest.raises(OSError) as info:
+        write_checkpoint(saved, {f"t{i}": torch.randn(4) for i in range(3)}, {})
+    assert info.value.errno == errno.ENOSPC
+    assert str(saved) in str(info.value), str(info.value)
+    assert saved.read_bytes() == before
+    assert os.listdir(saved.parent) == [saved.name]
+
+
+SAVER = """
+import sys, time, torch
+from uform.checkpoint import write_checkpoint
+
+def wait(done, total):
+    print("writing", flush=True)
+    time.sleep(600)
+
+write_checkpoint(sys.argv[1], {f"t{i}": torch.zeros(1000) for i in range(4)}, {}, progress=wait)
+"""
+
+
+def start_saver(path: pathlib.Path) -> subprocess.Popen:
+    """A process saving to `path`, stopped inside the save with its temporary file written in part."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    child = subprocess.Popen([sys.executable, "-c", SAVER, str(path)], stdout=subprocess.PIPE, text=True, env=env)
+    assert child.stdout is not None and child.stdout.readline().strip() == "writing"
+    return child
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def backdate(path: pathlib.Path, seconds: float = 3600) -> None:
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def temps_of(folder: pathlib.Path, pid: int) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if f".tmp-{pid}-" in n)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="process ids are checked on POSIX only")
+def test_the_next_save_removes_temporary_files_of_killed_saves_only(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    killed, live = start_saver(folder / "a.safetensors"), start_saver(folder / "b.safetensors")
+    try:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        stale, writing = temps_of(folder, killed.pid), temps_of(folder, live.pid)
+        assert len(stale) == 1 and len(writing) == 1
+        for name in stale + writing:
+            backdate(folder / name)  # both idle past the grace: only the dead writer's may go
+
+        gone = dead_pid()
+        fresh = f".c.safetensors.tmp-{gone}-{'0' * 12}"  # a dead writer's, but touched just now: kept
+        (folder / fresh).write_bytes(b"x")
+        similar = [
+            f".a.safetensors.tmp-{gone}-{'ab' * 6}.bak",
+            f"a.safetensors.tmp-{gone}-{'ab' * 6}",
+            f".a.safetensors.tmp-{gone}-{'AB' * 6}",
+            f".a.safetensors.tmp-{gone}-{'ab' * 5}a",
+            f".a.safetensors.tmp-x{gone}-{'ab' * 6}",
+            f".a.safetensors.tmp--{gone}-{'ab' * 6}",
+            f".tmp-{gone}-{'ab' * 6}",
+        ]
+        for name in similar:
+            (folder / name).write_bytes(b"user data")
+            backdate(folder / name)
+        mine = folder / "mine.txt"
+        mine.write_bytes(b"keep me")
+        link = folder / f".d.safetensors.tmp-{gone}-{'cd' * 6}"
+        link.symlink_to(mine)
+        hidden_dir = folder / f".e.safetensors.tmp-{gone}-{'ef' * 6}"
+        hidden_dir.mkdir()
+        for path in (link, hidden_dir):
+            then = time.time() - 3600
+            os.utime(path, (then, then), follow_symlinks=False)
+
+        write_checkpoint(folder / "a.safetensors", small_tensors(), {})
+
+        names = set(os.listdir(folder))
+        assert not set(stale) & names  # the killed save's temporary file is gone
+        assert set(writing) <= names  # the live save's is left to it
+        assert {fresh, *similar, link.name, hidden_dir.name, "mine.txt", "a.safetensors"} <= names
+        assert mine.read_bytes() == b"keep me"
+        assert_same(read_checkpoint(folder / "a.safetensors")[0], small_tensors())
+    finally:
+        for child in (killed, live):
+            if child.poll() is None:
+                child.kill()
+            child.wait()

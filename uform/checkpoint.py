@@ -26,11 +26,15 @@ import contextlib
 import errno
 import hashlib
 import hmac
+import io
 import json
 import math
 import os
+import re
 import secrets
-from collections.abc import Callable, Generator, Mapping
+import stat
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -40,7 +44,9 @@ __all__ = [
     "CheckpointError",
     "Stopped",
     "read_checkpoint",
+    "read_layout",
     "read_metadata",
+    "remove_stale_temps",
     "write_checkpoint",
 ]
 
@@ -52,6 +58,12 @@ DIGEST_KEY = "uform.digest"
 
 MAX_HEADER_BYTES = 100_000_000
 """Largest JSON header we will read (the safetensors library's own limit)."""
+
+MAX_DIMS = 64
+"""Most dimensions a tensor's shape may have: it bounds the work of checking one (our files have at most two)."""
+
+MAX_ELEMENTS = 2**62
+"""Most elements a tensor may count, every dimension taken as at least one (well inside torch's int64)."""
 
 _DIGEST_DOMAIN = b"uform.checkpoint.v1\0"
 _METADATA_KEY = "__metadata__"
@@ -184,6 +196,15 @@ def _header_bytes(plan: list[_Planned], metadata: Mapping[str, str]) -> bytes:
     return raw + b" " * (-len(raw) % 8)
 
 
+_TEMP_PATTERN = r"\..+\.tmp-([0-9]{1,10})-[0-9a-f]{12}"
+"""The name `_create_temp` gives: "." + the target's name + ".tmp-" + the writer's pid + "-" + 12 hex digits."""
+_TEMP_NAME = re.compile(_TEMP_PATTERN, re.DOTALL)
+_TEMP_NAME_BYTES = re.compile(_TEMP_PATTERN.encode(), re.DOTALL)
+
+STALE_TEMP_SECONDS = 600
+"""How long a temporary file of ours must have gone unmodified before a later save may remove it."""
+
+
 def _create_temp(folder: str | bytes, base: str | bytes) -> tuple[int, str | bytes]:
     """Create a fresh temporary file beside the target (mode 0o666 less the umask, like any new file)."""
     for _ in range(100):
@@ -199,6 +220,55 @@ def _create_temp(folder: str | bytes, base: str | bytes) -> tuple[int, str | byt
             continue
         return fd, temp
     raise FileExistsError(errno.EEXIST, "could not create a unique temporary file", _display(folder))
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process of that id runs on this machine (True when it cannot be told)."""
+    if os.name != "posix" or not 0 < pid < 2**31:
+        return True  # off POSIX, os.kill(pid, 0) would end the process: never ask there
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # EPERM: it runs, as another user
+    return True
+
+
+def remove_stale_temps(folder: str | bytes) -> list[str | bytes]:
+    """Removes from `folder` the temporary files that killed saves left behind; answers the paths removed.
+
+    A file is removed only when all of these hold: its name is exactly the pattern `write_checkpoint` gives
+    (".<name>.tmp-<pid>-<12 lowercase hex>"), it is a regular file (not a link) owned by this user, the process
+    whose id it names is not alive on this machine, and it has not been modified for `STALE_TEMP_SECONDS`. The
+    pid rule keeps a save that another process of this machine is writing right now; the age rule keeps one that
+    a process elsewhere (another host or pid namespace sharing the folder, whose pid means nothing here) is
+    writing, since a live write touches the file with every tensor. A file that cannot be removed is left.
+    """
+    removed: list[str | bytes] = []
+    now = time.time()
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        pattern = _TEMP_NAME_BYTES if isinstance(entry.name, bytes) else _TEMP_NAME
+        match = pattern.fullmatch(entry.name)  # type: ignore[arg-type]
+        if match is None:
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISREG(info.st_mode) or (uid is not None and info.st_uid != uid):
+            continue
+        if now - info.st_mtime < STALE_TEMP_SECONDS or _pid_alive(int(match.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(entry.path)
+            removed.append(entry.path)
+    return removed
 
 
 def _fsync_folder(folder: str | bytes) -> None:
@@ -229,7 +299,10 @@ def write_checkpoint(
 
     `progress(done, total)` is called at most `progress_steps` times with total the number of tensors, the last
     call at done == total just before the rename. Answering `False` raises `Stopped`; as with any other failure,
-    the temporary file is removed and whatever was at `path` before is left untouched.
+    the temporary file is removed and whatever was at `path` before is left untouched. An `OSError` while writing
+    (a full disk: ENOSPC) is raised again with its errno, naming `path`.
+
+    Temporary files that earlier, killed saves left in the folder are removed first (`remove_stale_temps`).
     """
     _check_steps(progress_steps)
     target = os.fspath(path)
@@ -255,6 +328,7 @@ def write_checkpoint(
     # place once the data (hashed as it is written) is known.
     header = _header_bytes(plan, {**meta, DIGEST_KEY: "0" * 64})
 
+    remove_stale_temps(folder)
     fd, temp = _create_temp(folder, base)
     try:
         with os.fdopen(fd, "wb") as out:
@@ -281,9 +355,16 @@ def write_checkpoint(
         if progress is not None and progress(total, total) is False:
             raise Stopped(f"writing {_display(target)} stopped at {total} of {total} tensors")
         os.replace(temp, target)
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(OSError):
             os.unlink(temp)
+        if isinstance(error, OSError) and error.errno is not None:
+            # A full disk surfaces in write or fsync with no file named; say which checkpoint failed.
+            raise OSError(
+                error.errno,
+                f"{error.strerror or error}: checkpoint not written (whatever was at the path is unchanged)",
+                _display(target),
+            ) from error
         raise
     _fsync_folder(folder)
 
@@ -318,27 +399,68 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _read_header(path: str | bytes | os.PathLike) -> tuple[str | bytes, _Header]:
-    target = os.fspath(path)
-    shown = _display(target)
+def _open_regular(target: str | bytes) -> io.FileIO:
+    """The file at `target`, opened for reading only if it is a regular file.
+
+    O_NONBLOCK makes opening a FIFO (or a device that would wait for a peer) return at once instead of blocking
+    until a writer appears; the fstat then refuses it. On a regular file the flag changes nothing.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(target, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a named pipe" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode) else "a special file"
+            raise CheckpointError(
+                f"{_display(target)}: is {kind}, not a regular file; a checkpoint is read only from a regular file"
+            )
+        return io.FileIO(fd, "rb", closefd=True)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_exactly(f: io.FileIO, offset: int, out: memoryview) -> int:
+    """Fills `out` from `offset` of `f`; answers the bytes read (fewer only when the file ended)."""
+    f.seek(offset)
+    done = 0
+    while done < len(out):
+        got = f.readinto(out[done:])
+        if not got:
+            break
+        done += got
+    return done
+
+
+def _read_header(f: io.FileIO, shown: str) -> _Header:
+    """The header of the open file `f`, every size, shape and offset in it bounded by the file's own length.
+
+    The checks are those of the safetensors loader (`safetensors/src/tensor.rs`, `Metadata::validate`: a header
+    length within the file and its 100 MB cap, known dtypes, byte spans that match their shapes, data that is
+    one contiguous run to the file's end), and more: a bounded rank and element count, so no size is trusted,
+    and nothing allocated, before it is known to fit the file.
+    """
 
     def fail(what: str) -> CheckpointError:
         return CheckpointError(f"{shown}: {what}")
 
-    with open(target, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 8:
-            raise fail(f"file is {size} bytes, too short to hold a safetensors header")
-        n = int.from_bytes(f.read(8), "little")
-        if n > size - 8 or n > MAX_HEADER_BYTES:
-            raise fail(f"header size {n} is absurd for a {size}-byte file; not a safetensors checkpoint")
-        raw = f.read(n)
-    if len(raw) != n:
+    size = os.fstat(f.fileno()).st_size
+    if size < 8:
+        raise fail(f"file is {size} bytes, too short to hold a safetensors header")
+    prefix = bytearray(8)
+    if _read_exactly(f, 0, memoryview(prefix)) != 8:
+        raise fail("file shrank while its header was being read")
+    n = int.from_bytes(prefix, "little")
+    if n > size - 8 or n > MAX_HEADER_BYTES:
+        raise fail(f"header size {n} is absurd for a {size}-byte file; not a safetensors checkpoint")
+    raw = bytearray(n)
+    if _read_exactly(f, 8, memoryview(raw)) != n:
         raise fail("file shrank while its header was being read")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise fail(f"header is not UTF-8 ({e.reason} at byte {e.start}); not a safetensors checkpoint") from None
+    del raw
     if not text.startswith("{"):
         raise fail("header is not a JSON object; not a safetensors checkpoint")
     try:
@@ -359,6 +481,7 @@ def _read_header(path: str | bytes | os.PathLike) -> tuple[str | bytes, _Header]
     if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
         raise fail(f"corrupted: {DIGEST_KEY!r} is not a 64-digit lowercase hex SHA-256")
 
+    data_len = size - 8 - n
     entries = []
     for name, info in header.items():
         if not isinstance(info, dict) or set(info) != _ENTRY_KEYS:
@@ -366,8 +489,15 @@ def _read_header(path: str | bytes | os.PathLike) -> tuple[str | bytes, _Header]
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if dtype not in _DTYPES:
             raise fail(f"tensor {name!r} has unsupported dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise fail(f"tensor {name!r} has a malformed shape {shape!r}")
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+            raise fail(f"tensor {name!r} has a malformed shape {shape!r} (at most {MAX_DIMS} dimensions, each >= 0)")
+        # The count grows one dimension at a time and stops past the limit: no huge product is ever computed,
+        # and an empty tensor's other dimensions are bounded too (torch.empty refuses counts past int64).
+        elements = 1
+        for d in shape:
+            elements *= max(d, 1)
+            if elements > MAX_ELEMENTS:
+                raise fail(f"tensor {name!r} has shape {shape}, of more than 2^62 elements")
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
@@ -376,17 +506,16 @@ def _read_header(path: str | bytes | os.PathLike) -> tuple[str | bytes, _Header]
         ):
             raise fail(f"tensor {name!r} has malformed data_offsets {offsets!r}")
         begin, end = offsets
+        if end > data_len:
+            raise fail(f"truncated: tensor {name!r} ends at data byte {end} but the file holds only {data_len}")
         need = math.prod(shape) * _ITEMSIZE[dtype]
         if end - begin != need:
             raise fail(f"tensor {name!r} spans {end - begin} bytes but its {dtype} shape {shape} needs {need}")
         entries.append((name, dtype, shape, begin, end))
 
-    data_len = size - 8 - n
     entries.sort(key=lambda e: (e[3], e[4]))
     expected = 0
     for name, _, _, begin, end in entries:
-        if end > data_len:
-            raise fail(f"truncated: tensor {name!r} ends at data byte {end} but the file holds only {data_len}")
         if begin < expected:
             raise fail(f"tensor {name!r} overlaps the tensor before it (data byte {begin} < {expected})")
         if begin > expected:
@@ -394,7 +523,20 @@ def _read_header(path: str | bytes | os.PathLike) -> tuple[str | bytes, _Header]
         expected = end
     if expected != data_len:
         raise fail(f"{data_len - expected} trailing bytes after the last tensor (file padded or appended to)")
-    return target, _Header(metadata, entries, 8 + n)
+    return _Header(metadata, entries, 8 + n)
+
+
+Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+"""Every tensor of a checkpoint as name -> (dtype, shape), read from its header."""
+
+
+def read_layout(path: str | bytes | os.PathLike) -> tuple[dict[str, str], Layout]:
+    """The checkpoint's metadata (with its digest) and its tensors' dtypes and shapes, from the header alone,
+    after the header checks: what a caller checks against what it expects before any data is read."""
+    target = os.fspath(path)
+    with _open_regular(target) as f:
+        header = _read_header(f, _display(target))
+    return dict(header.metadata), {e[0]: (_DTYPES[e[1]], tuple(e[2])) for e in header.entries}
 
 
 def read_metadata(path: str | bytes | os.PathLike) -> dict[str, str]:
@@ -402,25 +544,7 @@ def read_metadata(path: str | bytes | os.PathLike) -> dict[str, str]:
 
     The data is not read, so a bit flip in it is not detected here; `read_checkpoint` detects it.
     """
-    _, header = _read_header(path)
-    return dict(header.metadata)
-
-
-def _tensors(target: str | bytes, header: _Header) -> Generator[tuple[str, torch.Tensor], None, None]:
-    from safetensors import SafetensorError, safe_open
-
-    shown = _display(target)
-    try:
-        with safe_open(os.fsdecode(target), framework="pt", device="cpu") as f:
-            if set(f.keys()) != {e[0] for e in header.entries} or (f.metadata() or {}) != header.metadata:
-                raise CheckpointError(f"{shown}: file changed while being read")
-            for name, dtype, shape, _, _ in header.entries:
-                tensor = f.get_tensor(name)
-                if tensor.dtype != _DTYPES[dtype] or list(tensor.shape) != shape:
-                    raise CheckpointError(f"{shown}: tensor {name!r} does not match its header entry")
-                yield name, tensor
-    except SafetensorError as e:
-        raise CheckpointError(f"{shown}: safetensors refused the file: {e}") from None
+    return read_layout(path)[0]
 
 
 def read_checkpoint(
@@ -431,25 +555,33 @@ def read_checkpoint(
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read a checkpoint written by `write_checkpoint`: (tensors on `device`, metadata with its digest).
 
-    The header is validated before anything else is trusted, tensors are read one at a time, and the digest is
-    verified over everything loaded before returning; any failure is a `CheckpointError` naming the file.
-    `progress(done, total)` is called at most `progress_steps` times, the last at done == total once the digest
-    checks out; answering `False` raises `Stopped` and nothing is returned.
+    Only a regular file is opened (a named pipe is refused at once, never waited on). The header is validated
+    before anything else is trusted; each tensor is then allocated at its checked size (all of them together
+    span exactly the file's data, so a file allocates at most its own length) and read straight from the same
+    open file, and the digest is verified over everything read before anything is returned. Any failure is a
+    `CheckpointError` naming the file. `progress(done, total)` is called at most `progress_steps` times, the
+    last at done == total once the digest checks out; answering `False` raises `Stopped` and nothing is returned.
     """
     _check_steps(progress_steps)
-    target, header = _read_header(path)
-    device = torch.device(device)
-    total = len(header.entries)
-    points = _report_points(total, progress_steps)
+    target = os.fspath(path)
     shown = _display(target)
-
+    device = torch.device(device)
     out: dict[str, torch.Tensor] = {}
     records: dict[str, bytes] = {}
-    with contextlib.closing(_tensors(target, header)) as loaded:
-        for done, (name, tensor) in enumerate(loaded, start=1):
-            records[name] = _tensor_record(name, _DTYPE_NAMES[tensor.dtype], list(tensor.shape), _raw_bytes(tensor))
+    with _open_regular(target) as f:
+        header = _read_header(f, shown)
+        total = len(header.entries)
+        points = _report_points(total, progress_steps)
+        for done, (name, dtype, shape, begin, end) in enumerate(header.entries, start=1):
+            tensor = torch.empty(shape, dtype=_DTYPES[dtype])  # [shape]: end - begin bytes
+            data = tensor.reshape(-1).view(torch.uint8).numpy()  # [end - begin] uint8, the tensor's own memory
+            if _read_exactly(f, header.start + begin, memoryview(data)) != end - begin:
+                raise CheckpointError(f"{shown}: file shrank while being read")
+            if dtype == "BOOL" and data.size and int(data.max()) > 1:
+                raise CheckpointError(f"{shown}: tensor {name!r} holds bytes other than 0 and 1 for booleans")
+            records[name] = _tensor_record(name, dtype, shape, data)
             out[name] = tensor if device.type == "cpu" else tensor.to(device)
-            del tensor
+            del tensor, data
             if progress is not None and done < total and done in points and progress(done, total) is False:
                 raise Stopped(f"reading {shown} stopped at {done} of {total} tensors")
     if not hmac.compare_digest(_combine(records, header.metadata), header.metadata[DIGEST_KEY]):
