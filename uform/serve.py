@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import queue
@@ -54,8 +53,8 @@ from torch import Tensor
 
 from . import vocab
 from .arena import Arena, as_scalar
-from .checkpoint import CheckpointError, Stopped, _report_points, read_checkpoint, read_metadata
-from .config import TrainerInitVramConfig, from_dict, resolve
+from .checkpoint import Stopped, _report_points
+from .config import TrainerInitVramConfig
 from .data.batch import MEDIA_KINDS, Batch, media_features, prepare
 from .data.items import is_tape, parse_contents, parse_modalities, parse_sides, tape_items
 from .enums import LateInteractionSide, Modality, Objective, Scalar
@@ -65,7 +64,8 @@ from .media.pool import DecodePool
 from .media.units import Units
 from .model.attention import block_tables, compiled_flex_available, document_mask
 from .model.network import Network
-from .trainer import FORMAT, MediaWarning
+from .stored_run import read_run_tensors, read_stored_run
+from .trainer import MediaWarning
 
 __all__ = ["Model", "load"]
 
@@ -126,33 +126,14 @@ def load(
         raise TypeError(f"compiled: expected a bool or None, got {type(compiled).__name__}")
 
     shown = os.fsdecode(os.fspath(path))
-    # The header alone first: a foreign safetensors file is refused before its data is read.
-    found = read_metadata(path).get("uform.format")
-    if found != FORMAT:
-        raise CheckpointError(
-            f"{shown}: not a uform trainer checkpoint (its uform.format is {found!r}, expected {FORMAT!r})"
-        )
-    tensors, metadata = read_checkpoint(path, progress, steps, "cpu")  # verifies the digest
-    try:
-        config = resolve(from_dict(json.loads(metadata["uform.config"])))
-        step = int(metadata.get("uform.step", "0"))
-    except (KeyError, ValueError, TypeError) as error:
-        raise CheckpointError(f"{shown}: its stored config is not a valid run ({error})") from None
+    # The header alone first, every field of it checked and the stored config's network against the tensors
+    # the file holds; then the data, its digest verified; only then is anything built from the config.
+    stored = read_stored_run(path)
+    tensors = read_run_tensors(stored, progress, steps, "cpu")
+    config, step = stored.config, stored.step
     network = Network(config)
     weights = {k.removeprefix("weights."): v for k, v in tensors.items() if k.startswith("weights.")}
     del tensors
-    expected = network.state_dict()
-    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{shown}: its weights do not match its config (missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
-    for name, value in weights.items():
-        if value.shape != expected[name].shape or value.dtype != expected[name].dtype:
-            raise CheckpointError(
-                f"{shown}: weight {name!r} is {value.dtype} {list(value.shape)}, "
-                f"the config needs {expected[name].dtype} {list(expected[name].shape)}"
-            )
     network.load_state_dict(weights, strict=True)
     network.requires_grad_(False)
     network.eval()

@@ -27,13 +27,12 @@ import numpy as np
 import torch
 
 from .arena import Arena
-from .checkpoint import read_checkpoint, read_metadata, write_checkpoint
+from .checkpoint import write_checkpoint
 from .config import (
     TrainerInitVramConfig,
     TrainerSaveConfig,
     TrainerStepConfig,
     TrainerStepStats,
-    from_dict,
     resolve,
     to_dict,
     to_json,
@@ -51,9 +50,8 @@ from .model.network import Network
 from .notices import MediaWarning
 from .optim import build_optimizer, learning_rate
 from .relations import check_relations
+from .stored_run import FORMAT, RNG_DRAWS, StoredRun, read_run_tensors, read_stored_run
 from .world import GradientReducer, MeshError, World, WorldAborted, reduction_order, wait_event
-
-FORMAT = "uform.trainer.1"
 
 WORLD_COMPILES = ("whole", "blocks")
 """How a world's step may compile on CUDA (`Trainer.init_vram`'s `world_compile`)."""
@@ -199,14 +197,20 @@ class Trainer:
         world = None if config.mesh is None else config.mesh.world
         try:
             resolved, stored = resolve_run(config)
+            # Digest verified, every tensor read (at most the file's own length) before anything is built.
+            loaded = (
+                None
+                if stored is None
+                else read_run_tensors(stored, resolved.progress, resolved.progress_steps, executor.device)
+            )
             hosts = default_host_processes(executor) if host_processes is None else host_processes
             trainer = cls(executor, resolved, host_processes=hosts, world_compile=world_compile, _token=_PRIVATE)
             trainer.media = media
             trainer.network.initialize(resolved.seed)
             trainer.network.to(trainer.device)
             trainer.optimizer = build_optimizer(trainer.network, trainer.device)
-            if stored is not None:
-                trainer._resume(resolved)
+            if stored is not None and loaded is not None:
+                trainer._resume(stored, loaded)
         except BaseException:
             if world is not None:  # the others wait to compare runs: tell them this process has none
                 with contextlib.suppress(Exception):
@@ -232,12 +236,9 @@ class Trainer:
         if world.size > 1:
             self._reducer = GradientReducer([p for _, p in reduction_order(self.network)], world)
 
-    def _resume(self, config: TrainerInitVramConfig) -> None:
-        tensors, metadata = read_checkpoint(config.resume, config.progress, config.progress_steps, self.device)
+    def _resume(self, stored: StoredRun, tensors: dict[str, torch.Tensor]) -> None:
+        # read_stored_run checked the names, dtypes and shapes against this network, read_run_tensors the digest.
         weights = {k.removeprefix("weights."): v for k, v in tensors.items() if k.startswith("weights.")}
-        missing = set(self.network.state_dict()) - set(weights)
-        if missing:
-            raise ValueError(f"resume: the checkpoint lacks weights {sorted(missing)[:3]}")
         self.network.load_state_dict(weights, strict=True)
         fused = self.device.type == "cuda"
         for name, p in self.network.named_parameters():
@@ -248,10 +249,10 @@ class Trainer:
                     "exp_avg": tensors[f"moments.exp_avg.{name}"].clone(),
                     "exp_avg_sq": tensors[f"moments.exp_avg_sq.{name}"].clone(),
                 }
-        self._step_count = int(metadata["uform.step"])
+        self._step_count = stored.step
         self._next_step = self._step_count + 1
-        self._dropped = int(metadata.get("uform.dropped", "0"))
-        self._skipped = int(metadata.get("uform.skipped", "0"))
+        self._dropped = stored.dropped
+        self._skipped = stored.skipped
 
     # ---- receivers ---------------------------------------------------------------------------------
 
@@ -504,7 +505,7 @@ class Trainer:
             "uform.step": str(self._step_count),
             "uform.dropped": str(self._dropped),
             "uform.skipped": str(self._skipped),
-            "uform.rng": json.dumps({"draws": "pcg64 keyed by (seed, step, stream)", "seed": self.config.seed}),
+            "uform.rng": json.dumps({"draws": RNG_DRAWS, "seed": self.config.seed}),
         }
         write_checkpoint(config.path, tensors, metadata, config.progress, config.progress_steps or 10)
 
@@ -565,19 +566,18 @@ def default_host_processes(executor: Executor) -> int:
     return 1 if executor.device.type == "cuda" else 0
 
 
-def resolve_run(config: TrainerInitVramConfig) -> tuple[TrainerInitVramConfig, dict[str, str] | None]:
+def resolve_run(config: TrainerInitVramConfig) -> tuple[TrainerInitVramConfig, StoredRun | None]:
     """The resolved run of an init config (the stored run's, with what the caller set, on a resume alone),
-    checked against the checkpoint it resumes; answers it and the checkpoint's metadata."""
+    checked against the checkpoint it resumes, whose header is checked whole (`read_stored_run`); answers it
+    and the stored run."""
     stored = None
     if config.resume is not None:
-        stored = read_metadata(config.resume)
-        if stored.get("uform.format") != FORMAT:
-            raise ValueError(f"resume: {os.fsdecode(config.resume)} is not a uform trainer checkpoint")
+        stored = read_stored_run(config.resume)
         if config.depth == 0 and config.hidden == 0:  # resume alone: the stored run's config,
-            config = _over_stored(config, from_dict(json.loads(stored["uform.config"])))  # and what was set
+            config = _over_stored(config, stored.config)  # and what was set
     resolved = resolve(config)
     if stored is not None:
-        _same_run(resolved, from_dict(json.loads(stored["uform.config"])))
+        _same_run(resolved, stored.config)
     return resolved, stored
 
 

@@ -1,0 +1,201 @@
+"""A trainer checkpoint checked against the run it claims to hold, before anything is built from it.
+
+A resume and `serve.load` both build a network from the config a checkpoint stores. The digest (a plain SHA-256,
+which anyone who edits a file can recompute) says a file is intact, not that it is ours, so a forged header is
+refused on its own terms, from the header alone, before any data is read or anything allocated:
+
+- the stored config must be a valid run (`config.resolve`, the library's own rules, naming the field);
+- every count and label beside it has a type and a range: `uform.step`, `uform.dropped` and `uform.skipped` are
+  non-negative decimal integers below 2^63; `uform.rng` names the draws this library makes and the config's seed;
+- the network that config would build must be exactly the tensors the file holds: each weight its name, dtype
+  and shape, each parameter's Adam moments (step, exp_avg, exp_avg_sq) all three or none, nothing else. The
+  shapes come from the network itself, built on torch's "meta" device (no memory), and the loops of that build
+  that a size drives are bounded by the file first: no more blocks than the file holds weights for, and the
+  audio frontend's factoring of `chunk_samples` only where the file holds that many weight elements.
+
+Since the file's tensors span exactly its data (`checkpoint.read_checkpoint`), a file that passes allocates at
+most its own length when read, and the network built from its config is the size of the tensors it holds. The
+data is then read and its digest verified before anything is built (`read_run_tensors`); the moments' step
+counters are checked then (finite, whole, between zero and the run's step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .checkpoint import CheckpointError, Layout, ProgressCallback, read_checkpoint, read_layout
+from .config import TrainerInitVramConfig, from_dict, resolve
+from .model.network import Network
+
+__all__ = ["FORMAT", "RNG_DRAWS", "StoredRun", "read_run_tensors", "read_stored_run"]
+
+FORMAT = "uform.trainer.1"
+"""The `uform.format` of a trainer checkpoint."""
+
+RNG_DRAWS = "pcg64 keyed by (seed, step, stream)"
+"""The `draws` of a checkpoint's `uform.rng`: how this library keys every random draw of a run."""
+
+_COUNTERS = ("uform.step", "uform.dropped", "uform.skipped")
+_DECIMAL = re.compile(r"0|[1-9][0-9]{0,18}")
+_MOMENTS = ("step", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    """A trainer checkpoint whose header passed every check: what its metadata says, parsed."""
+
+    path: str | bytes
+    """The checkpoint's path, as given."""
+    metadata: dict[str, str]
+    """Its metadata, digest included."""
+    config: TrainerInitVramConfig
+    """The run it stores, resolved."""
+    step: int
+    """Optimizer steps the run had taken."""
+    dropped: int
+    """Segments dropped since the last step that read its stats."""
+    skipped: int
+    """Media items skipped since the last step that read its stats."""
+
+
+def read_stored_run(path: str | bytes | os.PathLike) -> StoredRun:
+    """The trainer checkpoint at `path`, from its header alone, every field checked (see the module docstring).
+
+    Raises `CheckpointError` naming the file and the rule broken; reads no data and allocates nothing sized by
+    the file beyond its header.
+    """
+    target = os.fspath(path)
+    shown = os.fsdecode(target)
+    metadata, layout = read_layout(target)
+    found = metadata.get("uform.format")
+    if found != FORMAT:
+        raise CheckpointError(
+            f"{shown}: not a uform trainer checkpoint (its uform.format is {found!r}, expected {FORMAT!r})"
+        )
+    try:
+        config = resolve(from_dict(json.loads(metadata["uform.config"])))
+    except (KeyError, ValueError, TypeError, RecursionError) as error:
+        raise CheckpointError(f"{shown}: its stored config is not a valid run ({error})") from None
+    counts = [_counter(metadata, key, shown) for key in _COUNTERS]
+    _check_rng(metadata, config, shown)
+    _check_layout(config, layout, shown)
+    return StoredRun(target, metadata, config, *counts)
+
+
+def read_run_tensors(
+    run: StoredRun,
+    progress: ProgressCallback | None,
+    progress_steps: int,
+    device: torch.device | str,
+) -> dict[str, torch.Tensor]:
+    """The tensors of a checked run, on `device`, their digest verified (`checkpoint.read_checkpoint`), and the
+    file the same one whose header `read_stored_run` checked."""
+    tensors, metadata = read_checkpoint(run.path, progress, progress_steps, device)
+    shown = os.fsdecode(run.path)
+    if metadata != run.metadata:  # the digest covers every name, dtype and shape: equal metadata, equal layout
+        raise CheckpointError(f"{shown}: the file changed between its header's checks and its reading")
+    ceiling = torch.tensor(float(run.step), dtype=torch.float32).item()  # the step as a save stores it
+    for name, value in tensors.items():
+        if name.startswith("moments.step."):
+            count = value.item()
+            if not (math.isfinite(count) and count == int(count) and 0 <= count <= ceiling):
+                raise CheckpointError(
+                    f"{shown}: {name} is {count}; an Adam step count is a whole number in [0, uform.step={run.step}]"
+                )
+    return tensors
+
+
+def _counter(metadata: dict[str, str], key: str, shown: str) -> int:
+    text = metadata.get(key)
+    if text is None:
+        if key == "uform.step":
+            raise CheckpointError(f"{shown}: not a uform trainer checkpoint (no uform.step in its metadata)")
+        return 0  # dropped and skipped: counts a checkpoint may leave out, as nothing pending
+    if not _DECIMAL.fullmatch(text) or int(text) >= 2**63:
+        raise CheckpointError(f"{shown}: {key} must be a non-negative decimal integer below 2^63, got {_short(text)}")
+    return int(text)
+
+
+def _check_rng(metadata: dict[str, str], config: TrainerInitVramConfig, shown: str) -> None:
+    text = metadata.get("uform.rng")
+    if text is None:
+        return  # a label, not read: absent is fine, present it must say what this library draws
+    expected = {"draws": RNG_DRAWS, "seed": config.seed}
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        value = text
+    if value != expected:
+        raise CheckpointError(f"{shown}: uform.rng must be {json.dumps(expected)}, got {_short(text)}")
+
+
+def _short(text: str) -> str:
+    return repr(text) if len(text) <= 60 else repr(text[:60]) + "..."
+
+
+def _mismatch(shown: str, detail: str) -> CheckpointError:
+    return CheckpointError(f"{shown}: its tensors do not match its config ({detail})")
+
+
+def _meta_network(config: TrainerInitVramConfig, depth: int | None = None) -> Network:
+    """The network `config` builds (at `depth` blocks where given), on the meta device: shapes, no memory."""
+    with torch.device("meta"):
+        return Network(config if depth is None else dataclasses.replace(config, depth=depth))
+
+
+def _shapes(network: Network) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Every state tensor of `network`, (dtype, shape) by name."""
+    return {k: (v.dtype, tuple(v.shape)) for k, v in network.state_dict().items()}
+
+
+def _check_layout(config: TrainerInitVramConfig, layout: Layout, shown: str) -> None:
+    weights = {k.removeprefix("weights."): v for k, v in layout.items() if k.startswith("weights.")}
+    held_elements = sum(math.prod(shape) for _, shape in weights.values())
+
+    # The meta build allocates nothing, but two of its loops run as long as a size says: bound those by the file
+    # first. The audio reconstruction head is [chunk_samples, hidden], so a genuine file holds at least
+    # chunk_samples weight elements (and the frontend's factoring of it stays short),
+    chunk = config.batch.audio.chunk_samples
+    if chunk > held_elements:
+        raise _mismatch(shown, f"batch.audio.chunk_samples {chunk} exceeds the {held_elements} weight elements held")
+    # and the depth's loop builds no more blocks than the file holds weights for (the one-block network's
+    # tensors plus those each further block adds).
+    one, two = len(_shapes(_meta_network(config, 1))), len(_shapes(_meta_network(config, 2)))
+    need = one + (config.depth - 1) * (two - one)
+    if config.depth > 2 and need > len(weights):  # (at depth 1 or 2 the names below say more)
+        raise _mismatch(shown, f"depth {config.depth} makes {need} weights, the file holds {len(weights)}")
+
+    network = _meta_network(config)
+    expected = _shapes(network)
+    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise _mismatch(shown, f"missing weights {missing[:3]}, unexpected {unexpected[:3]}")
+    for name, (dtype, shape) in weights.items():
+        if (dtype, shape) != expected[name]:
+            want_dtype, want_shape = expected[name]
+            raise _mismatch(
+                shown, f"weight {name!r} is {dtype} {list(shape)}, the config needs {want_dtype} {list(want_shape)}"
+            )
+
+    parameters = {k: (p.dtype, tuple(p.shape)) for k, p in network.named_parameters()}
+    moments: dict[str, set[str]] = {}
+    for name, (dtype, shape) in layout.items():
+        if name.startswith("weights."):
+            continue
+        kind, _, parameter = name.removeprefix("moments.").partition(".")
+        if not name.startswith("moments.") or kind not in _MOMENTS or parameter not in parameters:
+            raise _mismatch(shown, f"unexpected tensor {name!r}")
+        want = (torch.float32, ()) if kind == "step" else parameters[parameter]
+        if (dtype, shape) != want:
+            raise _mismatch(shown, f"{name!r} is {dtype} {list(shape)}, the run needs {want[0]} {list(want[1])}")
+        moments.setdefault(parameter, set()).add(kind)
+    for parameter, kinds in sorted(moments.items()):
+        if len(kinds) != len(_MOMENTS):
+            raise _mismatch(shown, f"parameter {parameter!r} has moments {sorted(kinds)}, not all of {list(_MOMENTS)}")
