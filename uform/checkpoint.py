@@ -199,7 +199,6 @@ def _header_bytes(plan: list[_Planned], metadata: Mapping[str, str]) -> bytes:
 _TEMP_PATTERN = r"\..+\.tmp-([0-9]{1,10})-[0-9a-f]{12}"
 """The name `_create_temp` gives: "." + the target's name + ".tmp-" + the writer's pid + "-" + 12 hex digits."""
 _TEMP_NAME = re.compile(_TEMP_PATTERN, re.DOTALL)
-_TEMP_NAME_BYTES = re.compile(_TEMP_PATTERN.encode(), re.DOTALL)
 
 STALE_TEMP_SECONDS = 600
 """How long a temporary file of ours must have gone unmodified before a later save may remove it."""
@@ -235,7 +234,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temps(folder: str | bytes) -> list[str | bytes]:
+def remove_stale_temps(folder: str | bytes) -> list[str]:
     """Removes from `folder` the temporary files that killed saves left behind; answers the paths removed.
 
     A file is removed only when all of these hold: its name is exactly the pattern `write_checkpoint` gives
@@ -245,16 +244,15 @@ def remove_stale_temps(folder: str | bytes) -> list[str | bytes]:
     a process elsewhere (another host or pid namespace sharing the folder, whose pid means nothing here) is
     writing, since a live write touches the file with every tensor. A file that cannot be removed is left.
     """
-    removed: list[str | bytes] = []
+    removed: list[str] = []
     now = time.time()
     uid = os.geteuid() if hasattr(os, "geteuid") else None
     try:
-        entries = list(os.scandir(folder))
+        entries = list(os.scandir(os.fsdecode(folder)))  # str names; undecodable bytes kept as surrogates
     except OSError:
         return removed
     for entry in entries:
-        pattern = _TEMP_NAME_BYTES if isinstance(entry.name, bytes) else _TEMP_NAME
-        match = pattern.fullmatch(entry.name)  # type: ignore[arg-type]
+        match = _TEMP_NAME.fullmatch(entry.name)
         if match is None:
             continue
         try:
@@ -575,7 +573,7 @@ def read_checkpoint(
         for done, (name, dtype, shape, begin, end) in enumerate(header.entries, start=1):
             tensor = torch.empty(shape, dtype=_DTYPES[dtype])  # [shape]: end - begin bytes
             data = tensor.reshape(-1).view(torch.uint8).numpy()  # [end - begin] uint8, the tensor's own memory
-            if _read_exactly(f, header.start + begin, memoryview(data)) != end - begin:
+            if _read_exactly(f, header.start + begin, data.data) != end - begin:
                 raise CheckpointError(f"{shown}: file shrank while being read")
             if dtype == "BOOL" and data.size and int(data.max()) > 1:
                 raise CheckpointError(f"{shown}: tensor {name!r} holds bytes other than 0 and 1 for booleans")
