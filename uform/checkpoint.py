@@ -18,6 +18,15 @@ The digest stored in the `"uform.digest"` metadata key is the hex SHA-256 of::
 where u64 is 8 bytes little-endian and field(s) is u64(len(utf8(s))) || utf8(s). Hashing each tensor on its own
 keeps the digest independent of file order and lets the writer hash while writing (one pass, one tensor in host
 memory at a time); covering the metadata too means the stored configuration cannot change silently either.
+
+The digest detects damage, not forgery: anyone who edits a file can recompute it. So the reader trusts no size
+in a header because the digest matched: every shape, offset and count is bounded by the file's own length before
+anything is allocated, and only regular files are opened. What a trainer checkpoint's metadata says (its config,
+step and counters) is checked against its tensors in `stored_run`.
+
+Temporary files: a save writes ".<name>.tmp-<pid>-<12 hex>" beside the target and renames it into place. A save
+killed part-way leaves its temporary file; the next save into that folder removes those of dead processes that
+have gone unmodified for `STALE_TEMP_SECONDS` (`remove_stale_temps`), and nothing else.
 """
 
 from __future__ import annotations

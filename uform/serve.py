@@ -4,10 +4,12 @@
 Shape legend: N items of a call, R rows, C columns, S segment slots, D hidden, W token-vector width, T token
 vectors of a call.
 
-Loading. `load(path, executor)` reads a checkpoint that `Trainer.save` wrote, through the same checked reader
-as a resume (`checkpoint.read_checkpoint`: safetensors only, never pickle): the header is validated, every
-tensor is read and the SHA-256 digest over tensors and metadata is verified before anything is trusted, so a
-truncated, bit-flipped or foreign file is refused with a `CheckpointError` naming the file. The network is
+Loading. `load(path, executor)` reads a checkpoint that `Trainer.save` wrote, through the same checks as a
+resume (`stored_run`, `checkpoint.read_checkpoint`: regular files only, safetensors only, never pickle): the
+header is validated, its config resolved and the network it would build checked against the tensors the file
+holds, then every tensor is read and the SHA-256 digest over tensors and metadata is verified before anything
+is built, so a truncated, bit-flipped, forged or foreign file is refused with a `CheckpointError` naming the
+file. The network is
 rebuilt from the stored, resolved config and its weights (the optimizer moments are read, for the digest,
 and dropped), moved to the executor's device and frozen in eval mode.
 
