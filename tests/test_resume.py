@@ -424,8 +424,16 @@ def test_counters_and_labels_have_a_type_and_a_range(executor, saved_run, key: s
     refused_everywhere(executor, reforge(saved_run, edit), key)
 
 
-def test_a_missing_step_is_refused(executor, saved_run) -> None:
-    refused_everywhere(executor, reforge(saved_run, lambda m: m.pop("uform.step")), "uform.step")
+def test_a_missing_step_is_step_zero_which_moments_of_a_step_contradict(make_trainer, executor, tmp_path) -> None:
+    fresh = tmp_path / "fresh.safetensors"
+    make_trainer().save(fresh)  # step 0, no moments
+    resumed = make_trainer(TrainerInitVramConfig(resume=reforge(fresh, lambda m: m.pop("uform.step"))))
+    assert resumed.steps_taken == 0
+    trainer = make_trainer()
+    step_with(trainer)
+    stepped = tmp_path / "stepped.safetensors"
+    trainer.save(stepped)
+    refused_everywhere(executor, reforge(stepped, lambda m: m.pop("uform.step")), "moments.step")
 
 
 @pytest.mark.parametrize("count", [-1.0, 0.5, float("nan"), float("inf"), 3.0])
@@ -499,3 +507,12 @@ def test_a_genuine_checkpoint_still_loads_and_resumes(executor, saved_run) -> No
         resumed.close()
     model = uform.serve.load(saved_run)
     assert model.step == 1
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"hidden": 2**62}, {"contrastive.temperature_groups": 2**70}, {"batch.image.patch_side": 2**40}],
+    ids=["hidden", "temperature_groups", "patch_side"],
+)
+def test_sizes_past_what_torch_can_shape_are_checkpoint_errors(executor, saved_run, no_network_built, changes) -> None:
+    refused_everywhere(executor, reforge(saved_run, edit_config(**changes)), "cannot be built")

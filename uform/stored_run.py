@@ -6,7 +6,7 @@ refused on its own terms, from the header alone, before any data is read or anyt
 
 - the stored config must be a valid run (`config.resolve`, the library's own rules, naming the field);
 - every count and label beside it has a type and a range: `uform.step`, `uform.dropped` and `uform.skipped` are
-  non-negative decimal integers below 2^63; `uform.rng` names the draws this library makes and the config's seed;
+  non-negative decimal integers below 2^63 (zero where absent); `uform.rng` names the draws this library makes and the config's seed;
 - the network that config would build must be exactly the tensors the file holds: each weight its name, dtype
   and shape, each parameter's Adam moments (step, exp_avg, exp_avg_sq) all three or none, nothing else. The
   shapes come from the network itself, built on torch's "meta" device (no memory), and the loops of that build
@@ -115,9 +115,7 @@ def read_run_tensors(
 def _counter(metadata: dict[str, str], key: str, shown: str) -> int:
     text = metadata.get(key)
     if text is None:
-        if key == "uform.step":
-            raise CheckpointError(f"{shown}: not a uform trainer checkpoint (no uform.step in its metadata)")
-        return 0  # dropped and skipped: counts a checkpoint may leave out, as nothing pending
+        return 0  # a file that never stepped may leave its counters out (the serving fixtures and benches do)
     if not _DECIMAL.fullmatch(text) or int(text) >= 2**63:
         raise CheckpointError(f"{shown}: {key} must be a non-negative decimal integer below 2^63, got {_short(text)}")
     return int(text)
@@ -144,10 +142,14 @@ def _mismatch(shown: str, detail: str) -> CheckpointError:
     return CheckpointError(f"{shown}: its tensors do not match its config ({detail})")
 
 
-def _meta_network(config: TrainerInitVramConfig, depth: int | None = None) -> Network:
+def _meta_network(config: TrainerInitVramConfig, shown: str, depth: int | None = None) -> Network:
     """The network `config` builds (at `depth` blocks where given), on the meta device: shapes, no memory."""
-    with torch.device("meta"):
-        return Network(config if depth is None else dataclasses.replace(config, depth=depth))
+    try:
+        with torch.device("meta"):
+            return Network(config if depth is None else dataclasses.replace(config, depth=depth))
+    except (RuntimeError, TypeError, ValueError, OverflowError) as error:
+        # A size past what torch can index (hidden 2^62: "Storage size calculation overflowed"): no such file.
+        raise _mismatch(shown, f"its network cannot be built: {str(error).splitlines()[0]}") from None
 
 
 def _shapes(network: Network) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -167,12 +169,12 @@ def _check_layout(config: TrainerInitVramConfig, layout: Layout, shown: str) -> 
         raise _mismatch(shown, f"batch.audio.chunk_samples {chunk} exceeds the {held_elements} weight elements held")
     # and the depth's loop builds no more blocks than the file holds weights for (the one-block network's
     # tensors plus those each further block adds).
-    one, two = len(_shapes(_meta_network(config, 1))), len(_shapes(_meta_network(config, 2)))
+    one, two = len(_shapes(_meta_network(config, shown, 1))), len(_shapes(_meta_network(config, shown, 2)))
     need = one + (config.depth - 1) * (two - one)
     if config.depth > 2 and need > len(weights):  # (at depth 1 or 2 the names below say more)
         raise _mismatch(shown, f"depth {config.depth} makes {need} weights, the file holds {len(weights)}")
 
-    network = _meta_network(config)
+    network = _meta_network(config, shown)
     expected = _shapes(network)
     missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
     if missing or unexpected:
