@@ -660,3 +660,33 @@ def test_the_next_save_removes_temporary_files_of_killed_saves_only(tmp_path):
             if child.poll() is None:
                 child.kill()
             child.wait()
+
+
+TRUNCATING_READER = """
+import os, sys
+from uform.checkpoint import CheckpointError, read_checkpoint
+
+path = sys.argv[1]
+
+def truncate(done, total):
+    if done == 1:  # another process cuts the file while this one reads it
+        os.truncate(path, os.path.getsize(path) // 2)
+
+try:
+    read_checkpoint(path, progress=truncate, progress_steps=1000)
+    print("read a file cut in half")
+except CheckpointError as error:
+    print("refused:", error)
+"""
+
+
+def test_a_file_cut_while_being_read_is_refused_not_a_crash(tmp_path):
+    # A reader that maps the file (safe_open) dies of SIGBUS on the first page past the new end; ours reads.
+    path = tmp_path / "cut.safetensors"
+    write_checkpoint(path, {f"t{i}": torch.randn(4096) for i in range(4)}, {})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    child = subprocess.run(
+        [sys.executable, "-c", TRUNCATING_READER, str(path)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    assert child.stdout.startswith("refused:") and "shrank" in child.stdout, child.stdout
