@@ -46,6 +46,7 @@ from .host import HostJob, HostProcesses, decode_media, host_stage
 from .media.decode import MediaPolicy
 from .media.pool import DecodePool
 from .media.units import Units
+from .memory import check_memory
 from .model.attention import compiled_flex_available, document_mask
 from .model.network import Network
 from .notices import MediaWarning
@@ -199,6 +200,7 @@ class Trainer:
         world = None if config.mesh is None else config.mesh.world
         try:
             resolved, stored = resolve_run(config)
+            check_memory(resolved, executor.device)  # before any allocation: refuses on CUDA, warns on the CPU
             hosts = default_host_processes(executor) if host_processes is None else host_processes
             trainer = cls(executor, resolved, host_processes=hosts, world_compile=world_compile, _token=_PRIVATE)
             trainer.media = media
