@@ -225,6 +225,6 @@ def test_available_memory_on_this_machine() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_refuses_a_run_larger_than_the_device() -> None:
     _free, total = torch.cuda.mem_get_info(0)
-    rows = int(total // (64 * 1024 * 512 * 42)) + 64  # activations alone past the whole device
+    rows = int(total // (1024 * 512 * 42 * 12)) + 64  # a row of 1024 columns holds ~42 B x 512 x 12 blocks a column
     with pytest.raises(ValueError, match=r"^memory: .*shrink batch\.max_rows_per_device"):
         Trainer.init_vram(Executor.for_vram([0]), geometry(12, 512, rows, 1024, rows * 4))
