@@ -2,7 +2,9 @@
 
 Python blocks run in README order, each in a fresh interpreter, in one shared temporary folder (the serving
 block reads the checkpoint the training block wrote). Each runs as `python -c <block>`: the block's text
-exactly as written, as a notebook cell or a pasted snippet runs it. The two bash commands are not installed
+exactly as written, as a notebook cell or a pasted snippet runs it; a uform warning (a media item skipped,
+items dropped for room, a memory overshoot) is an error, so a block cannot pass by quietly doing less than it
+says. The two bash commands are not installed
 here (CI runs the test command itself, from `.ci/run`); they are held to what `.ci/run` runs and to the
 console script and defaults `uform demo` runs.
 """
@@ -62,7 +64,7 @@ def test_python_blocks_run_as_written(tmp_path: Path) -> None:
     environment["OMP_NUM_THREADS"] = "2"
     for i, block in enumerate(code):
         result = subprocess.run(
-            [sys.executable, "-c", block],
+            [sys.executable, "-W", "error::uform.notices.UformWarning", "-c", block],
             cwd=tmp_path,
             env=environment,
             capture_output=True,
