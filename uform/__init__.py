@@ -47,6 +47,7 @@ _WHERE = {
     "Trainer": "trainer",
     "UformWarning": "notices",
     "MediaWarning": "notices",
+    "MemoryWarning": "notices",
     "NonFiniteWarning": "notices",
     "CapacityWarning": "notices",
     "ScheduleWarning": "notices",
@@ -90,7 +91,7 @@ if TYPE_CHECKING:
     from .evaluate import evaluate_retrieval
     from .executor import Executor
     from .mesh import Mesh, MeshDescription, MeshError, MeshOptions
-    from .notices import CapacityWarning, MediaWarning, NonFiniteWarning, ScheduleWarning, UformWarning
+    from .notices import CapacityWarning, MediaWarning, MemoryWarning, NonFiniteWarning, ScheduleWarning, UformWarning
     from .relations import Edges, Relations
     from .serve import Model, load
     from .trainer import Trainer
@@ -113,6 +114,7 @@ __all__ = [
     "LateInteractionSide",
     "Masking",
     "MediaWarning",
+    "MemoryWarning",
     "Mesh",
     "MeshDescription",
     "MeshError",

@@ -34,6 +34,10 @@ class ScheduleWarning(UformWarning):
     """A step ran past the schedule's last step."""
 
 
+class MemoryWarning(UformWarning):
+    """A run's estimated memory exceeds what the machine has available (`uform.memory`)."""
+
+
 class Notices:
     """One owner's warnings: each kind shown once (or again when its level doubles), every occurrence
     counted. Thread-safe: a trainer's completion thread and its caller may both warn."""

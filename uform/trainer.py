@@ -45,6 +45,7 @@ from .host import HostJob, HostProcesses, decode_media, host_stage
 from .media.decode import MediaPolicy
 from .media.pool import DecodePool
 from .media.units import Units
+from .memory import check_memory
 from .model.attention import compiled_flex_available, document_mask
 from .model.network import Network
 from .notices import MediaWarning
@@ -197,6 +198,7 @@ class Trainer:
         world = None if config.mesh is None else config.mesh.world
         try:
             resolved, stored = resolve_run(config)
+            check_memory(resolved, executor.device)  # before any allocation: refuses on CUDA, warns on the CPU
             # Digest verified, every tensor read (at most the file's own length) before anything is built.
             loaded = (
                 None

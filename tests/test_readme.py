@@ -1,0 +1,96 @@
+"""The README's code blocks, extracted and run, so they cannot drift from the library.
+
+Python blocks run in README order, each in a fresh interpreter, in one shared temporary folder (the serving
+block reads the checkpoint the training block wrote). Each runs as `python -c <block>`: the block's text
+exactly as written, as a notebook cell or a pasted snippet runs it; a uform warning (a media item skipped,
+items dropped for room, a memory overshoot) is an error, so a block cannot pass by quietly doing less than it
+says. The two bash commands are not installed
+here (CI runs the test command itself, from `.ci/run`); they are held to what `.ci/run` runs and to the
+console script and defaults `uform demo` runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+DEMO_COMMAND = "python -m pip install torch==2.13.0 . && uform demo"
+
+
+def blocks(language: str) -> list[str]:
+    """The README's fenced code blocks of `language`, in order."""
+    text = README.read_text(encoding="utf-8")
+    return [m.group(2) for m in re.finditer(r"^```(\w*)\n(.*?)^```$", text, re.S | re.M) if m.group(1) == language]
+
+
+def test_bash_blocks_are_the_two_commands() -> None:
+    commands = [block.strip() for block in blocks("bash")]
+    assert len(commands) == 2, commands
+    demo, tests = commands
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    assert tests in ci, f"the README's test command {tests!r} is not what .ci/run runs"
+    assert tests.endswith('-e ".[test]" && python -m pytest')
+    assert demo == DEMO_COMMAND
+
+
+def test_uform_demo_is_the_cli_demo_on_its_defaults() -> None:
+    """`uform demo` runs `uform.cli.main(["demo"])`: the console script, and the demo's defaults (which
+    tests/test_demo.py and tests/test_cli.py run shortened; the full run takes minutes)."""
+    from uform.cli import build_parser
+    from uform.demo import DEFAULTS
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"uform": "uform.cli:main"}
+    args = build_parser().parse_args(["demo"])
+    assert args.command == "demo" and not args.cpu and args.max_paragraphs is None
+    for name, value in DEFAULTS.items():
+        assert getattr(args, name) == value, name
+
+
+def test_python_blocks_run_as_written(tmp_path: Path) -> None:
+    code = blocks("python")
+    assert len(code) == 3, "the training, serving and several-hosts blocks"
+    assert 'save("checkpoint.safetensors")' in code[0] and 'load("checkpoint.safetensors"' in code[1]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    environment["OMP_NUM_THREADS"] = "2"
+    for i, block in enumerate(code):
+        result = subprocess.run(
+            [sys.executable, "-W", "error::uform.notices.UformWarning", "-c", block],
+            cwd=tmp_path,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, f"README python block {i + 1}:\n{block}\n{result.stderr[-4000:]}"
+        assert result.stdout.strip(), f"README python block {i + 1} printed nothing"
+        if i == 0:
+            assert (tmp_path / "checkpoint.safetensors").is_file()
+
+
+def layout_paths() -> set[str]:
+    text = README.read_text(encoding="utf-8")
+    table = text[text.index("## Layout") :]
+    return set(re.findall(r"`(uform/[\w/.]*|bench/)`", table))
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(
+        f"uform/{p.name}/" if p.is_dir() else f"uform/{p.name}"
+        for p in (ROOT / "uform").iterdir()
+        if (p.suffix == ".py" and p.name not in ("__init__.py", "__main__.py"))
+        or (p.is_dir() and (p / "__init__.py").is_file())
+    ),
+)
+def test_layout_table_lists_every_module(path: str) -> None:
+    assert path in layout_paths(), f"README's layout table does not list {path}"
