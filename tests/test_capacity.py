@@ -20,6 +20,7 @@ from conftest import COLUMNS, make_config, overfull_texts, step_with
 
 from uform import BatchShape, Contrastive, Executor, Objective, Trainer, TrainerStepConfig
 from uform.data.pack import LIMITS, LateRoom, plan
+from uform.evaluate import encode_texts
 from uform.notices import CapacityWarning
 from uform.serve import load
 
@@ -148,3 +149,11 @@ def test_no_capacity_warning_when_nothing_is_lost(make_trainer: Any) -> None:
     trainer = make_trainer()
     assert capacity_warnings(lambda: step_with(trainer)) == []
     assert trainer.notices.counts() == {}
+
+
+def test_evaluation_during_training_warns_through_the_trainer_once(make_trainer: Any) -> None:
+    trainer = make_trainer()
+    texts = ["w" * 200, "short", "x" * 300, "short too"]
+    assert len(capacity_warnings(lambda: encode_texts(trainer, texts))) == 1
+    assert capacity_warnings(lambda: encode_texts(trainer, texts)) == []  # a new served view, the same owner
+    assert trainer.notices.count("capacity.truncated") == 4

@@ -39,6 +39,7 @@ from uform import (
 )
 from uform.checkpoint import write_checkpoint
 from uform.config import resolve, to_json
+from uform.evaluate import evaluate_retrieval
 from uform.media.decode import MediaPolicy, decode_item
 from uform.media.limits import MediaError, MediaLimits
 from uform.model.network import Network
@@ -253,3 +254,10 @@ def test_media_tokens_are_one_per_unit(tmp_path: Path) -> None:
         assert len([w for w in caught if issubclass(w.category, MediaWarning)]) == 1
     finally:
         model.close()
+
+
+def test_evaluate_retrieval_refuses_a_broken_item(served: dict[str, Any]) -> None:
+    """The metrics never score a stand-in vector (a zero row scored 0 against every query, silently)."""
+    documents = (["image", "text"], [b"not an image", b"a cat looks up"])
+    with pytest.raises(MediaError, match=r"^contents\[0\]: "):
+        evaluate_retrieval(served["model"], ["a cat"], documents, [1])
