@@ -27,7 +27,8 @@ class MediaPolicy:
     strict: bool = False
     """Training: False skips an item that cannot be decoded (counted in `TrainerStepStats.skipped` and
     `Trainer.notices`, with one `MediaWarning` per trainer naming the first step's); True makes the step raise
-    `MediaError` naming the item, leaving the trainer unchanged. Serving decides per call instead (`errors`)."""
+    `MediaError` naming the item, leaving the trainer unchanged. Serving: each call's `errors` decides
+    (raise by default, or answer a mask), and True makes every call raise."""
     workers: int = 0
     """Decoding processes; zero derives one per core this process may use."""
 
