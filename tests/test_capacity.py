@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -157,3 +158,16 @@ def test_evaluation_during_training_warns_through_the_trainer_once(make_trainer:
     assert len(capacity_warnings(lambda: encode_texts(trainer, texts))) == 1
     assert capacity_warnings(lambda: encode_texts(trainer, texts)) == []  # a new served view, the same owner
     assert trainer.notices.count("capacity.truncated") == 4
+
+
+def test_a_renumbered_step_is_counted_once(make_trainer: Any) -> None:
+    """After an earlier queued step failed, a step whose host stage already ran is prepared anew under its new
+    number (`_apply_step`); its losses are still counted once."""
+    trainer = make_trainer()
+    texts = ["v" * 200, "short"]
+    checked = trainer._check_step(["text"] * 2, texts, TrainerStepConfig(), copy_buffers=True)
+    host: Future = Future()
+    capacity_warnings(lambda: host.set_result(trainer._prepare(checked, 2)))  # as if queued behind step 1
+    assert trainer.notices.count("capacity.truncated") == 1
+    capacity_warnings(lambda: trainer._apply_step(checked, host, 2)())  # step 1 failed: this one becomes step 1
+    assert trainer.steps_taken == 1 and trainer.notices.count("capacity.truncated") == 1

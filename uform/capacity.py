@@ -49,8 +49,7 @@ def warn_dropped(
         DROPPED,
         f"uform: {where} dropped {lost} of {items} items ({share:.0%}) whole for lack of room, so they were not "
         f"trained on; the room that ran out: {fields}; raise {'it' if len(drops) == 1 else 'them'} or send fewer "
-        f"items per step. Counted in "
-        f"{counted} (shown again only if the share doubles)",
+        f"items per step. Counted in {counted} (shown again only if the share doubles)",
         CapacityWarning,
         count=lost,
         level=share,

@@ -330,7 +330,7 @@ class Trainer:
 
     # ---- the work ----------------------------------------------------------------------------------
 
-    def _prepare(self, checked: _Checked, step: int) -> tuple[Batch, dict[str, torch.Tensor]]:
+    def _prepare(self, checked: _Checked, step: int, notify: bool = True) -> tuple[Batch, dict[str, torch.Tensor]]:
         """The host stage (`host.host_stage`: decode, pack, corrupt and pair, block tables), here or in a host
         process, then page-locked tensors for the copy; a media item that did not decode is warned about here."""
         job = HostJob(
@@ -355,8 +355,9 @@ class Trainer:
             for name, table in answer.tables.items():
                 t = torch.from_numpy(table)
                 host[f"block.{name}"] = t.pin_memory() if pin else t
-        warn_skipped(self.notices, failed, checked.modalities, "TrainerStepStats.skipped", checked.origin)
-        warn_step_capacity(self.notices, batch, len(checked.modalities), self.config.batch.max_columns_per_row)
+        if notify:  # once per step: not again where a renumbered step is prepared anew (`_apply_step`)
+            warn_skipped(self.notices, failed, checked.modalities, "TrainerStepStats.skipped", checked.origin)
+            warn_step_capacity(self.notices, batch, len(checked.modalities), self.config.batch.max_columns_per_row)
         return batch, host
 
     def _decode_pool(self) -> DecodePool:
@@ -387,9 +388,9 @@ class Trainer:
     def _apply_step(self, checked: _Checked, host: Future, step: int) -> Callable[[], torch.Tensor | None]:
         r = self.config
         if step != self._step_count + 1:  # an earlier queued step failed: its successors' draws move up
-            host.cancel()
+            ran = not host.cancel()  # a host stage that ran (or runs) has warned already
             step = self._step_count + 1
-            batch, tensors = self._prepare(checked, step)
+            batch, tensors = self._prepare(checked, step, notify=not ran)
         else:
             batch, tensors = host.result()
         cuda = self.device.type == "cuda"
