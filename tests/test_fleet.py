@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from uform import (
 from uform.checkpoint import CheckpointError, read_metadata
 from uform.enums import Modality
 from uform.fleet import ProgressRelay, item_sizes, route
+from uform.notices import CapacityWarning
 from uform.relations import first_crossing, restrict
 
 # --------------------------------------------------------------------------------------------------
@@ -174,7 +176,17 @@ def test_counts_add_up_over_the_devices(two: Executor) -> None:
     stats = TrainerStepStats()
     from uform import TrainerStepConfig
 
-    trainer.step(["text"] * len(texts), texts, TrainerStepConfig(stats=stats))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.step(["text"] * len(texts), texts, TrainerStepConfig(stats=stats))
+        trainer.step(["text"] * len(texts), texts, TrainerStepConfig())
+    # The workers' warnings reach this process once per kind (not once per worker or step), counted over both.
+    shown = sorted(str(w.message) for w in caught if issubclass(w.category, CapacityWarning))
+    assert len(shown) == 2, shown
+    assert "a step cut" in shown[0] and "batch.max_columns_per_row" in shown[0]
+    assert "a step dropped" in shown[1] and "batch.max_segments_per_device" in shown[1]
+    assert trainer.notices.count("capacity.dropped") == 2 * stats.dropped
+    assert trainer.notices.count("capacity.truncated") == 2 * stats.truncated
     alone = Trainer.init_vram(Executor.cpu(), wc.config(*wc.CASES[0][1:]))
     one = TrainerStepStats()
     alone.step(["text"] * len(texts), texts, TrainerStepConfig(stats=one))

@@ -8,7 +8,7 @@ Pins: every container the seed names trains with a finite, positive masked loss 
 counts, positions, markers and slots in the packed rows; mask ratios (video tube masks agree across
 time; no masking under Contrastive); per-unit normalised targets and the masked sum against a naive loop;
 the gradient reaching every media parameter; broken, oversized and slow items skipped (counted and
-warned about by index) or, when strict, refused with the trainer untouched; a mixed batch of every
+warned about once per trainer, naming them) or, when strict, refused with the trainer untouched; a mixed batch of every
 modality training in one Joint step; modalities out of the run refused.
 """
 
@@ -70,7 +70,7 @@ from uform.media.limits import MediaError, MediaLimits
 from uform.media.units import Units
 from uform.model.attention import document_mask
 from uform.model.network import Network
-from uform.trainer import MediaWarning
+from uform.notices import MediaWarning, Notices
 
 RATE = 16000
 
@@ -586,16 +586,19 @@ def test_broken_and_oversized_items_are_skipped(joint_trainer: Trainer) -> None:
     bad = broken_items()
     items = [*good, *((m, c) for m, c, _ in bad)]
     relations = pairs(len(items), [(0, 1), (2, 3)])
+    joint_trainer.notices = Notices()  # this step's media warning is the trainer's first
     st, out, warned = train(
         joint_trainer, [m for m, _ in items], [c for _, c in items], relations=relations, arena=True
     )
     assert st is not None and out is not None
     assert st.skipped == len(bad) and st.dropped == 0
-    assert len(warned) == len(bad), warned
-    for k, (_, _, reason) in enumerate(bad):
-        i = len(good) + k
-        message = next((w for w in warned if f"contents[{i}]" in w), None)
-        assert message is not None and reason in message, (i, reason, warned)
+    # One warning for the step's broken items (it was one per item), naming each; every one counted.
+    assert len(warned) == 1, warned
+    assert warned[0].startswith(f"uform: skipped {len(bad)} media items") and "TrainerStepStats.skipped" in warned[0]
+    assert joint_trainer.notices.count("media") == len(bad)
+    for k, (modality, _, reason) in enumerate(bad):
+        named = warned[0].split(f"contents[{len(good) + k}] ({modality}): ", 1)
+        assert len(named) == 2 and reason in named[1].split("; contents[")[0], (k, reason, warned)
     for name in ("loss", "contrastive_loss", "masked_text_loss", "masked_image_loss", "masked_audio_loss"):
         assert finite_positive(getattr(st, name)), (name, st)
     assert st.masked_video_loss == 0.0  # every clip of the step was broken
@@ -606,11 +609,13 @@ def test_broken_and_oversized_items_are_skipped(joint_trainer: Trainer) -> None:
 
 def test_skipped_accumulates_until_read(joint_trainer: Trainer) -> None:
     trainer = joint_trainer
+    trainer.notices = Notices()
     broken = pygame_file("boom.wav")  # a WAV declared as an image
     _, _, w1 = train(trainer, ["image", "image", "text"], [broken, broken, "x"], relations=pairs(3, []), stats=False)
     _, _, w2 = train(trainer, ["text", "audio"], ["y", b"\x00" * 64], relations=pairs(2, []), stats=False)
-    assert [len(w1), len(w2)] == [2, 1]
-    assert "contents[0]" in w1[0] and "contents[1]" in w1[1] and "contents[1]" in w2[0]
+    assert [len(w1), len(w2)] == [1, 0]  # shown once per trainer, not once per item or step
+    assert "contents[0] (image)" in w1[0] and "contents[1] (image)" in w1[0]
+    assert trainer.notices.count("media") == 3
     st, _, w3 = train(trainer, ["image", "text"], [jpeg(), "z"], relations=pairs(2, [(0, 1)]))
     assert st is not None and not w3 and st.skipped == 3
     st, _, _ = train(trainer, ["image", "text"], [jpeg(), "z"], relations=pairs(2, [(0, 1)]))
@@ -709,6 +714,7 @@ def test_mixed_batch_trains_in_one_joint_step(joint_trainer: Trainer) -> None:
         ("text", "an orphan caption"),
     ]
     relations = pairs(len(items), [(i, i + 1) for i in range(0, 14, 2)])
+    joint_trainer.notices = Notices()
     st, out, warned = train(
         joint_trainer, [m for m, _ in items], [c for _, c in items], relations=relations, arena=True
     )

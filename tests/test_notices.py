@@ -50,3 +50,25 @@ def test_every_category_is_a_uform_warning():
     for category in (u.MediaWarning, u.NonFiniteWarning, u.CapacityWarning, u.ScheduleWarning):
         assert issubclass(category, u.UformWarning)
         assert issubclass(category, UserWarning)
+
+
+def test_a_relaying_owner_holds_back_and_the_replay_shows_once():
+    """A fleet worker's trainer relays: nothing shown there, every warn counted and drained in order; the
+    calling process's replay shows each kind once (levels as if warned there)."""
+    worker, caller = Notices(relay=True), Notices()
+    answers, shown = _shown([lambda i=i: worker.warn("media", f"item {i}", u.MediaWarning, count=2) for i in range(3)])
+    assert answers == [False, False, False] and shown == []
+    assert worker.counts() == {"media": 6}
+    worker.warn("capacity", "0.1", u.CapacityWarning, level=0.1)
+    worker.warn("capacity", "0.3", u.CapacityWarning, level=0.3)
+    held = worker.drain()
+    assert [n.message for n in held] == ["item 0", "item 1", "item 2", "0.1", "0.3"] and worker.drain() == []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        caller.replay(held)
+    assert [(w.category, str(w.message)) for w in caught] == [
+        (u.MediaWarning, "item 0"),
+        (u.CapacityWarning, "0.1"),
+        (u.CapacityWarning, "0.3"),
+    ]
+    assert caller.counts() == {"media": 6, "capacity": 2}

@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import os
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ from uform.config import resolve, to_json
 from uform.evaluate import encode_texts, evaluate_retrieval, ranking_metrics, retrieval_metrics
 from uform.model.attention import document_mask
 from uform.model.network import Network
+from uform.notices import CapacityWarning, Notices
 from uform.serve import Model, load, plan_batches
 
 torch.set_num_threads(2)
@@ -506,6 +508,19 @@ def test_text_choose_refuses_bad_calls(
     with pytest.raises(error) as caught:
         joint[0].text_choose(texts, choices)
     assert str(caught.value).startswith(f"{field}:"), str(caught.value)
+
+
+def test_text_choose_warns_once_about_texts_whose_head_was_cut(joint: tuple[Model, Network]) -> None:
+    model = joint[0]
+    model.notices = Notices()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.text_choose(["HEAD " * 30, "short", "HEAD " * 40], [b"YN", b"YN", b"YN"])
+        model.text_choose(["HEAD " * 30, "short", "HEAD " * 40], [b"YN", b"YN", b"YN"])
+    shown = [str(w.message) for w in caught if issubclass(w.category, CapacityWarning)]
+    assert len(shown) == 1 and shown[0].startswith("uform: text_choose cut 2 of 3 items (67%)"), shown
+    assert "batch.max_columns_per_row (64 positions a row" in shown[0]
+    assert model.notices.counts() == {"capacity.truncated": 4}
 
 
 def test_text_choose_needs_a_trained_text_head(trained: dict[str, Any]) -> None:

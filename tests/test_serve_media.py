@@ -2,8 +2,9 @@
 
 Pins: `encode` of images, audio and text together answers what a Contrastive step's arena answered on the
 same items and weights (1e-4 on the CPU); many more media items than a batch holds answer what each alone
-answers; a broken item is skipped (zero row, `Arena.present` False, a `MediaWarning` naming it) or, under
-`MediaPolicy(strict=True)`, refused with a `MediaError` naming it while the arena stays as it was; media
+answers; a broken item is refused by default with a `MediaError` naming it while the arena stays as it was
+(issue 10, item 7), or, under `errors="mask"`, answered invalid in a mask, its row NaN (-128 in I8), with one
+`MediaWarning` per model however many items break, every one counted in `Model.notices`; media
 token vectors number one per unit (a query's at most `max_query_span`). Samples are other people's files
 (scikit-image photographs, pygame recordings; see media_samples.py).
 """
@@ -38,11 +39,12 @@ from uform import (
 )
 from uform.checkpoint import write_checkpoint
 from uform.config import resolve, to_json
+from uform.evaluate import evaluate_retrieval
 from uform.media.decode import MediaPolicy, decode_item
 from uform.media.limits import MediaError, MediaLimits
 from uform.model.network import Network
+from uform.notices import MediaWarning, Notices
 from uform.serve import load
-from uform.trainer import MediaWarning
 
 torch.set_num_threads(2)
 
@@ -138,23 +140,71 @@ def test_many_media_items_answer_what_each_alone_answers(served: dict[str, Any])
         model.close()
 
 
-def test_a_broken_item_is_skipped_and_named(served: dict[str, Any]) -> None:
+def test_a_broken_item_raises_naming_it_before_any_vector(served: dict[str, Any]) -> None:
+    """Issue 10, item 7: the default answers no vector for a broken item (it answered a zero row)."""
     model = served["model"]
-    modalities = ["text", "image", "audio", "image"]
+    with pytest.raises(MediaError, match=r"^contents\[0\]: ") as caught:
+        model.encode(["image"], [b"not an image"])
+    assert caught.value.item == 0 and isinstance(caught.value, ValueError)
+    arena = Arena()
+    kept = model.encode(["text"], ["kept"], arena=arena).clone()
     broken = served["contents"][0][:200]  # a JPEG cut short
+    contents = [b"fine text", broken, served["contents"][2], b"not an image at all"]
+    with pytest.raises(MediaError, match=r"^contents\[1\]: cannot decode the JPEG image"):
+        model.encode(["text", "image", "audio", "image"], contents, arena=arena)
+    assert torch.equal(arena.embeddings, kept) and arena.present.tolist() == [True]
+
+
+def test_a_lenient_call_answers_a_mask_and_no_real_looking_row(served: dict[str, Any]) -> None:
+    model = served["model"]
+    model.notices = Notices()  # this test reads the model's first media warning
+    broken = served["contents"][0][:200]
+    modalities = ["text", "image", "audio", "image"]
     contents = [b"fine text", broken, served["contents"][2], b"not an image at all"]
     arena = Arena()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = model.encode(modalities, contents, arena=arena)
+        got, valid = model.encode(modalities, contents, arena=arena, errors="mask")
     messages = [str(w.message) for w in caught if issubclass(w.category, MediaWarning)]
-    assert len(messages) == 2
-    assert messages[0].startswith("uform: skipped contents[1] (image): ")
-    assert messages[1].startswith("uform: skipped contents[3] (image): ")
-    assert arena.present.tolist() == [True, False, True, False]
-    assert (got[1] == 0).all() and (got[3] == 0).all()
+    assert len(messages) == 1, messages
+    assert messages[0].startswith("uform: skipped 2 media items") and "contents[1] (image): " in messages[0]
+    assert "contents[3] (image): " in messages[0]
+    assert valid.tolist() == [True, False, True, False] and arena.present.tolist() == valid.tolist()
+    assert torch.isnan(got[[1, 3]]).all() and torch.isfinite(got[[0, 2]]).all()
+    assert got is arena.embeddings
     good = model.encode(["text", "audio"], [contents[0], contents[2]])
     assert torch.allclose(got[[0, 2]], good, atol=1e-5)
+    assert model.notices.count("media") == 2
+    # I8 has no NaN: an invalid row holds -128, which no real row (clamped to [-127, 127]) takes.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eight, valid = model.encode(modalities, contents, outputs_scalar="i8", errors="mask")
+    assert not [w for w in caught if issubclass(w.category, MediaWarning)]  # shown once per model
+    assert (eight[[1, 3]] == -128).all() and int(eight[[0, 2]].min()) >= -127
+    assert model.notices.count("media") == 4
+
+
+def test_many_broken_items_of_a_call_warn_once_and_count_every_one(served: dict[str, Any]) -> None:
+    model = load(served["path"], rows=1, segments=2, media=MediaPolicy(workers=1))
+    try:
+        model.window = 3  # broken items across several windows of the call
+        count = 7
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, valid = model.encode(["image"] * count + ["text"], [b"not an image"] * count + [b"x"], errors="mask")
+        assert len([w for w in caught if issubclass(w.category, MediaWarning)]) == 1
+        assert valid.tolist() == [False] * count + [True]
+        assert model.notices.count("media") == count
+    finally:
+        model.close()
+
+
+def test_errors_is_checked(served: dict[str, Any]) -> None:
+    model = served["model"]
+    with pytest.raises(ValueError, match=r"errors: expected one of \('raise', 'mask'\), got 'skip'"):
+        model.encode(["text"], ["a"], errors="skip")
+    with pytest.raises(TypeError, match="errors"):
+        model.encode(["text"], ["a"], errors=None)
 
 
 def test_a_broken_item_under_strict_raises_and_changes_nothing(served: dict[str, Any]) -> None:
@@ -195,9 +245,19 @@ def test_media_tokens_are_one_per_unit(tmp_path: Path) -> None:
         assert np.diff(offsets).tolist() == [12, 10, 3] and data.shape == (25, 16)
         data, offsets = model.tokens(["image", "audio", "text"], [image, sound, b"abc"], "query")
         assert np.diff(offsets).tolist() == [span, span, 3]
-        with warnings.catch_warnings(record=True):
+        with pytest.raises(MediaError, match=r"^contents\[0\]: "):
+            model.tokens(["image", "text"], [b"broken", b"abc"], "document")
+        with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            data, offsets = model.tokens(["image", "text"], [b"broken", b"abc"], "document")
-        assert np.diff(offsets).tolist() == [0, 3]
+            data, offsets, valid = model.tokens(["image", "text"], [b"broken", b"abc"], "document", errors="mask")
+        assert np.diff(offsets).tolist() == [0, 3] and valid.tolist() == [False, True] and data.shape == (3, 16)
+        assert len([w for w in caught if issubclass(w.category, MediaWarning)]) == 1
     finally:
         model.close()
+
+
+def test_evaluate_retrieval_refuses_a_broken_item(served: dict[str, Any]) -> None:
+    """The metrics never score a stand-in vector (a zero row scored 0 against every query, silently)."""
+    documents = (["image", "text"], [b"not an image", b"a cat looks up"])
+    with pytest.raises(MediaError, match=r"^contents\[0\]: "):
+        evaluate_retrieval(served["model"], ["a cat"], documents, [1])

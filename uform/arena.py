@@ -25,8 +25,9 @@ def as_scalar(embeddings: Tensor, scalar: Scalar) -> Tensor:
 class Arena:
     """Where a step (or an encode call) lands its embeddings; reused across calls.
 
-    After a call `embeddings` holds [items, width] in `scalar`; rows of items that were dropped are zero
-    and `present` marks the rows that hold an embedding.
+    After a call `embeddings` holds [items, width] in `scalar` and `present` marks the rows that hold an
+    embedding. A step's rows of items that were dropped are zero; a served call's rows of items it could not
+    embed (`errors="mask"`) are NaN, or -128 under `Scalar.I8`, so that no such row passes for a real one.
     """
 
     def __init__(self) -> None:

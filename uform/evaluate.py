@@ -198,7 +198,8 @@ def evaluate_retrieval(
     modalities, as `Model.encode` takes them; `relevant` names each query's relevant document indices (as
     `retrieval_metrics`). Scores are the cosine of the pooled embeddings (at Matryoshka `width` when given)
     or, with `late`, the MaxSim of the queries' `Query` token vectors against the documents' `Document`
-    ones (a run that trained late interaction).
+    ones (a run that trained late interaction). A media item the model cannot embed raises `MediaError`
+    naming it (the model's default `errors="raise"`): a metric over a stand-in vector would be wrong silently.
     """
     q_modalities, q_contents = _side_items(queries, "queries")
     d_modalities, d_contents = _side_items(documents, "documents")

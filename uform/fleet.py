@@ -52,6 +52,7 @@ from .data.items import ChoiceTapes
 from .enums import Modality, Objective
 from .host import HostProcessError
 from .media.limits import MediaError
+from .notices import Notices
 from .relations import first_crossing, restrict
 from .trainer import Deferred, On, Trainer, check_step, resolve_run, save_config
 from .world import MeshError
@@ -325,9 +326,15 @@ class Fleet:
 
 
 def _merge(
-    futures: list[Future], plan: list[np.ndarray], count: int, checked: Any, succeeded: Callable[[], None]
+    futures: list[Future],
+    plan: list[np.ndarray],
+    count: int,
+    checked: Any,
+    succeeded: Callable[[], None],
+    notices: Notices,
 ) -> Future:
-    """One future of the step's answer from the workers' answers; `succeeded` runs before it resolves."""
+    """One future of the step's answer from the workers' answers; `succeeded` runs before it resolves, and the
+    workers' held-back warnings are replayed through `notices`, so each shows once, in this process."""
     done: Future = Future()
     done.set_running_or_notify_cancel()
     remaining = [len(futures)]
@@ -340,6 +347,8 @@ def _merge(
             return
         answers = [f.result() for f in futures]
         succeeded()
+        for answer in answers:
+            notices.replay(answer.get("notices", []))
         if checked.stats is not None:
             stats = checked.stats
             first = answers[0]["stats"]
@@ -419,6 +428,9 @@ class FleetTrainer(Trainer):
         self._steps = 0
         self.closed = False
         self._lock = threading.Lock()
+        self.notices = Notices()
+        """The run's warnings, each kind shown once here and counted over every device (the workers hold
+        theirs back and send them with each step's answer)."""
 
     @classmethod
     def start(
@@ -530,6 +542,7 @@ class FleetTrainer(Trainer):
                             "sides": None if checked.sides is None else [int(checked.sides[i]) for i in items],
                             "choices": None if checked.choices is None else _choice_share(checked.choices, items),
                             "relations": relations,
+                            "items": items,
                             "stats": checked.stats is not None,
                             "arena": checked.arena is not None,
                         },
@@ -539,7 +552,7 @@ class FleetTrainer(Trainer):
         except BaseException:
             _release(segments)
             raise
-        done = _merge(futures, plan, count, checked, self._count)
+        done = _merge(futures, plan, count, checked, self._count, self.notices)
         done.add_done_callback(lambda _: _release(segments))
         return done
 
@@ -748,6 +761,7 @@ def _worker_init(state: dict[str, Any], device: torch.device, argument: Any, pro
     trainer = Trainer.init_vram(
         mesh.executor, run, media=media, host_processes=host_processes, world_compile=world_compile
     )
+    trainer.notices = Notices(relay=True)  # the user is in the calling process: warnings go there, once
     state["trainer"] = trainer
     return trainer.steps_taken
 
@@ -812,6 +826,7 @@ def _worker_step(state: dict[str, Any], ident: int, argument: dict[str, Any], an
             arena=arena,
         )
         checked = trainer._check_step(argument["modalities"], contents, config, copy_buffers=False)
+        checked.origin = argument["items"]  # warnings name the caller's items
         future = trainer._submit_step(checked)
     except BaseException as error:
         release()
@@ -822,6 +837,7 @@ def _worker_step(state: dict[str, Any], ident: int, argument: dict[str, Any], an
         try:
             f.result()
             value: dict[str, Any] = {"stats": None, "embeddings": None, "present": None}
+            value["notices"] = trainer.notices.drain()
             if stats is not None:
                 value["stats"] = dataclasses.asdict(stats)
             if arena is not None and arena.embeddings is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from dataclasses import dataclass
 
 
 class UformWarning(UserWarning):
@@ -42,10 +43,14 @@ class Notices:
     """One owner's warnings: each kind shown once (or again when its level doubles), every occurrence
     counted. Thread-safe: a trainer's completion thread and its caller may both warn."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, relay: bool = False) -> None:
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
         self._shown: dict[str, float] = {}
+        self.relay = relay
+        """True holds every `warn` back, counted, for `drain` (an owner in a worker process, whose user sits
+        in another: the calling process replays them through its own `Notices`, so each shows once there)."""
+        self._held: list[Notice] = []
 
     def warn(
         self,
@@ -63,6 +68,9 @@ class Notices:
             raise ValueError(f"count must be non-negative, got {count}")
         with self._lock:
             self._counts[kind] = self._counts.get(kind, 0) + count
+            if self.relay:
+                self._held.append(Notice(kind, message, category, count, level))
+                return False
             last = self._shown.get(kind)
             now = 0.0 if level is None else float(level)
             show = last is None or (level is not None and now > 0.0 and now >= 2.0 * last)
@@ -81,3 +89,25 @@ class Notices:
         """Every kind's count so far (a copy)."""
         with self._lock:
             return dict(self._counts)
+
+    def drain(self) -> list[Notice]:
+        """The warnings a relaying owner held back since the last drain, in order (they pickle)."""
+        with self._lock:
+            held, self._held = self._held, []
+        return held
+
+    def replay(self, notices: list[Notice], stacklevel: int = 2) -> None:
+        """`warn`s what another owner's `drain` answered, as if it had happened here."""
+        for n in notices:
+            self.warn(n.kind, n.message, n.category, count=n.count, level=n.level, stacklevel=stacklevel + 1)
+
+
+@dataclass(frozen=True)
+class Notice:
+    """One `warn` a relaying `Notices` held back."""
+
+    kind: str
+    message: str
+    category: type[Warning]
+    count: int
+    level: float | None

@@ -29,10 +29,18 @@ geometry and downscaled / cut to fit a row; the prefix is the modality marker, p
 run trained late interaction. On the CPU a forward takes only the rows its batch uses; on CUDA the model is
 compiled once for the full capacity (FlexAttention, bf16 autocast, as the trainer's step).
 
-Media that cannot be decoded or break a limit: by default the item is skipped, its `encode` row is zero (its
-`Arena.present` is False), its `tokens` entry empty, and one `MediaWarning` per item names it; with
-`MediaPolicy(strict=True)` the call raises `MediaError` naming the item instead. A decoder that crashes or
-hangs is killed and replaced by the pool; the serving process never goes down with it.
+Media that cannot be decoded or break a limit never answer a vector that looks real. By default
+(`errors="raise"`) the call raises `MediaError` naming the first such item (`contents[i]: reason`) before it
+answers anything, and an arena it was given is left as it was. A caller that would rather keep the rest asks
+`errors="mask"`: `encode` then answers `(embeddings, valid)`, the rows of invalid items NaN (-128 under
+`Scalar.I8`, a value no real row takes), `tokens` answers `(data, offsets, valid)`, invalid items without
+vectors, and one `MediaWarning` per model (not per item) names the first ones, every one counted in
+`Model.notices`. A decoder that crashes or hangs is killed and replaced by the pool; the serving process never
+goes down with it.
+
+Items longer than a row are cut, as in training, at the run's `batch.max_columns_per_row`: one
+`CapacityWarning` per model says so, again whenever the share of a call's items cut has doubled, and
+`Model.notices` counts them (kind "capacity.truncated").
 """
 
 from __future__ import annotations
@@ -43,7 +51,6 @@ import math
 import os
 import queue
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,19 +62,21 @@ from torch import Tensor
 
 from . import vocab
 from .arena import Arena, as_scalar
+from .capacity import warn_truncated
 from .checkpoint import Stopped, _report_points
 from .config import TrainerInitVramConfig
 from .data.batch import MEDIA_KINDS, Batch, media_features, prepare
 from .data.items import is_tape, parse_contents, parse_modalities, parse_sides, tape_items
 from .enums import LateInteractionSide, Modality, Objective, Scalar
 from .executor import Executor
-from .media.decode import MediaPolicy, decode_items
+from .media.decode import MediaPolicy, decode_items, warn_skipped
+from .media.limits import MediaError
 from .media.pool import DecodePool
 from .media.units import Units
 from .model.attention import block_tables, compiled_flex_available, document_mask
 from .model.network import Network
+from .notices import Notices
 from .stored_run import read_run_tensors, read_stored_run
-from .trainer import MediaWarning
 
 __all__ = ["Model", "load"]
 
@@ -79,6 +88,12 @@ _QUEUE_DEPTH = 4
 
 _MAXSIM_BLOCK = 1 << 24
 """Similarity entries one block of `maxsim` holds at most (64 MiB of f32)."""
+
+ERRORS = ("raise", "mask")
+"""What a call does with a media item it cannot embed (`errors`): raise `MediaError`, or answer a mask."""
+
+_INVALID_I8 = -128
+"""The value of every entry of an invalid `Scalar.I8` row: outside the [-127, 127] that real rows take."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -101,7 +116,8 @@ def load(
 
     `rows` and `segments` are one forward's capacity (zero derives the run's `max_rows_per_device` and
     `max_segments_per_device`); a row spans the run's `max_columns_per_row`, so items are cut as in training.
-    `media` bounds and reports media items (default: skip a broken one with a `MediaWarning`). `precision` is
+    `media` bounds media items (its limits and decoding workers; what a broken one does is each call's
+    `errors`, and `strict=True` makes every call raise). `precision` is
     "bf16" (autocast, as the trainer's step) or "f32"; None derives bf16 on CUDA and f32 on the CPU.
     `compiled` compiles the forward with `torch.compile` and FlexAttention; None derives True on CUDA.
     `progress(done, total)` counts the tensors read, at most `progress_steps` (zero derives ten) times.
@@ -186,6 +202,8 @@ class _Job:
     sides: list[LateInteractionSide] | None
     width: int = 0  # encode: the Matryoshka width
     span: np.ndarray | None = None  # tokens: [N] most token vectors of each item (-1: every content token)
+    errors: str = "raise"  # what a broken media item does (ERRORS)
+    cut: int = 0  # text_choose: items whose head was cut before packing
 
 
 @dataclass
@@ -197,6 +215,7 @@ class _Prepared:
     slots: np.ndarray  # [n] each member's segment slot
     gather: np.ndarray  # tokens: flat positions of every member's vectors; choose: each member's MASK position
     counts: np.ndarray  # tokens: [n] vectors per member
+    truncated: int  # members cut to fit a row
 
 
 def plan_batches(
@@ -247,6 +266,7 @@ class Model:
         path: str | None = None,
         step: int = 0,
         trainer: Any = None,
+        notices: Notices | None = None,
         _token: object = None,
     ) -> None:
         if _token is not _PRIVATE:
@@ -288,12 +308,16 @@ class Model:
             self._states_fn = torch.compile(self._states_forward, dynamic=False)
         self._lock = threading.Lock()
         self._decoders: DecodePool | None = None
+        self.notices = Notices() if notices is None else notices
+        """The model's warnings, each kind shown once and counted over its calls: `notices.counts()` answers
+        {"media": items answered invalid under errors="mask", "capacity.truncated": items cut to a row}."""
 
     @classmethod
     def from_trainer(cls, trainer: Any, *, segments: int = 0) -> Model:
         """A model over a trainer's live network (weights shared, never copied or changed), for evaluation
         during training: each call reads the weights as they are, in eval mode, and puts the network back in
-        the mode it was in. Runs eagerly with the dense attention path (bf16 autocast on CUDA, as training)."""
+        the mode it was in. Runs eagerly with the dense attention path (bf16 autocast on CUDA, as training).
+        Its warnings are the trainer's (`Trainer.notices`): evaluating every few steps warns once per run."""
         device = trainer.device
         return cls(
             trainer.network,
@@ -305,6 +329,7 @@ class Model:
             bf16=device.type == "cuda",
             compiled=False,
             trainer=trainer,
+            notices=getattr(trainer, "notices", None),
             _token=_PRIVATE,
         )
 
@@ -354,18 +379,24 @@ class Model:
         sides: Any = (),
         arena: Arena | None = None,
         outputs_scalar: Scalar | str | int = Scalar.F32,
+        errors: str = "raise",
         progress: ProgressCallback | None = None,
         progress_steps: int = 0,
-    ) -> Tensor:
+    ) -> Any:
         """The L2-normalised pooled embeddings [N, width] of the items, on the host, in `outputs_scalar`.
 
         `modalities` and `contents` as a trainer step takes them. `width` (default the full width) keeps each
         embedding's first `width` values and re-normalises them (a Matryoshka prefix; the widths the run
         trained are `matryoshka_dimensions`). `sides` gives each item's late-interaction side (its prefix,
         where the run trained late interaction; empty is `None` for every item, as a step). With an `arena`
-        the embeddings land there too (`arena.present` marks the rows that hold one; a skipped media item's
-        row is zero). `progress(done, total)` counts items, at most `progress_steps` (zero: ten) reports, the
-        last at completion; answering False raises `Stopped`, and the arena is left as it was.
+        the embeddings land there too (`arena.present` marks the rows that hold one). `progress(done, total)`
+        counts items, at most `progress_steps` (zero: ten) reports, the last at completion; answering False
+        raises `Stopped`, and the arena is left as it was.
+
+        `errors` says what a media item that cannot be decoded (or breaks a limit) does: "raise" (the default)
+        raises `MediaError` naming it before anything is answered; "mask" answers `(embeddings, valid)`,
+        `valid` [N] bool False where an item could not be embedded, whose row is NaN (-128 under `Scalar.I8`),
+        never a vector that looks real.
 
         On the same items and weights this answers what a `Contrastive` step's arena answered.
         """
@@ -381,17 +412,21 @@ class Model:
         if arena is not None and not isinstance(arena, Arena):
             raise TypeError(f"arena: expected an Arena, got {type(arena).__name__}")
         scalar = Scalar.parse(outputs_scalar, "outputs_scalar")
+        errors = _check_errors(errors)
         steps = _check_progress(progress, progress_steps)
 
-        job = _Job("encode", mods, items, parsed_sides, width=int(width))
+        job = _Job("encode", mods, items, parsed_sides, width=int(width), errors=errors)
         out = torch.zeros(n, int(width))
-        present = torch.zeros(n, dtype=torch.bool)
+        valid = torch.zeros(n, dtype=torch.bool)
         for prepared, answer in self._run(job, progress, steps):
             out[torch.from_numpy(prepared.members)] = answer
-            present[torch.from_numpy(prepared.members)] = True
+            valid[torch.from_numpy(prepared.members)] = True
         if arena is not None:
-            return arena.land(out, present, scalar)
-        return as_scalar(out, scalar)
+            landed = arena.land(out, valid, scalar)
+        else:
+            landed = as_scalar(out, scalar)
+        landed[~valid] = _INVALID_I8 if scalar == Scalar.I8 else math.nan
+        return (landed, valid.clone()) if errors == "mask" else landed
 
     def tokens(
         self,
@@ -399,17 +434,22 @@ class Model:
         contents: Any,
         side: Any,
         *,
+        errors: str = "raise",
         progress: ProgressCallback | None = None,
         progress_steps: int = 0,
-    ) -> tuple[Tensor, np.ndarray]:
+    ) -> Any:
         """The late-interaction vectors of each item, as a `(data, offsets)` tape: data [T, W] f32 on the
         host, L2-normalised rows; offsets [N + 1] int64, item i's vectors `data[offsets[i]:offsets[i + 1]]`.
 
         `side` (one `LateInteractionSide` for every item, or one per item) is the item's side marker and role:
         a `Query` answers its first `max_query_span` content positions past the prefix, a `Document` (and a
         `QueryAndDocument`, whose document role covers its query role) every content position, as the
-        late-interaction loss scored them. A skipped media item answers no vectors. Needs a checkpoint whose
-        run trained late interaction (`late_interaction.weight > 0`).
+        late-interaction loss scored them. Needs a checkpoint whose run trained late interaction
+        (`late_interaction.weight > 0`).
+
+        `errors` as `encode` takes it: "raise" (the default) raises `MediaError` naming a media item that
+        cannot be decoded; "mask" answers `(data, offsets, valid)`, `valid` [N] bool False for such an item,
+        which has no vectors.
         """
         if self.network.token_head is None:
             raise ValueError(
@@ -419,20 +459,23 @@ class Model:
         mods, items = self._items(modalities, contents)
         n = len(mods)
         sides = _parse_side(side, n)
+        errors = _check_errors(errors)
         steps = _check_progress(progress, progress_steps)
         span = self.config.late_interaction.max_query_span
         limits = np.array([span if s == LateInteractionSide.Query else -1 for s in sides], dtype=np.int64)
 
-        job = _Job("tokens", mods, items, sides, span=limits)
+        job = _Job("tokens", mods, items, sides, span=limits, errors=errors)
         width = self.config.late_interaction.width
         per_item: list[Tensor] = [torch.zeros(0, width)] * n
+        valid = np.zeros(n, dtype=bool)
         for prepared, answer in self._run(job, progress, steps):
             for item, vectors in zip(prepared.members.tolist(), answer.split(prepared.counts.tolist()), strict=True):
                 per_item[item] = vectors
+            valid[prepared.members] = True
         counts = np.array([len(v) for v in per_item], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         data = torch.cat(per_item) if n else torch.zeros(0, width)
-        return data, offsets
+        return (data, offsets, valid) if errors == "mask" else (data, offsets)
 
     def maxsim(self, queries: Any, documents: Any) -> Tensor:
         """Late-interaction scores [Q, N] (f32, host) of query tapes against document tapes (as `tokens`
@@ -473,7 +516,7 @@ class Model:
         steps = _check_progress(progress, progress_steps)
         room = self.columns - self._prefix - 1  # bytes of text a row holds beside the prefix and the MASK
         cut = [bytes(t[len(t) - room :]) if len(t) > room else bytes(t) for t in items]
-        job = _Job("choose", [Modality.Text] * n, [t + b"\0" for t in cut], None)
+        job = _Job("choose", [Modality.Text] * n, [t + b"\0" for t in cut], None, cut=sum(len(t) > room for t in items))
         data = np.zeros(int(offsets[-1]), dtype=np.float32)
         for prepared, logits in self._run(job, progress, steps):
             for item, row in zip(prepared.members.tolist(), logits, strict=True):
@@ -503,6 +546,7 @@ class Model:
         points = sorted(_report_points(total, steps))
         answers: list[tuple[_Prepared, Any]] = []
         skipped: list[tuple[int, str]] = []
+        truncated = job.cut
         with self._lock:
             handoff: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
             stop = threading.Event()
@@ -521,11 +565,15 @@ class Model:
                     if message[0] == "done":
                         break
                     if message[0] == "skipped":
+                        if job.errors == "raise":  # the first broken item of the call: its window is the first
+                            item, reason = min(message[1])
+                            raise MediaError(reason, item=item)
                         skipped.extend(message[1])
                         done += len(message[1])
                     else:
                         prepared = message[1]
                         answers.append((prepared, self._device(job, prepared)))
+                        truncated += prepared.truncated
                         done += len(prepared.members)
                     if progress is not None and done < total and at < len(points) and done >= points[at]:
                         while at < len(points) and points[at] <= done:
@@ -541,8 +589,14 @@ class Model:
                         handoff.get(timeout=0.05)
                 host.join()
                 self.network.train(was_training)
-        for item, reason in sorted(skipped):
-            warnings.warn(f"uform: skipped contents[{item}] ({job.modalities[item]}): {reason}", MediaWarning, 3)
+        verb = _VERB_NAMES[job.verb]
+        warn_skipped(self.notices, skipped, job.modalities, f"the valid mask {verb} answers and Model.notices", None, 3)
+        advice = (
+            f"a model serves at its run's batch.max_columns_per_row ({self.columns} positions a row, its prefix "
+            f"included); train with a larger batch.max_columns_per_row to {verb} longer items whole. Counted in "
+            "Model.notices"
+        )
+        warn_truncated(self.notices, truncated, total, verb, advice, 3)
         return answers
 
     def _host_main(self, job: _Job, handoff: queue.Queue, stop: threading.Event) -> None:
@@ -633,6 +687,7 @@ class Model:
             slots=layout.slot.copy(),
             gather=gather,
             counts=counts,
+            truncated=batch.truncated,
         )
 
     def _host_tensors(self, batch: Batch) -> dict[str, Tensor]:
@@ -689,6 +744,14 @@ _PRIVATE = object()
 
 # --------------------------------------------------------------------------------------------------
 # Argument checks
+
+
+def _check_errors(errors: Any) -> str:
+    if not isinstance(errors, str):
+        raise TypeError(f"errors: expected one of {ERRORS}, got {type(errors).__name__}")
+    if errors not in ERRORS:
+        raise ValueError(f"errors: expected one of {ERRORS}, got {errors!r}")
+    return errors
 
 
 def _check_progress(progress: Any, progress_steps: Any) -> int:

@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import threading
-import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 
 from .arena import Arena
+from .capacity import warn_step_capacity
 from .checkpoint import write_checkpoint
 from .config import (
     TrainerInitVramConfig,
@@ -42,13 +42,14 @@ from .data.items import ChoiceTapes, parse_choices, parse_contents, parse_modali
 from .enums import LateInteractionSide, Modality, Objective, Scalar
 from .executor import Executor
 from .host import HostJob, HostProcesses, decode_media, host_stage
-from .media.decode import MediaPolicy
+from .media.decode import MediaPolicy, warn_skipped
 from .media.pool import DecodePool
 from .media.units import Units
 from .memory import check_memory
 from .model.attention import compiled_flex_available, document_mask
 from .model.network import Network
-from .notices import MediaWarning
+from .notices import MediaWarning as MediaWarning  # re-exported: where callers met it first
+from .notices import Notices
 from .optim import build_optimizer, learning_rate
 from .relations import check_relations
 from .stored_run import FORMAT, RNG_DRAWS, StoredRun, read_run_tensors, read_stored_run
@@ -72,6 +73,7 @@ class _Checked:
     arena: Arena | None
     scalar: Scalar
     stats: TrainerStepStats | None
+    origin: np.ndarray | None = None  # [N] the caller's index of each item, where a fleet split the step
 
 
 class Trainer:
@@ -103,6 +105,9 @@ class Trainer:
         self._dropped = 0
         self._skipped = 0
         self.media = MediaPolicy()
+        self.notices = Notices()
+        """The run's warnings (skipped media, items cut or dropped for room), each kind shown once and
+        counted: `notices.counts()`."""
         self._decoders: DecodePool | None = None
         self.host_processes = host_processes
         """Host processes that prepare the steps (`uform.host`); 0: the host stage runs on this process's threads."""
@@ -328,7 +333,7 @@ class Trainer:
 
     # ---- the work ----------------------------------------------------------------------------------
 
-    def _prepare(self, checked: _Checked, step: int) -> tuple[Batch, dict[str, torch.Tensor]]:
+    def _prepare(self, checked: _Checked, step: int, notify: bool = True) -> tuple[Batch, dict[str, torch.Tensor]]:
         """The host stage (`host.host_stage`: decode, pack, corrupt and pair, block tables), here or in a host
         process, then page-locked tensors for the copy; a media item that did not decode is warned about here."""
         job = HostJob(
@@ -353,10 +358,9 @@ class Trainer:
             for name, table in answer.tables.items():
                 t = torch.from_numpy(table)
                 host[f"block.{name}"] = t.pin_memory() if pin else t
-        for i, reason in failed:
-            warnings.warn(
-                f"uform: skipped contents[{i}] ({checked.modalities[i]}): {reason}", MediaWarning, stacklevel=2
-            )
+        if notify:  # once per step: not again where a renumbered step is prepared anew (`_apply_step`)
+            warn_skipped(self.notices, failed, checked.modalities, "TrainerStepStats.skipped", checked.origin)
+            warn_step_capacity(self.notices, batch, len(checked.modalities), self.config.batch.max_columns_per_row)
         return batch, host
 
     def _decode_pool(self) -> DecodePool:
@@ -387,9 +391,9 @@ class Trainer:
     def _apply_step(self, checked: _Checked, host: Future, step: int) -> Callable[[], torch.Tensor | None]:
         r = self.config
         if step != self._step_count + 1:  # an earlier queued step failed: its successors' draws move up
-            host.cancel()
+            ran = not host.cancel()  # a host stage that ran (or runs) has warned already
             step = self._step_count + 1
-            batch, tensors = self._prepare(checked, step)
+            batch, tensors = self._prepare(checked, step, notify=not ran)
         else:
             batch, tensors = host.result()
         cuda = self.device.type == "cuda"

@@ -34,6 +34,17 @@ from .. import vocab
 NO_SEGMENT = -1
 """The segment id of padding positions: they attend only to the padding of their own row."""
 
+LIMITS = (
+    "batch.max_rows_per_device",
+    "batch.max_segments_per_device",
+    "batch.max_bags_per_device",
+    "late_interaction.max_query_tokens_per_device",
+    "late_interaction.max_documents_per_device",
+    "late_interaction.max_document_tokens_per_device",
+)
+"""The config fields whose room can run out, in the order `Layout.lost_to` indexes them."""
+_ROWS, _SEGMENTS, _BAGS, _LATE = 0, 1, 2, 3
+
 
 @dataclass
 class Layout:
@@ -59,6 +70,15 @@ class Layout:
 
     skipped: np.ndarray | None = None
     """[N] bool: items left out before packing (media that failed to decode); not counted as dropped."""
+    lost_to: np.ndarray | None = None
+    """[N] int8: for a dropped item, the index in `LIMITS` of the limit that had no room for it; else -1."""
+
+    def drops(self) -> dict[str, int]:
+        """Dropped items counted by the config field whose room ran out (`LIMITS`), those with any."""
+        if self.lost_to is None:
+            return {}
+        counts = np.bincount(self.lost_to[self.lost_to >= 0], minlength=len(LIMITS))
+        return {LIMITS[k]: int(c) for k, c in enumerate(counts) if c}
 
     @property
     def dropped(self) -> int:
@@ -140,8 +160,10 @@ def plan(
     free = np.full(rows, columns, dtype=np.int64)  # positions left at the end of each row
     used_segments = 0
     used_bags = 0
-    for bag in order:
+    lost_to = np.full(count, -1, dtype=np.int8)  # the limit that refused each item (LIMITS)
+    for at, bag in enumerate(order):
         if max_bags > 0 and used_bags >= max_bags:
+            lost_to[[i for b in order[at:] for i in members[b]]] = _BAGS
             break
         took_any = False
         for item in members[bag]:
@@ -149,11 +171,14 @@ def plan(
                 continue
             need = kept[item]
             if used_segments >= segments:
-                break
+                lost_to[item] = _SEGMENTS
+                continue
             if late is not None and np.any(used_late + needs[item] > room):
+                lost_to[item] = _LATE + int(np.argmax(used_late + needs[item] > room))
                 continue
             fits = np.flatnonzero(free >= need)
             if len(fits) == 0:
+                lost_to[item] = _ROWS
                 continue
             if late is not None:
                 used_late += needs[item]
@@ -180,6 +205,7 @@ def plan(
         truncated=truncated & placed,
         item_of_slot=item_of_slot,
         skipped=None if skip is None else np.asarray(skip, dtype=bool),
+        lost_to=lost_to if skip is None else np.where(np.asarray(skip, dtype=bool), -1, lost_to).astype(np.int8),
     )
 
 

@@ -10,8 +10,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..notices import MediaWarning, Notices
 from .limits import MediaError, MediaLimits
 from .units import Units
+
+_NAMED = 8
+"""Skipped items a media warning names one by one; the rest it counts."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -21,8 +25,10 @@ class MediaPolicy:
     limits: MediaLimits = field(default_factory=MediaLimits)
     """Bounds on every item (bytes, pixels, frames, seconds) and the time one item may take to decode."""
     strict: bool = False
-    """False skips an item that cannot be decoded (counted in `TrainerStepStats.skipped`, with a warning
-    naming it); True makes the step raise `MediaError` naming the item, leaving the trainer unchanged."""
+    """Training: False skips an item that cannot be decoded (counted in `TrainerStepStats.skipped` and
+    `Trainer.notices`, with one `MediaWarning` per trainer naming the first step's); True makes the step raise
+    `MediaError` naming the item, leaving the trainer unchanged. Serving: each call's `errors` decides
+    (raise by default, or answer a mask), and True makes every call raise."""
     workers: int = 0
     """Decoding processes; zero derives one per core this process may use."""
 
@@ -100,3 +106,31 @@ def decode_items(
             raise MediaError(reason, item=i)
         failed.append((i, reason))
     return units, failed
+
+
+def warn_skipped(
+    notices: Notices,
+    failed: Sequence[tuple[int, str]],
+    modalities: Sequence[Any],
+    counted: str,
+    origin: Any = None,
+    stacklevel: int = 2,
+) -> None:
+    """Counts the (index, reason) items of `failed` under the kind "media" of `notices` and, the first time,
+    shows one `MediaWarning` naming them (`origin[i]`, where given, is the caller's index of item i);
+    `counted` says where the user finds every later one counted."""
+    if not failed:
+        return
+    named = "; ".join(
+        f"contents[{i if origin is None else int(origin[i])}] ({modalities[i]}): {reason}"
+        for i, reason in sorted(failed)[:_NAMED]
+    )
+    more = f"; and {len(failed) - _NAMED} more" if len(failed) > _NAMED else ""
+    notices.warn(
+        "media",
+        f"uform: skipped {len(failed)} media item{'s' if len(failed) > 1 else ''} that could not be decoded or "
+        f"broke a limit: {named}{more}. This warning shows once; every skipped item is counted in {counted}",
+        MediaWarning,
+        count=len(failed),
+        stacklevel=stacklevel + 1,
+    )
