@@ -12,6 +12,7 @@ import soundfile
 import soxr
 
 from ._grid import check_arguments
+from ._pyav import open_input
 from .limits import MediaError, MediaLimits, describe
 from .sniff import as_bytes, check_complete, expect
 from .units import Units
@@ -115,9 +116,7 @@ def _with_soundfile(data: bytes, wanted: int, sample_rate: int, limits: MediaLim
 def _with_pyav(
     data: bytes, container: str, wanted: int, sample_rate: int, limits: MediaLimits
 ) -> tuple[np.ndarray, int, bool]:
-    with av.open(
-        io.BytesIO(data), mode="r", format=_DEMUXER[container], metadata_errors="ignore", io_open=_no_files
-    ) as media:
+    with open_input(data, _DEMUXER[container], "audio") as media:
         if not media.streams.audio:
             raise MediaError(f"the {_NAME[container]} file holds no audio stream")
         stream = media.streams.audio[0]
@@ -145,7 +144,3 @@ def _with_pyav(
         raise MediaError(f"the {_NAME[container]} file holds no decodable audio")
     mono = np.concatenate(pieces)
     return mono[:budget], rate, mono.size > budget
-
-
-def _no_files(url: str, flags: int, options: dict[str, Any]) -> Any:
-    raise MediaError(f"the audio refers to another file ({url!r})")

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import av
 import numpy as np
 
 from ._grid import check_arguments, fit_size, grid_of, positions, tile
+from ._pyav import open_input
 from .limits import MediaError, MediaLimits, describe
 from .sniff import as_bytes, check_complete, expect
 from .units import Units
 
-# The demuxer is forced from the sniffed container: FFmpeg never probes (so never reads a playlist, a concat
-# list or any other format that opens further files).
+# The demuxer is forced from the sniffed container (see _pyav.open_input).
 _DEMUXER = {"mp4": "mp4", "webm": "webm"}
 _NAME = {"mp4": "MP4", "webm": "WebM"}
 _PIXEL_FORMAT = {1: "gray", 3: "rgb24", 4: "rgba"}
@@ -52,9 +51,7 @@ def video_units(
     container = expect("video", data, limits)
     check_complete(container, data)
     try:
-        with av.open(
-            io.BytesIO(data), mode="r", format=_DEMUXER[container], metadata_errors="ignore", io_open=_no_files
-        ) as media:
+        with open_input(data, _DEMUXER[container], "video") as media:
             frames, grid, truncated = _decode(
                 media, container, patch_side, tube_frames, frame_stride, channels, max_units, limits
             )
@@ -67,10 +64,6 @@ def video_units(
         [tile(frames[t * tube_frames : (t + 1) * tube_frames], patch_side) for t in range(times)], axis=0
     )
     return Units(values=values, positions=positions(times, rows, columns), grid=grid, truncated=truncated)
-
-
-def _no_files(url: str, flags: int, options: dict[str, Any]) -> Any:
-    raise MediaError(f"the video refers to another file ({url!r})")
 
 
 def _seconds(value: int | None, time_base: Any) -> float | None:
