@@ -32,6 +32,8 @@ from media_samples import (
     VIDEO_FRAMES,
     encode_image,
     encode_sound,
+    flat_png,
+    forged_jpeg,
     opus_webm,
     photo,
     pictures,
@@ -615,6 +617,29 @@ def test_skipped_accumulates_until_read(joint_trainer: Trainer) -> None:
     assert st is not None and not w3 and st.skipped == 3
     st, _, _ = train(trainer, ["image", "text"], [jpeg(), "z"], relations=pairs(2, [(0, 1)]))
     assert st is not None and st.skipped == 0
+
+
+def test_hostile_images_refused_under_the_default_limits(executor: Executor) -> None:
+    # Issue 10: a 1 KB JPEG claiming 3000 x 3000 decoded as a grey picture and was trained on; a flat 8000 x
+    # 8000 PNG of 200 KB took 700 MB in one decoder. Lenient skips and counts them; strict names the item.
+    config = media_config(rows=2, columns=128, segments=8)
+    hostile = [(forged_jpeg(3000, 3000), "inconsistent JPEG"), (flat_png(8000, 8000), "pixels is over the limit")]
+    lenient = Trainer.init_vram(executor, config, media=MediaPolicy(workers=1))
+    strict = Trainer.init_vram(executor, config, media=MediaPolicy(strict=True, workers=1))
+    try:
+        modalities = ["image", "text", "image", "image", "text"]
+        contents = [hostile[0][0], "a forged photo", hostile[1][0], jpeg(), "an astronaut"]
+        st, _, warned = train(lenient, modalities, contents, relations=pairs(5, [(3, 4)]))
+        assert st is not None and st.skipped == 2
+        assert any("contents[0]" in w and "inconsistent JPEG" in w for w in warned), warned
+        assert any("contents[2]" in w and "pixels is over the limit of 16000000" in w for w in warned), warned
+        for data, reason in hostile:
+            with pytest.raises(MediaError, match=rf"contents\[1\]: .*{reason}"):
+                strict.step(["text", "image"], ["x", data], TrainerStepConfig(stats=TrainerStepStats()))
+        assert strict.steps_taken == 0
+    finally:
+        lenient.close()
+        strict.close()
 
 
 def test_strict_refuses_the_step_and_leaves_the_trainer_unchanged(executor: Executor) -> None:
