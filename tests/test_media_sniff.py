@@ -108,7 +108,7 @@ def test_media_error() -> None:
 
 def test_media_limits() -> None:
     limits = MediaLimits()
-    assert (limits.max_bytes, limits.max_pixels, limits.max_frames) == (256 * 2**20, 8192 * 8192, 100_000)
+    assert (limits.max_bytes, limits.max_pixels, limits.max_frames) == (256 * 2**20, 4000 * 4000, 100_000)
     assert (limits.max_seconds, limits.timeout_seconds) == (3600.0, 30.0)
     assert [field.name for field in dataclasses.fields(MediaLimits)] == [
         "max_bytes",
