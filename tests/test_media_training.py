@@ -676,6 +676,11 @@ def test_strict_refuses_the_step_and_leaves_the_trainer_unchanged(executor: Exec
 # ---- 7. a slow decode ------------------------------------------------------------------------------------
 
 
+# The slow sample is over the default pixel limit (which refuses it from its header at once): the time-limit
+# tests decode it under this one.
+SLOW_PIXELS = 8000 * 8000
+
+
 def slow_png() -> bytes:
     """A genuinely slow image: scikit-image's astronaut blown up to 8000 x 8000 RGBA, as a PNG. It is small
     on disk (flat runs compress well) but inflates to 256 MB of pixels before it can be downscaled."""
@@ -688,12 +693,12 @@ def slow_png() -> bytes:
 def test_a_slow_decode_cannot_hang_a_step(executor: Executor) -> None:
     slow = slow_png()
     started = time.perf_counter()
-    decode_item("image", slow, {"patch_side": 16, "channels": 4}, 127, MediaLimits())
+    decode_item("image", slow, {"patch_side": 16, "channels": 4}, 127, MediaLimits(max_pixels=SLOW_PIXELS))
     slow_seconds = time.perf_counter() - started
     timeout = min(0.25, slow_seconds / 4)
     if timeout < 0.05:
         pytest.skip(f"the slow sample decodes in {slow_seconds:.2f} s here: too fast to time out honestly")
-    limits = MediaLimits(timeout_seconds=timeout)
+    limits = MediaLimits(timeout_seconds=timeout, max_pixels=SLOW_PIXELS)
     trainer = Trainer.init_vram(
         executor, media_config(video_side=0, audio=0), media=MediaPolicy(workers=1, limits=limits)
     )

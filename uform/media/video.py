@@ -41,8 +41,9 @@ def video_units(
     channels], zero-padded right and bottom; positions (time, row, column); grid (T, rows, columns).
 
     Raises MediaError for bytes that are not MP4 or WebM, that hold no decodable video stream, or that
-    break `limits` (bytes; pixels, duration and frame count from the header before decoding, and again
-    while decoding).
+    break `limits` (bytes; frame pixels, duration and frame count from the header before decoding, and again
+    while decoding). What is held is bounded: the decoder's own frames (`MediaLimits.max_frame_pixels`), the
+    kept frames (already downscaled to the row) and one frame of the tube-time past them, only counted.
     """
     check_arguments(patch_side=patch_side, tube_frames=tube_frames, frame_stride=frame_stride, max_units=max_units)
     if channels not in (1, 3, 4):
@@ -94,7 +95,7 @@ def _decode(
 
     sampled: list[np.ndarray] = []
     size: tuple[int, int] | None = None
-    keep_times = wanted = 0
+    keep_times = wanted = count = 0
     start: float | None = None
     for index, frame in enumerate(media.decode(stream)):
         if index >= limits.max_frames:
@@ -112,13 +113,17 @@ def _decode(
             keep_times = max_units // (rows * columns)
             # One tube-time past what is kept tells whether the clip is cut; then decoding stops.
             wanted = (keep_times + 1) * tube_frames
-        pixels = frame.to_ndarray(width=size[0], height=size[1], format=_PIXEL_FORMAT[channels], interpolation="AREA")
-        sampled.append(pixels[:, :, None] if pixels.ndim == 2 else pixels)
-        if len(sampled) >= wanted:
+        count += 1
+        if count <= keep_times * tube_frames:  # the tube-time past them is only counted, never converted
+            pixels = frame.to_ndarray(
+                width=size[0], height=size[1], format=_PIXEL_FORMAT[channels], interpolation="AREA"
+            )
+            sampled.append(pixels[:, :, None] if pixels.ndim == 2 else pixels)
+        if count >= wanted:
             break
     if size is None:
         raise MediaError(f"the {_NAME[container]} file holds no decodable video frame")
-    complete = len(sampled) // tube_frames
+    complete = count // tube_frames
     if complete == 0:
         sampled.extend([sampled[-1]] * (tube_frames - len(sampled)))
         complete = 1
@@ -129,7 +134,8 @@ def _decode(
 
 
 def _check_pixels(width: int, height: int, limits: MediaLimits) -> None:
-    if width * height > limits.max_pixels:
+    if width * height > limits.max_frame_pixels:
         raise MediaError(
-            f"{width} x {height} = {width * height} pixels is over the limit of {limits.max_pixels} pixels"
+            f"a {width} x {height} = {width * height} pixel frame is over the limit of {limits.max_frame_pixels} "
+            "pixels (MediaLimits.max_frame_pixels)"
         )
