@@ -42,8 +42,8 @@ def video_units(
 
     Raises MediaError for bytes that are not MP4 or WebM, that hold no decodable video stream, or that
     break `limits` (bytes; frame pixels, duration and frame count from the header before decoding, and again
-    while decoding). What is held is bounded: the decoder's own frames (`MediaLimits.max_frame_pixels`), the
-    kept frames (already downscaled to the row) and one frame of the tube-time past them, only counted.
+    while decoding). What is held is bounded: the decoder's own frames (by `MediaLimits.max_frame_pixels`)
+    and the kept frames, already downscaled to the row; the tube-time past them is only counted.
     """
     check_arguments(patch_side=patch_side, tube_frames=tube_frames, frame_stride=frame_stride, max_units=max_units)
     if channels not in (1, 3, 4):
