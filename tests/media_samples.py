@@ -229,3 +229,20 @@ def wav_by_pyav(codec: str = "adpcm_yamaha", name: str = "house_lo.wav") -> byte
         output.mux(stream.encode(frame))
         output.mux(stream.encode(None))
     return out.getvalue()
+
+
+def forged_jpeg(width: int, height: int, source: tuple[int, int] = (40, 40)) -> bytes:
+    """scikit-image's camera as a small real JPEG (`source` pixels) whose frame header is patched to claim
+    `width` x `height`: the scan is far too short for the size its header declares."""
+    data = bytearray(encode_image(photo("camera.png").resize(source), "JPEG", quality=90, subsampling=0))
+    at = 2
+    while data[at + 1] not in (0xC0, 0xC1, 0xC2):  # walk the marker segments to the frame header
+        at += 2 + int.from_bytes(data[at + 2 : at + 4], "big")
+    data[at + 5 : at + 9] = height.to_bytes(2, "big") + width.to_bytes(2, "big")
+    return bytes(data)
+
+
+@functools.cache
+def flat_png(width: int, height: int) -> bytes:
+    """A one-colour RGB PNG of `width` x `height`: 8000 x 8000 compresses to about 200 KB."""
+    return encode_image(Image.new("RGB", (width, height), (120, 30, 200)), "PNG")

@@ -298,15 +298,17 @@ def test_on_cuda_the_host_tensors_are_pinned_and_bitwise_the_in_process_ones() -
 
 
 def test_strict_media_error_and_time_limit_through_a_host_process(executor: Executor) -> None:
-    from test_media_training import slow_png
+    from test_media_training import SLOW_PIXELS, slow_png
 
     slow = slow_png()
     started = time.perf_counter()
-    uform.media.decode.decode_item("image", slow, {"patch_side": 16, "channels": 4}, 255, MediaLimits())
+    uform.media.decode.decode_item(
+        "image", slow, {"patch_side": 16, "channels": 4}, 255, MediaLimits(max_pixels=SLOW_PIXELS)
+    )
     timeout = min(0.25, (time.perf_counter() - started) / 4)
     if timeout < 0.05:
         pytest.skip("the slow sample decodes too fast here to time out honestly")
-    limits = MediaLimits(timeout_seconds=timeout)
+    limits = MediaLimits(timeout_seconds=timeout, max_pixels=SLOW_PIXELS)
     strict = Trainer.init_vram(executor, run_config(), media=MediaPolicy(strict=True, workers=1), host_processes=1)
     lenient = Trainer.init_vram(executor, run_config(), media=MediaPolicy(workers=1, limits=limits), host_processes=1)
     try:

@@ -218,6 +218,31 @@ def test_limits(name: str) -> None:
     decode(data, max_seconds=8.0, max_bytes=len(data))
 
 
+def test_forged_sample_rate_refused() -> None:
+    # pygame's house (8-bit WAV at 11025 Hz) with its header claiming 200 MHz: 7 s become 0.4 ms, under any
+    # duration limit, and every sample of the file would be read (as float32) to cover the kept length.
+    data = bytearray(pygame_file("house_lo.wav"))
+    assert data[12:16] == b"fmt " and int.from_bytes(data[24:28], "little") == 11025
+    data[24:28] = (200_000_000).to_bytes(4, "little")
+    data[28:32] = (200_000_000 * int.from_bytes(data[32:34], "little")).to_bytes(4, "little")
+    with pytest.raises(MediaError, match="sample rate of 200000000 Hz is over the limit of 768000 Hz"):
+        decode(bytes(data))
+    # The highest admitted rate still decodes.
+    data[24:28] = (768_000).to_bytes(4, "little")
+    data[28:32] = (768_000 * int.from_bytes(data[32:34], "little")).to_bytes(4, "little")
+    assert len(decode(bytes(data), max_units=4)) >= 1
+
+
+def test_many_channels_mixed_down_as_read() -> None:
+    # Eight channels, each the house recording scaled: the mix-down equals the mean, block by block.
+    samples, rate = HOUSE
+    scales = np.arange(1, 9, dtype=np.float32) / 8
+    wide = samples[:, None] * scales[None, :]
+    units = decode(encode_sound(wide, rate, "WAV", "FLOAT"), sample_rate=rate)
+    reference = decode(encode_sound(wide.mean(axis=1, dtype=np.float32), rate, "WAV", "FLOAT"), sample_rate=rate)
+    np.testing.assert_array_equal(units.values, reference.values)
+
+
 def test_bad_arguments_are_value_errors() -> None:
     data = pygame_file("boom.wav")
     for arguments in ({"chunk_samples": 0}, {"sample_rate": 0}, {"max_units": -1}):

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import struct
+import subprocess
+import sys
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +23,8 @@ from media_samples import (
     content_size,
     cuts,
     encode_image,
+    flat_png,
+    forged_jpeg,
     mutations,
     photo,
     pictures,
@@ -294,6 +299,101 @@ def test_pixel_limit_checked_from_the_header() -> None:
     # Past Pillow's own decompression-bomb guard, even where our limit would allow it.
     with pytest.raises(MediaError, match="bomb"):
         decode(lying_png(60_000, 60_000), max_pixels=10**10)
+
+
+def test_forged_jpeg_size_refused() -> None:
+    # A 1.5 KB JPEG whose header claims 8000 x 8000: libjpeg would zero-fill the missing blocks without
+    # an error, and a grey 64 M pixel picture would be trained on. Refused under any pixel limit.
+    forged = forged_jpeg(8000, 8000)
+    assert len(forged) < 2000
+    with pytest.raises(MediaError, match="pixels is over the limit"):  # the default limit is lower now
+        decode(forged, channels=3, max_units=256)
+    for claim, max_pixels in ((forged, 10**8), (forged_jpeg(3000, 3000), MediaLimits().max_pixels)):
+        with pytest.raises(MediaError, match=r"inconsistent JPEG: a scan holds \d+ bytes, fewer than"):
+            decode(claim, channels=3, max_units=256, max_pixels=max_pixels)
+    # A real JPEG cut inside its scan and closed with an end-of-image marker is the same lie.
+    data = encode_image(photo("astronaut.png"), "JPEG", quality=90)
+    scan = data.index(b"\xff\xda")
+    with pytest.raises(MediaError, match="inconsistent JPEG"):
+        decode(data[: scan + 300] + b"\xff\xd9")
+    # Progressive: the DC scans bound it the same way.
+    progressive = encode_image(photo("astronaut.png"), "JPEG", quality=90, progressive=True)
+    scan = progressive.index(b"\xff\xda")
+    with pytest.raises(MediaError, match="inconsistent JPEG"):
+        decode(progressive[: scan + 300] + b"\xff\xd9")
+
+
+@pytest.mark.parametrize("progressive", [False, True])
+@pytest.mark.parametrize("mode", ["L", "RGB", "CMYK"])
+def test_consistent_jpegs_pass_the_scan_check(mode: str, progressive: bool) -> None:
+    # The tightest honest JPEGs: one flat colour at the lowest quality, optimised Huffman tables.
+    for size in ((1, 1), (17, 9), (2000, 8), (1024, 1024)):
+        flat = encode_image(Image.new(mode, size), "JPEG", quality=1, optimize=True, progressive=progressive)
+        assert decode(flat, max_units=64).grid[0] == 1
+    photo_jpeg = encode_image(photo("astronaut.png").convert(mode), "JPEG", quality=75, progressive=progressive)
+    assert decode(photo_jpeg, max_units=64).grid[0] == 1
+
+
+def test_truncation_checks_stay_on() -> None:
+    from PIL import ImageFile
+
+    # Pillow's own check refuses a file that ends without its end marker; nothing may turn it off.
+    assert ImageFile.LOAD_TRUNCATED_IMAGES is False
+    data = skimage_file("rocket.jpg")
+    with pytest.raises(MediaError, match="truncated"):
+        decode(data[: len(data) - 200])
+
+
+def test_default_pixel_limit_refuses_a_flat_8000_square_png() -> None:
+    # 200 KB of PNG that would take 64 M pixels (over 700 MB in one decoder) is refused from its header.
+    huge = flat_png(8000, 8000)
+    assert len(huge) < 256_000
+    with pytest.raises(MediaError, match="64000000 pixels is over the limit of 16000000 pixels"):
+        decode(huge, channels=3, max_units=256)
+    assert decode(flat_png(4000, 4000), channels=3, max_units=256).grid == (1, 16, 16)
+
+
+# VmHWM, not ru_maxrss: Linux carries a process's ru_maxrss across exec, so a child of a large pytest process
+# would start at its parent's peak; the high-water mark of a fresh address space starts at its own.
+_PEAK = """
+import sys
+from uform.media import image_units
+
+def high_water():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+
+data = open(sys.argv[1], "rb").read()
+image_units(open(sys.argv[2], "rb").read(), patch_side=16, channels=4, max_units=4)  # imports, warm
+base = high_water()
+image_units(data, patch_side=16, channels=4, max_units=4096)
+print(high_water() - base)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the peak from Linux's /proc")
+@pytest.mark.parametrize("kind", ["png rgb", "png rgba", "png palette", "png 16-bit", "jpeg", "webp"])
+def test_one_decoder_stays_under_256_mb_at_the_pixel_limit(kind: str, tmp_path: Any) -> None:
+    # Peak resident growth of a fresh process decoding one image at the default pixel limit (4000 x 4000).
+    side = math.isqrt(MediaLimits().max_pixels)
+    picture = Image.new("RGBA" if kind in ("png rgba", "webp") else "RGB", (side, side), (9, 99, 199, 100))
+    if kind == "png palette":
+        picture = picture.quantize(4)
+    elif kind == "png 16-bit":
+        picture = Image.fromarray(np.full((side, side), 40000, np.uint16))
+    format, options = {"jpeg": ("JPEG", {}), "webp": ("WEBP", {"lossless": True})}.get(kind, ("PNG", {}))
+    path, small = tmp_path / "big", tmp_path / "small"
+    path.write_bytes(encode_image(picture, format, **options))
+    small.write_bytes(encode_image(picture.resize((8, 8)), format, **options))
+    del picture
+    run = subprocess.run(
+        [sys.executable, "-c", _PEAK, str(path), str(small)], capture_output=True, text=True, check=True
+    )
+    peak = int(run.stdout)
+    print(f"{kind}: {peak / 2**20:.0f} MB")
+    assert 0 < peak < 256 * 2**20, f"{kind}: {peak / 2**20:.0f} MB"
 
 
 def test_byte_limit() -> None:

@@ -108,11 +108,13 @@ def test_media_error() -> None:
 
 def test_media_limits() -> None:
     limits = MediaLimits()
-    assert (limits.max_bytes, limits.max_pixels, limits.max_frames) == (256 * 2**20, 8192 * 8192, 100_000)
+    assert (limits.max_bytes, limits.max_pixels, limits.max_frames) == (256 * 2**20, 4000 * 4000, 100_000)
+    assert limits.max_frame_pixels == 2560 * 2560
     assert (limits.max_seconds, limits.timeout_seconds) == (3600.0, 30.0)
     assert [field.name for field in dataclasses.fields(MediaLimits)] == [
         "max_bytes",
         "max_pixels",
+        "max_frame_pixels",
         "max_frames",
         "max_seconds",
         "timeout_seconds",
@@ -124,6 +126,7 @@ def test_media_limits() -> None:
     for bad in (
         {"max_bytes": 0},
         {"max_pixels": -1},
+        {"max_frame_pixels": 0},
         {"max_frames": 1.5},
         {"max_seconds": 0},
         {"timeout_seconds": -1.0},

@@ -32,6 +32,8 @@ from media_samples import (
     VIDEO_FRAMES,
     encode_image,
     encode_sound,
+    flat_png,
+    forged_jpeg,
     opus_webm,
     photo,
     pictures,
@@ -622,6 +624,29 @@ def test_skipped_accumulates_until_read(joint_trainer: Trainer) -> None:
     assert st is not None and st.skipped == 0
 
 
+def test_hostile_images_refused_under_the_default_limits(executor: Executor) -> None:
+    # Issue 10: a 1 KB JPEG claiming 3000 x 3000 decoded as a grey picture and was trained on; a flat 8000 x
+    # 8000 PNG of 200 KB took 700 MB in one decoder. Lenient skips and counts them; strict names the item.
+    config = media_config(rows=2, columns=128, segments=8)
+    hostile = [(forged_jpeg(3000, 3000), "inconsistent JPEG"), (flat_png(8000, 8000), "pixels is over the limit")]
+    lenient = Trainer.init_vram(executor, config, media=MediaPolicy(workers=1))
+    strict = Trainer.init_vram(executor, config, media=MediaPolicy(strict=True, workers=1))
+    try:
+        modalities = ["image", "text", "image", "image", "text"]
+        contents = [hostile[0][0], "a forged photo", hostile[1][0], jpeg(), "an astronaut"]
+        st, _, warned = train(lenient, modalities, contents, relations=pairs(5, [(3, 4)]))
+        assert st is not None and st.skipped == 2
+        assert any("contents[0]" in w and "inconsistent JPEG" in w for w in warned), warned
+        assert any("contents[2]" in w and "pixels is over the limit of 16000000" in w for w in warned), warned
+        for data, reason in hostile:
+            with pytest.raises(MediaError, match=rf"contents\[1\]: .*{reason}"):
+                strict.step(["text", "image"], ["x", data], TrainerStepConfig(stats=TrainerStepStats()))
+        assert strict.steps_taken == 0
+    finally:
+        lenient.close()
+        strict.close()
+
+
 def test_strict_refuses_the_step_and_leaves_the_trainer_unchanged(executor: Executor) -> None:
     config = media_config(rows=2, columns=128, segments=8)
     strict = Trainer.init_vram(executor, config, media=MediaPolicy(strict=True, workers=2))
@@ -656,6 +681,11 @@ def test_strict_refuses_the_step_and_leaves_the_trainer_unchanged(executor: Exec
 # ---- 7. a slow decode ------------------------------------------------------------------------------------
 
 
+# The slow sample is over the default pixel limit (which refuses it from its header at once): the time-limit
+# tests decode it under this one.
+SLOW_PIXELS = 8000 * 8000
+
+
 def slow_png() -> bytes:
     """A genuinely slow image: scikit-image's astronaut blown up to 8000 x 8000 RGBA, as a PNG. It is small
     on disk (flat runs compress well) but inflates to 256 MB of pixels before it can be downscaled."""
@@ -668,12 +698,12 @@ def slow_png() -> bytes:
 def test_a_slow_decode_cannot_hang_a_step(executor: Executor) -> None:
     slow = slow_png()
     started = time.perf_counter()
-    decode_item("image", slow, {"patch_side": 16, "channels": 4}, 127, MediaLimits())
+    decode_item("image", slow, {"patch_side": 16, "channels": 4}, 127, MediaLimits(max_pixels=SLOW_PIXELS))
     slow_seconds = time.perf_counter() - started
     timeout = min(0.25, slow_seconds / 4)
     if timeout < 0.05:
         pytest.skip(f"the slow sample decodes in {slow_seconds:.2f} s here: too fast to time out honestly")
-    limits = MediaLimits(timeout_seconds=timeout)
+    limits = MediaLimits(timeout_seconds=timeout, max_pixels=SLOW_PIXELS)
     trainer = Trainer.init_vram(
         executor, media_config(video_side=0, audio=0), media=MediaPolicy(workers=1, limits=limits)
     )

@@ -12,6 +12,7 @@ import soundfile
 import soxr
 
 from ._grid import check_arguments
+from ._pyav import open_input
 from .limits import MediaError, MediaLimits, describe
 from .sniff import as_bytes, check_complete, expect
 from .units import Units
@@ -20,6 +21,10 @@ _DEMUXER = {"wav": "wav", "flac": "flac", "mp3": "mp3", "ogg": "ogg", "webm": "w
 _NAME = {"wav": "WAV", "flac": "FLAC", "mp3": "MP3", "ogg": "Ogg", "webm": "WebM"}
 # Source samples decoded past the kept length, so that the resampler's filter sees real context at the cut.
 _CONTEXT = 1024
+# The highest source sample rate decoded (studio formats top out at 768 kHz); the source samples held before
+# resampling are at most `MAX_SOURCE_RATE / sample_rate` times the kept ones.
+MAX_SOURCE_RATE = 768_000
+_BLOCK_FRAMES = 1 << 16  # source frames (all channels) read by soundfile at a time
 # wav2vec 2.0's feature extractor divides by sqrt(variance + 1e-7): silence stays zeros, never NaN.
 _EPSILON = 1e-7
 
@@ -42,8 +47,10 @@ def audio_units(
     (n, n, n); grid (N, 1, 1).
 
     Raises MediaError for bytes that are not one of those containers, that hold no decodable audio, whose
-    samples are not finite, or that break `limits` (bytes; duration from the header before decoding, and
-    while decoding where the header does not say).
+    samples are not finite, whose sample rate is over `MAX_SOURCE_RATE`, or that break `limits` (bytes;
+    duration from the header before decoding, and while decoding where the header does not say). What is
+    held is bounded by the kept length, not the file: at most `max_units * chunk_samples` samples times the
+    source-to-target rate ratio, mono (channels are mixed down as they are read).
     """
     check_arguments(chunk_samples=chunk_samples, sample_rate=sample_rate, max_units=max_units)
     data = as_bytes(data)
@@ -93,6 +100,12 @@ def _budget(wanted: int, rate: int, sample_rate: int) -> int:
     return wanted if rate == sample_rate else math.ceil(wanted * rate / sample_rate) + _CONTEXT
 
 
+def _check_rate(rate: int) -> None:
+    # What is decoded before resampling grows with the source rate: a forged rate must not multiply it.
+    if rate > MAX_SOURCE_RATE:
+        raise MediaError(f"the audio's sample rate of {rate} Hz is over the limit of {MAX_SOURCE_RATE} Hz")
+
+
 def _check_seconds(samples: float, rate: float, limits: MediaLimits, where: str) -> None:
     if samples / rate > limits.max_seconds:
         raise MediaError(f"the audio lasts {where}{samples / rate:.1f} s, over the limit of {limits.max_seconds} s")
@@ -106,18 +119,25 @@ def _with_soundfile(data: bytes, wanted: int, sample_rate: int, limits: MediaLim
             raise MediaError(f"the audio header is invalid ({rate} Hz, {sound.channels} channels)")
         if frames > 0:
             _check_seconds(frames, rate, limits, "")
+        _check_rate(rate)
         budget = _budget(wanted, rate, sample_rate)
-        block = sound.read(frames=budget + 1, dtype="float32", always_2d=True)
-    more = block.shape[0] > budget
-    return block[:budget].mean(axis=1, dtype=np.float32), rate, more
+        # Mixed down block by block: a header's channel count never multiplies what is held.
+        pieces: list[np.ndarray] = []
+        total = 0
+        while total <= budget:
+            block = sound.read(frames=min(_BLOCK_FRAMES, budget + 1 - total), dtype="float32", always_2d=True)
+            if block.shape[0] == 0:
+                break
+            pieces.append(block.mean(axis=1, dtype=np.float32))
+            total += block.shape[0]
+    mono = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
+    return mono[:budget], rate, mono.size > budget
 
 
 def _with_pyav(
     data: bytes, container: str, wanted: int, sample_rate: int, limits: MediaLimits
 ) -> tuple[np.ndarray, int, bool]:
-    with av.open(
-        io.BytesIO(data), mode="r", format=_DEMUXER[container], metadata_errors="ignore", io_open=_no_files
-    ) as media:
+    with open_input(data, _DEMUXER[container], "audio") as media:
         if not media.streams.audio:
             raise MediaError(f"the {_NAME[container]} file holds no audio stream")
         stream = media.streams.audio[0]
@@ -134,6 +154,7 @@ def _with_pyav(
                 rate = int(frame.sample_rate)
                 if rate < 1:
                     raise MediaError(f"the audio header is invalid ({rate} Hz)")
+                _check_rate(rate)
                 budget = _budget(wanted, rate, sample_rate)
             for planar in resampler.resample(frame):
                 pieces.append(planar.to_ndarray().mean(axis=0, dtype=np.float32))
@@ -145,7 +166,3 @@ def _with_pyav(
         raise MediaError(f"the {_NAME[container]} file holds no decodable audio")
     mono = np.concatenate(pieces)
     return mono[:budget], rate, mono.size > budget
-
-
-def _no_files(url: str, flags: int, options: dict[str, Any]) -> Any:
-    raise MediaError(f"the audio refers to another file ({url!r})")

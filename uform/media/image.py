@@ -10,6 +10,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ._grid import check_arguments, fit_size, grid_of, positions, tile
+from .jpeg import check_jpeg
 from .limits import MediaError, MediaLimits, describe
 from .sniff import as_bytes, expect
 from .units import Units
@@ -20,6 +21,7 @@ _NAME = {"jpeg": "JPEG", "png": "PNG", "webp": "WebP"}
 _WIDE_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
 _SWAPS_SIDES = (5, 6, 7, 8)  # EXIF orientations that rotate by a quarter turn
 _EXIF_ORIENTATION = 0x0112
+_STRIP_VALUES = 1 << 18  # pixels of a 16-bit image scaled to 8 bits at a time
 
 
 def image_units(
@@ -40,8 +42,10 @@ def image_units(
     composited over black (premultiplied), as transparent as the zero padding. 16-bit images are scaled to
     8 bits, palette and CMYK images converted.
 
-    Raises MediaError for bytes that are not a JPEG, PNG or WebP file, that cannot be decoded, or that
-    break `limits` (bytes; pixels, checked from the header before decoding).
+    Raises MediaError for bytes that are not a JPEG, PNG or WebP file, that cannot be decoded, that are
+    truncated or inconsistent (Pillow's truncation checks stay on; a JPEG whose scans are too short for the
+    size its header declares is refused, see `jpeg.check_jpeg`), or that break `limits` (bytes; pixels,
+    checked from the header before decoding, which bounds the decoder's memory).
     """
     check_arguments(patch_side=patch_side, max_units=max_units)
     if channels not in (1, 3, 4):
@@ -83,6 +87,7 @@ def _decode(
                 f"{width} x {height} = {width * height} pixels is over the limit of {limits.max_pixels} pixels"
             )
         if container == "jpeg":
+            check_jpeg(data)
             _draft(image, patch_side, max_units)
         image.load()
     image = _upright(image)
@@ -121,8 +126,14 @@ def _common_mode(image: Image.Image) -> Image.Image:
     """The image in L, LA, RGB or RGBA: 16-bit scaled to 8, palette expanded, transparency as alpha."""
     mode = image.mode
     if mode in _WIDE_MODES:
-        wide = np.clip(np.asarray(image).astype(np.int64), 0, 65535)
-        return Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), "L")
+        wide = np.asarray(image)  # [H, W] of 2 or 4 bytes per pixel
+        narrow = np.empty(wide.shape, dtype=np.uint8)
+        # In strips of rows, so that the int64 arithmetic never holds more than a few MB beside the image.
+        step = max(1, _STRIP_VALUES // max(1, wide.shape[1]))
+        for top in range(0, wide.shape[0], step):
+            strip = np.clip(wide[top : top + step].astype(np.int64), 0, 65535)
+            narrow[top : top + step] = (strip * 255 + 32767) // 65535
+        return Image.fromarray(narrow, "L")
     transparent = "transparency" in image.info
     if mode in ("1", "L"):
         return image.convert("LA" if transparent else "L")

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import av
 import numpy as np
 
 from ._grid import check_arguments, fit_size, grid_of, positions, tile
+from ._pyav import open_input
 from .limits import MediaError, MediaLimits, describe
 from .sniff import as_bytes, check_complete, expect
 from .units import Units
 
-# The demuxer is forced from the sniffed container: FFmpeg never probes (so never reads a playlist, a concat
-# list or any other format that opens further files).
+# The demuxer is forced from the sniffed container (see _pyav.open_input).
 _DEMUXER = {"mp4": "mp4", "webm": "webm"}
 _NAME = {"mp4": "MP4", "webm": "WebM"}
 _PIXEL_FORMAT = {1: "gray", 3: "rgb24", 4: "rgba"}
@@ -42,8 +41,9 @@ def video_units(
     channels], zero-padded right and bottom; positions (time, row, column); grid (T, rows, columns).
 
     Raises MediaError for bytes that are not MP4 or WebM, that hold no decodable video stream, or that
-    break `limits` (bytes; pixels, duration and frame count from the header before decoding, and again
-    while decoding).
+    break `limits` (bytes; frame pixels, duration and frame count from the header before decoding, and again
+    while decoding). What is held is bounded: the decoder's own frames (by `MediaLimits.max_frame_pixels`)
+    and the kept frames, already downscaled to the row; the tube-time past them is only counted.
     """
     check_arguments(patch_side=patch_side, tube_frames=tube_frames, frame_stride=frame_stride, max_units=max_units)
     if channels not in (1, 3, 4):
@@ -52,9 +52,7 @@ def video_units(
     container = expect("video", data, limits)
     check_complete(container, data)
     try:
-        with av.open(
-            io.BytesIO(data), mode="r", format=_DEMUXER[container], metadata_errors="ignore", io_open=_no_files
-        ) as media:
+        with open_input(data, _DEMUXER[container], "video") as media:
             frames, grid, truncated = _decode(
                 media, container, patch_side, tube_frames, frame_stride, channels, max_units, limits
             )
@@ -67,10 +65,6 @@ def video_units(
         [tile(frames[t * tube_frames : (t + 1) * tube_frames], patch_side) for t in range(times)], axis=0
     )
     return Units(values=values, positions=positions(times, rows, columns), grid=grid, truncated=truncated)
-
-
-def _no_files(url: str, flags: int, options: dict[str, Any]) -> Any:
-    raise MediaError(f"the video refers to another file ({url!r})")
 
 
 def _seconds(value: int | None, time_base: Any) -> float | None:
@@ -101,7 +95,7 @@ def _decode(
 
     sampled: list[np.ndarray] = []
     size: tuple[int, int] | None = None
-    keep_times = wanted = 0
+    keep_times = wanted = count = 0
     start: float | None = None
     for index, frame in enumerate(media.decode(stream)):
         if index >= limits.max_frames:
@@ -119,13 +113,17 @@ def _decode(
             keep_times = max_units // (rows * columns)
             # One tube-time past what is kept tells whether the clip is cut; then decoding stops.
             wanted = (keep_times + 1) * tube_frames
-        pixels = frame.to_ndarray(width=size[0], height=size[1], format=_PIXEL_FORMAT[channels], interpolation="AREA")
-        sampled.append(pixels[:, :, None] if pixels.ndim == 2 else pixels)
-        if len(sampled) >= wanted:
+        count += 1
+        if count <= keep_times * tube_frames:  # the tube-time past them is only counted, never converted
+            pixels = frame.to_ndarray(
+                width=size[0], height=size[1], format=_PIXEL_FORMAT[channels], interpolation="AREA"
+            )
+            sampled.append(pixels[:, :, None] if pixels.ndim == 2 else pixels)
+        if count >= wanted:
             break
     if size is None:
         raise MediaError(f"the {_NAME[container]} file holds no decodable video frame")
-    complete = len(sampled) // tube_frames
+    complete = count // tube_frames
     if complete == 0:
         sampled.extend([sampled[-1]] * (tube_frames - len(sampled)))
         complete = 1
@@ -136,7 +134,8 @@ def _decode(
 
 
 def _check_pixels(width: int, height: int, limits: MediaLimits) -> None:
-    if width * height > limits.max_pixels:
+    if width * height > limits.max_frame_pixels:
         raise MediaError(
-            f"{width} x {height} = {width * height} pixels is over the limit of {limits.max_pixels} pixels"
+            f"a {width} x {height} = {width * height} pixel frame is over the limit of {limits.max_frame_pixels} "
+            "pixels (MediaLimits.max_frame_pixels)"
         )
