@@ -2,10 +2,11 @@
 
 Shape legend: R rows, C columns, P covered positions of the step.
 
-In every text segment of n content bytes, spans of geometric length (mean `token_mean_span`, clipped to
-the segment) are drawn at uniform starts until exactly round(token_mask_probability * n) positions are
-covered; the span that would overshoot covers only its first uncovered positions. This is T5's and
-SpanBERT's span masking with BERT's 80/10/10 split of what a covered position shows: of the k covered
+In every text segment of n content bytes, spans of geometric length (mean `token_mean_span`) are drawn
+until they cover exactly k = round(token_mask_probability * n) positions, the last cut to what is still
+needed, and placed apart from each other around a circle of n positions turned by a uniform rotation, so
+every position is covered with chance exactly k / n (`cover_spans`). This is T5's and SpanBERT's span
+masking with BERT's 80/10/10 split of what a covered position shows: of the k covered
 positions of a segment, replace_fraction * k show MASK and random_fraction * k a uniform random byte (each
 rounded stochastically: down or up with the odds that make it exact in expectation), and the rest keep
 their byte. Every draw of a segment comes from its item's own generator, keyed by (seed, step, the item).
