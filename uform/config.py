@@ -394,6 +394,7 @@ def resolve(config: TrainerInitVramConfig) -> TrainerInitVramConfig:
         progress_steps=_or(config.progress_steps, 10),
     )
     # -----------------------------------------------------------------------------------------------
+    _check_numbers(resolved)  # a derived product (a span times the segments, say) may pass int64 too
     check(resolved)
     return resolved
 
@@ -437,6 +438,8 @@ def _check_numbers(obj: Any, prefix: str = "") -> None:
         elif f.type in ("int", int):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+            if name != "seed" and not -(2**63) <= value < 2**63:  # the seed is unsigned, checked on its own
+                raise ValueError(f"{name}: must fit a signed 64-bit integer, got {value}")
         elif f.type in ("float", float):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
