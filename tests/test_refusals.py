@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import (
@@ -34,6 +35,8 @@ from uform import (
 )
 
 MODS = ["text"] * len(TEXTS)
+DATA = np.frombuffer("".join(TEXTS).encode(), np.uint8)
+FALLING = np.cumsum([0, *(len(t) for t in TEXTS)]).astype(np.uint64)[[0, 2, 1, 3, 4, 5, 6]]
 SURROGATE = "a lone \ud800 surrogate"
 
 
@@ -68,6 +71,9 @@ BAD_CALLS = [
     ("group 2^63", TEXTS, _with(temperature_groups=[0] * 5 + [2**63]), ValueError, "temperature_groups[5]: must lie below"),
     ("group 2^70", TEXTS, _with(temperature_groups=[2**70] * 6), ValueError, "temperature_groups[0]: must lie below"),
     ("surrogate text", [*TEXTS[:2], SURROGATE, *TEXTS[3:]], _with(), ValueError, "contents[2]: not valid Unicode"),
+    # Found by the fuzz campaign: falling uint64 offsets, whose differences wrap round to large positives,
+    # passed as non-decreasing and cut the items wrong.
+    ("falling uint64 tape", (DATA, FALLING), _with(), ValueError, "contents: a tape's offsets must be non-decreasing"),
 ]  # fmt: skip
 
 
@@ -143,3 +149,41 @@ def test_a_step_past_the_schedule_warns_once_and_is_counted(make_trainer) -> Non
     assert "step 3 is past schedule.steps (2)" in message and "schedule.min_learning_rate" in message
     assert trainer.notices.count("schedule") == 3
     assert rates[2:] == [1e-4] * 3  # it still runs, at the floor, as the schedule says
+
+
+def _choice_trainer(make_trainer) -> Trainer:
+    return make_trainer(batch=BatchShape(max_rows_per_device=2, max_segments_per_device=SEGMENTS,
+                                         max_columns_per_row=64, max_choices_per_item=4),
+                        choices=Choices(weight=1.0))  # fmt: skip
+
+
+def test_falling_uint64_choice_offsets_are_refused(make_trainer) -> None:
+    trainer = _choice_trainer(make_trainer)
+    offsets = np.array([0, 2, 1, 3, 3, 3, 3], np.uint64)  # 2 then 1: a uint64 difference wraps round
+    choices = (np.frombuffer(b"abc", np.uint8), offsets)
+    targets = (np.array([0.5, 0.5, 1.0], np.float32), offsets.copy())
+    with pytest.raises(ValueError, match="choices: a tape's offsets must be non-decreasing"):
+        step_with(trainer, choices=choices, choice_targets=targets)
+    assert trainer.steps_taken == 0
+
+
+def test_a_target_past_the_float_range_is_refused_by_name(make_trainer) -> None:
+    trainer = _choice_trainer(make_trainer)
+    choices = [b"ab", b"", b"", b"", b"", b""]
+    with pytest.raises(ValueError, match=r"choice_targets\[0\]: a target probability is past the float range"):
+        step_with(trainer, choices=choices, choice_targets=[[10**400, 0], [], [], [], [], []])
+    assert trainer.steps_taken == 0
+
+
+def test_numpy_integers_name_modalities_and_sides(make_trainer) -> None:
+    """An enum field takes its integer value as a numpy integer too (a side read from an array, say), as
+    bags and temperature groups do; the fuzz campaign found them refused."""
+    trainer, twin = make_trainer(), make_trainer()
+    sides = np.array([1, 2, 0, 1, 2, 3])
+    step_with(trainer, sides=sides)
+    trainer.on(trainer.executor).step(np.zeros(6, np.int64), TEXTS, _with(sides=sides, stats=TrainerStepStats()))
+    step_with(twin, sides=sides.tolist())
+    twin.on(twin.executor).step([0] * 6, TEXTS, _with(sides=sides.tolist(), stats=TrainerStepStats()))
+    from conftest import assert_same, snapshot
+
+    assert_same(snapshot(trainer), snapshot(twin))

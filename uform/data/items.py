@@ -37,7 +37,7 @@ def tape_items(data: Any, offsets: Any, field: str) -> list[memoryview]:
         raise TypeError(f"{field}: a tape's offsets must be a 1-D integer array, got {offsets.dtype}")
     if len(offsets) == 0 or offsets[0] != 0:
         raise ValueError(f"{field}: a tape's offsets must start at 0 and hold items + 1 entries")
-    if np.any(np.diff(offsets) < 0):
+    if np.any(offsets[1:] < offsets[:-1]):  # compared, not differenced: a uint64 difference wraps round
         raise ValueError(f"{field}: a tape's offsets must be non-decreasing")
     if offsets[-1] != len(data):
         raise ValueError(f"{field}: a tape's offsets must end at len(data) = {len(data)}, got {offsets[-1]}")
@@ -192,9 +192,9 @@ def _tape_offsets(offsets: Any, size: int, count: int, field: str) -> np.ndarray
         raise ValueError(f"{field}: a tape's offsets must hold items + 1 = {count + 1} entries, got {len(offsets)}")
     if offsets[0] != 0:
         raise ValueError(f"{field}: a tape's offsets must start at 0, got {int(offsets[0])}")
-    steps = np.diff(offsets)
-    if np.any(steps < 0):
-        at = int(np.argmax(steps < 0))
+    falls = offsets[1:] < offsets[:-1]  # compared, not differenced: a uint64 difference wraps round
+    if np.any(falls):
+        at = int(np.argmax(falls))
         raise ValueError(
             f"{field}: a tape's offsets must be non-decreasing, got {int(offsets[at])} then {int(offsets[at + 1])}"
         )
@@ -260,6 +260,8 @@ def _choice_targets(value: Any, count: int) -> tuple[np.ndarray, np.ndarray]:
             raise TypeError(f"choice_targets[{i}]: expected real numbers, got a bool")
         try:
             array = np.asarray(entry, dtype=np.float64)
+        except OverflowError:
+            raise ValueError(f"choice_targets[{i}]: a target probability is past the float range") from None
         except (TypeError, ValueError):
             raise TypeError(f"choice_targets[{i}]: expected a flat sequence of real numbers") from None
         if array.ndim != 1:
