@@ -684,6 +684,7 @@ WRONG_TYPES = [
     ("int-matryoshka", {"contrastive__matryoshka_dimensions": 64}, "contrastive.matryoshka_dimensions"),
     ("dict-batch", {"batch": {"max_rows_per_device": 3}}, "batch"),
     ("wrong-image-struct", {"batch__image": VideoShape()}, "batch.image"),
+    ("int-progress", {"progress": 5}, "progress"),  # issue 10 (8): refused here, not when first reported
 ]
 
 

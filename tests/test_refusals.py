@@ -30,6 +30,7 @@ from uform import (
     Schedule,
     ScheduleWarning,
     Trainer,
+    TrainerSaveConfig,
     TrainerStepConfig,
     TrainerStepStats,
 )
@@ -187,3 +188,22 @@ def test_numpy_integers_name_modalities_and_sides(make_trainer) -> None:
     from conftest import assert_same, snapshot
 
     assert_same(snapshot(trainer), snapshot(twin))
+
+
+@pytest.mark.parametrize(
+    ("config", "error", "words"),
+    [
+        (TrainerSaveConfig(path="x.safetensors", progress_steps="3"), TypeError, "progress_steps: expected an int"),
+        (TrainerSaveConfig(path="x.safetensors", progress=5), TypeError, "progress: expected None or a callable"),
+        ("a\0b.safetensors", ValueError, "path: 'a\\x00b.safetensors' holds a NUL byte"),
+        ("\ud800.safetensors", ValueError, "path: '\\ud800.safetensors' has no file-system encoding"),
+    ],
+)
+def test_a_refused_save_names_its_field(make_trainer, tmp_path, monkeypatch, config, error, words) -> None:
+    monkeypatch.chdir(tmp_path)
+    trainer = make_trainer()
+    for verb in ("on", "deferred"):
+        with pytest.raises(error) as caught:
+            getattr(trainer, verb)(trainer.executor).save(config)
+        assert words in str(caught.value)
+    assert list(tmp_path.iterdir()) == []

@@ -417,6 +417,10 @@ def _check_types(config: TrainerInitVramConfig) -> None:
         if not isinstance(getattr(config.batch, name), kind):
             raise TypeError(f"batch.{name}: expected a {kind.__name__}")
     _check_numbers(config)
+    if config.progress is not None and not callable(config.progress):
+        raise TypeError(
+            f"progress: expected None or a callable progress(done, total), got {type(config.progress).__name__}"
+        )
     widths = config.contrastive.matryoshka_dimensions
     if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence):
         raise TypeError(f"contrastive.matryoshka_dimensions: expected a sequence of ints, got {type(widths).__name__}")

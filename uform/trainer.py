@@ -782,8 +782,20 @@ def save_config(config: Any) -> TrainerSaveConfig:
         raise TypeError(f"path: expected a str, bytes, os.PathLike or TrainerSaveConfig, got {type(config).__name__}")
     if not isinstance(saved.path, (str, bytes, os.PathLike)):
         raise TypeError(f"path: expected a str, bytes or os.PathLike, got {type(saved.path).__name__}")
+    try:
+        encoded = os.fsencode(saved.path)
+    except UnicodeEncodeError as error:
+        raise ValueError(f"path: {saved.path!r} has no file-system encoding ({error.reason})") from None
+    if b"\0" in encoded:
+        raise ValueError(f"path: {saved.path!r} holds a NUL byte, which no file name may")
+    if isinstance(saved.progress_steps, bool) or not isinstance(saved.progress_steps, int):
+        raise TypeError(f"progress_steps: expected an int, got {type(saved.progress_steps).__name__}")
     if saved.progress_steps < 0:
         raise ValueError(f"progress_steps: must not be negative, got {saved.progress_steps}")
+    if saved.progress is not None and not callable(saved.progress):
+        raise TypeError(
+            f"progress: expected None or a callable progress(done, total), got {type(saved.progress).__name__}"
+        )
     return saved
 
 
