@@ -185,10 +185,9 @@ def _contents(source: Source, n: int, p_bad: float) -> Any:
     items: list[Any] = []
     for _ in range(n):
         text = source.pick(TEXTS)
-        form = source.integer(0, 4)
-        items.append(
-            [text, text.encode(), bytearray(text.encode()), np.frombuffer(text.encode(), np.uint8)][min(form, 3)]
-        )
+        raw = text.encode()
+        forms = [text, raw, bytearray(raw), np.frombuffer(raw, np.uint8), memoryview(raw), memoryview(raw * 2)[::2]]
+        items.append(forms[source.integer(0, len(forms) - 1)])
     if chance(source, 0.2):  # the tape form
         data = np.frombuffer(
             b"".join(bytes(memoryview(i)) if not isinstance(i, str) else i.encode() for i in items), np.uint8
@@ -209,7 +208,7 @@ def _contents(source: Source, n: int, p_bad: float) -> Any:
                 offsets = offsets[:-1]
         return (data, offsets)
     if chance(source, p_bad):
-        return _mutate(source, items, BAD_ITEMS) if chance(source, 0.8) else source.pick(["text", b"bytes", 5])
+        return _mutate(source, items, BAD_ITEMS) if chance(source, 0.8) else source.pick(["text", b"bytes", 5, None])
     return _sequence(source, items)
 
 
@@ -321,7 +320,9 @@ def draw_call(source: Source, p_bad: float = 0.08) -> Call:
     n = source.integer(1, 10)
     modalities: Any = [source.pick(WORDS) for _ in range(n)]
     if chance(source, p_bad):
-        modalities = source.pick([[], "text", 5]) if chance(source, 0.3) else _mutate(source, modalities, BAD_WORDS)
+        modalities = (
+            source.pick([[], "text", 5, None]) if chance(source, 0.3) else _mutate(source, modalities, BAD_WORDS)
+        )
     else:
         modalities = _sequence(source, modalities)
     contents = _contents(source, n, p_bad)
