@@ -321,7 +321,10 @@ class Trainer:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise ValueError("trainer: this trainer was closed; a new one (Trainer.init_vram, resume) goes on")
+            raise ValueError(
+                "trainer: this trainer was closed; make a new one with Trainer.init_vram (its resume goes on "
+                "from a checkpoint)"
+            )
 
     def _warn_past_schedule(self, step: int) -> None:
         """A step past schedule.steps runs at the floor rate: said once, every such step counted."""
