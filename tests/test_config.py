@@ -605,6 +605,16 @@ REJECTIONS = [
     ("unknown-objective-word", {"objective": "both"}, "objective"),
     ("unknown-negatives-word", {"contrastive__negatives": "hard"}, "contrastive.negatives"),
     ("pair-loss-out-of-range", {"contrastive__pair_loss": 9}, "contrastive.pair_loss"),
+    # Issue 10 (8): an int past int64 is a ValueError naming its field, never an OverflowError later.
+    ("temperature-groups-2-63", {"contrastive__temperature_groups": 2**63}, "contrastive.temperature_groups"),
+    ("depth-2-63", {"depth": 2**63}, "depth"),
+    ("edges-2-64", {"contrastive__max_edges_per_device": 2**64}, "contrastive.max_edges_per_device"),
+    ("rows-below-int64", {"batch__max_rows_per_device": -(2**63) - 1}, "batch.max_rows_per_device"),
+    (  # a product the derivation block forms (span x segments) past int64
+        "derived-query-tokens-past-int64",
+        {"late_interaction__max_query_span": 2**62},
+        "late_interaction.max_query_tokens_per_device",
+    ),
 ]
 
 
@@ -674,6 +684,7 @@ WRONG_TYPES = [
     ("int-matryoshka", {"contrastive__matryoshka_dimensions": 64}, "contrastive.matryoshka_dimensions"),
     ("dict-batch", {"batch": {"max_rows_per_device": 3}}, "batch"),
     ("wrong-image-struct", {"batch__image": VideoShape()}, "batch.image"),
+    ("int-progress", {"progress": 5}, "progress"),  # issue 10 (8): refused here, not when first reported
 ]
 
 

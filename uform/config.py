@@ -394,6 +394,7 @@ def resolve(config: TrainerInitVramConfig) -> TrainerInitVramConfig:
         progress_steps=_or(config.progress_steps, 10),
     )
     # -----------------------------------------------------------------------------------------------
+    _check_numbers(resolved)  # a derived product (a span times the segments, say) may pass int64 too
     check(resolved)
     return resolved
 
@@ -416,6 +417,10 @@ def _check_types(config: TrainerInitVramConfig) -> None:
         if not isinstance(getattr(config.batch, name), kind):
             raise TypeError(f"batch.{name}: expected a {kind.__name__}")
     _check_numbers(config)
+    if config.progress is not None and not callable(config.progress):
+        raise TypeError(
+            f"progress: expected None or a callable progress(done, total), got {type(config.progress).__name__}"
+        )
     widths = config.contrastive.matryoshka_dimensions
     if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence):
         raise TypeError(f"contrastive.matryoshka_dimensions: expected a sequence of ints, got {type(widths).__name__}")
@@ -437,6 +442,8 @@ def _check_numbers(obj: Any, prefix: str = "") -> None:
         elif f.type in ("int", int):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+            if name != "seed" and not -(2**63) <= value < 2**63:  # the seed is unsigned, checked on its own
+                raise ValueError(f"{name}: must fit a signed 64-bit integer, got {value}")
         elif f.type in ("float", float):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name}: expected a number, got {type(value).__name__}")

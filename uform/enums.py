@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import enum
+import numbers
 from typing import Self
 
 
@@ -18,7 +19,8 @@ class _Worded(enum.IntEnum):
 
     @classmethod
     def parse(cls, word: object, field: str | None = None) -> Self:
-        """Answers the member named by `word` (any case), or by a member / its integer value."""
+        """Answers the member named by `word` (any case), or by a member / its integer value (a Python or
+        numpy integer)."""
         field = field or cls.__name__
         if isinstance(word, cls):
             return word
@@ -27,9 +29,9 @@ class _Worded(enum.IntEnum):
         if isinstance(word, enum.Enum):
             # Another enum's member is an int too: refuse it rather than reinterpret its value.
             raise TypeError(f"{field}: expected a {cls.__name__} or its word, got a {type(word).__name__}")
-        if isinstance(word, int):
+        if isinstance(word, numbers.Integral):  # a numpy integer too (a side read from an array, say)
             try:
-                return cls(word)
+                return cls(int(word))
             except ValueError:
                 raise ValueError(f"{field}: {word} is not a {cls.__name__} value; one of {cls.words()}") from None
         if isinstance(word, str):

@@ -53,7 +53,7 @@ from .enums import Modality, Objective
 from .host import HostProcessError
 from .media.limits import MediaError
 from .notices import Notices
-from .relations import first_crossing, restrict
+from .relations import edge_limit, first_crossing, restrict
 from .trainer import Deferred, On, Trainer, check_step, resolve_run, save_config
 from .world import MeshError
 
@@ -515,7 +515,7 @@ class FleetTrainer(Trainer):
                 )
         sizes = item_sizes(checked.modalities, checked.contents, self.config.batch.max_columns_per_row)
         plan = route(sizes, bags, devices)
-        limit = self.config.contrastive.max_edges_per_device
+        limit, words = edge_limit(self.config)
         shares = [restrict(checked.relations, items, count) for items in plan]
         if self.config.objective != Objective.Masked:
             for d, relations in enumerate(shares):
@@ -523,8 +523,7 @@ class FleetTrainer(Trainer):
                     edges = len(getattr(relations, name).ids)
                     if edges > limit:
                         raise ValueError(
-                            f"relations.{name}: device {d} takes {edges} edges of the step, more than "
-                            f"contrastive.max_edges_per_device ({limit})"
+                            f"relations.{name}: device {d} takes {edges} edges of the step, more than {words}"
                         )
         segments: list[shared_memory.SharedMemory] = []
         commands = []

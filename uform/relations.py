@@ -109,7 +109,23 @@ def _rows(offsets: np.ndarray, count: int) -> np.ndarray:
 # The check
 
 
-def _check_edges(edges: Any, name: str, count: int, max_edges: int, read_weights: bool) -> None:
+def edge_limit(run: Any, devices: int = 1) -> tuple[int, str]:
+    """(edges one edge set of a step may name, the words naming that limit) for the resolved run `run` over
+    `devices` devices. Where `contrastive.max_edges_per_device` equals `batch.max_segments_per_device` it
+    may never have been set (zero derives it), so the words name both fields."""
+    limit, segments = run.contrastive.max_edges_per_device, run.batch.max_segments_per_device
+    words = f"contrastive.max_edges_per_device ({limit})"
+    if limit == segments:
+        words = (
+            f"contrastive.max_edges_per_device ({limit}; left zero, it derives from batch.max_segments_per_device, "
+            "so raise either)"
+        )
+    if devices > 1:
+        words = f"{devices} devices x {words}"
+    return limit * devices, words
+
+
+def _check_edges(edges: Any, name: str, count: int, max_edges: int, limit: str, read_weights: bool) -> None:
     if not isinstance(edges, Edges):
         raise TypeError(f"{name}: expected an Edges, got {type(edges).__name__}")
     offsets = _integers(edges.offsets, f"{name}.offsets")
@@ -137,7 +153,7 @@ def _check_edges(edges: Any, name: str, count: int, max_edges: int, read_weights
         )
     _need(
         ids.size <= max_edges,
-        f"{name}.ids: names {ids.size} edges, more than contrastive.max_edges_per_device ({max_edges})",
+        f"{name}.ids: names {ids.size} edges, more than {limit}",
     )
     if ids.size:
         _need(bool((ids >= 0).all()), f"{name}.ids: must not be negative, got {int(ids.min())}")
@@ -173,14 +189,16 @@ def _check_edges(edges: Any, name: str, count: int, max_edges: int, read_weights
         )
 
 
-def check_relations(relations: Relations | None, count: int, max_edges: int) -> None:
-    """Checks a step's relations against its `count` items; `max_edges` bounds each edge set.
+def check_relations(relations: Relations | None, count: int, max_edges: int, limit: str | None = None) -> None:
+    """Checks a step's relations against its `count` items; `max_edges` bounds each edge set, `limit` the
+    words naming that bound in an error (`edge_limit`'s).
 
     Raises `ValueError` naming the field (`relations.attract.offsets: ...`) and the rule, or `TypeError`
     for a wrong type. `None` names no edges. Reads, never writes, its input.
     """
     if relations is None:
         return
+    limit = f"contrastive.max_edges_per_device ({max_edges})" if limit is None else limit
     if not isinstance(relations, Relations):
         raise TypeError(f"relations: expected a Relations, got {type(relations).__name__}")
     for set_name in _SETS:
@@ -189,6 +207,7 @@ def check_relations(relations: Relations | None, count: int, max_edges: int) -> 
             f"relations.{set_name}",
             count,
             max_edges,
+            limit,
             read_weights=set_name != "ignore",
         )
 

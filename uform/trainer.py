@@ -49,9 +49,9 @@ from .memory import check_memory
 from .model.attention import compiled_flex_available, document_mask
 from .model.network import Network
 from .notices import MediaWarning as MediaWarning  # re-exported: where callers met it first
-from .notices import Notices
+from .notices import Notices, ScheduleWarning
 from .optim import build_optimizer, learning_rate
-from .relations import check_relations
+from .relations import check_relations, edge_limit
 from .stored_run import FORMAT, RNG_DRAWS, StoredRun, read_run_tensors, read_stored_run
 from .world import GradientReducer, MeshError, World, WorldAborted, reduction_order, wait_event
 
@@ -106,8 +106,8 @@ class Trainer:
         self._skipped = 0
         self.media = MediaPolicy()
         self.notices = Notices()
-        """The run's warnings (skipped media, items cut or dropped for room), each kind shown once and
-        counted: `notices.counts()`."""
+        """The run's warnings (skipped media, items cut or dropped for room, steps past the schedule), each
+        kind shown once and counted: `notices.counts()`."""
         self._decoders: DecodePool | None = None
         self.host_processes = host_processes
         """Host processes that prepare the steps (`uform.host`); 0: the host stage runs on this process's threads."""
@@ -287,7 +287,9 @@ class Trainer:
         return self._step_count
 
     def close(self) -> None:
-        """Waits for queued calls and stops the trainer's threads; a mesh it borrowed is free again."""
+        """Waits for queued calls and stops the trainer's threads; a mesh it borrowed is free again. Later
+        steps and saves are refused."""
+        self.closed = True  # first, so that a call racing the shutdown is refused by name, not by the pool
         self._queue.shutdown(wait=True)
         self._host.shutdown(wait=True)
         self._completion.shutdown(wait=True)
@@ -297,7 +299,6 @@ class Trainer:
             self._decoders.close()
         if self._reducer is not None:
             self._reducer.close()
-        self.closed = True
         if self.mesh is not None:
             self.mesh._release(self)
 
@@ -316,17 +317,39 @@ class Trainer:
             done: Future = Future()
             done.set_running_or_notify_cancel()  # a queued step is not cancelled: its draws are numbered
             self._queue.submit(self._device_stage, checked, host, step, done)
-            return done
+        self._warn_past_schedule(step)  # in the caller's thread, where its warning filters apply
+        return done
 
     def _check_executor(self, executor: Executor) -> None:
         if executor is not self.executor:
             raise ValueError(f"executor: this trainer runs on {self.executor}, not {executor}")
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError(
+                "trainer: this trainer was closed; make a new one with Trainer.init_vram (its resume goes on "
+                "from a checkpoint)"
+            )
+
+    def _warn_past_schedule(self, step: int) -> None:
+        """A step past schedule.steps runs at the floor rate: said once, every such step counted."""
+        steps = self.config.schedule.steps
+        if step > steps:
+            self.notices.warn(
+                "schedule",
+                f"uform: step {step} is past schedule.steps ({steps}): it and every later step run at the floor "
+                f"learning rate schedule.min_learning_rate ({self.config.schedule.min_learning_rate:g}); to go "
+                "on along a cosine, resume with a larger schedule.steps",
+                ScheduleWarning,
+                stacklevel=4,
+            )
 
     # ---- checks ------------------------------------------------------------------------------------
 
     def _check_step(
         self, modalities: Any, contents: Any, config: TrainerStepConfig | None, copy_buffers: bool
     ) -> _Checked:
+        self._check_open()
         # In a world a process may have no items this step; it still takes its part in the collectives.
         alone = self.world is None or self.world.size == 1
         return check_step(self.config, modalities, contents, config, copy_buffers, allow_empty=not alone)
@@ -548,7 +571,7 @@ def check_step(
     if run.choices.weight > 0:  # read only where the run trains choices (always a copy)
         choices = parse_choices(config.choices, config.choice_targets, mods, run.batch.max_choices_per_item)
     if run.objective != Objective.Masked or run.late_interaction.weight > 0:  # late pairs resolve through them
-        check_relations(config.relations, n, run.contrastive.max_edges_per_device * edge_factor)
+        check_relations(config.relations, n, *edge_limit(run, edge_factor))
     if config.arena is not None and not isinstance(config.arena, Arena):
         raise TypeError(f"arena: expected an Arena, got {type(config.arena).__name__}")
     if config.stats is not None and not isinstance(config.stats, TrainerStepStats):
@@ -735,6 +758,7 @@ class On:
     def save(self, config: Any) -> None:
         """Writes the checkpoint; `config` is a path or a `TrainerSaveConfig`."""
         t = self.trainer
+        t._check_open()
         return t._queue.submit(t._run_save, save_config(config)).result()
 
 
@@ -751,6 +775,7 @@ class Deferred:
 
     def save(self, config: Any) -> Future:
         t = self.trainer
+        t._check_open()
         return t._queue.submit(t._run_save, save_config(config))
 
 
@@ -763,8 +788,20 @@ def save_config(config: Any) -> TrainerSaveConfig:
         raise TypeError(f"path: expected a str, bytes, os.PathLike or TrainerSaveConfig, got {type(config).__name__}")
     if not isinstance(saved.path, (str, bytes, os.PathLike)):
         raise TypeError(f"path: expected a str, bytes or os.PathLike, got {type(saved.path).__name__}")
+    try:
+        encoded = os.fsencode(saved.path)
+    except UnicodeEncodeError as error:
+        raise ValueError(f"path: {saved.path!r} has no file-system encoding ({error.reason})") from None
+    if b"\0" in encoded:
+        raise ValueError(f"path: {saved.path!r} holds a NUL byte, which no file name may")
+    if isinstance(saved.progress_steps, bool) or not isinstance(saved.progress_steps, int):
+        raise TypeError(f"progress_steps: expected an int, got {type(saved.progress_steps).__name__}")
     if saved.progress_steps < 0:
         raise ValueError(f"progress_steps: must not be negative, got {saved.progress_steps}")
+    if saved.progress is not None and not callable(saved.progress):
+        raise TypeError(
+            f"progress: expected None or a callable progress(done, total), got {type(saved.progress).__name__}"
+        )
     return saved
 
 

@@ -2,10 +2,11 @@
 
 Shape legend: R rows, C columns, P covered positions of the step.
 
-In every text segment of n content bytes, spans of geometric length (mean `token_mean_span`, clipped to
-the segment) are drawn at uniform starts until exactly round(token_mask_probability * n) positions are
-covered; the span that would overshoot covers only its first uncovered positions. This is T5's and
-SpanBERT's span masking with BERT's 80/10/10 split of what a covered position shows: of the k covered
+In every text segment of n content bytes, spans of geometric length (mean `token_mean_span`) are drawn
+until they cover exactly k = round(token_mask_probability * n) positions, the last cut to what is still
+needed, and placed apart from each other around a circle of n positions turned by a uniform rotation, so
+every position is covered with chance exactly k / n (`cover_spans`). This is T5's and SpanBERT's span
+masking with BERT's 80/10/10 split of what a covered position shows: of the k covered
 positions of a segment, replace_fraction * k show MASK and random_fraction * k a uniform random byte (each
 rounded stochastically: down or up with the odds that make it exact in expectation), and the rest keep
 their byte. Every draw of a segment comes from its item's own generator, keyed by (seed, step, the item).
@@ -22,22 +23,40 @@ from ..config import Masking
 
 
 def cover_spans(length: int, count: int, mean_span: float, rng: np.random.Generator) -> np.ndarray:
-    """Answers a [length] bool mask with exactly `count` positions covered by geometric spans."""
+    """Answers a [length] bool mask with exactly `count` positions covered by geometric spans, every
+    position equally likely to be covered.
+
+    Span lengths are geometric (mean `mean_span`), drawn until they add up to `count`, the last cut to what
+    is still needed. The spans and a uniformly random composition of the `length - count` free positions
+    into as many gaps (each at least one where there is room, so spans stay apart) alternate around a
+    circle of `length` positions, turned by a uniform rotation and cut open at position zero. The rotation
+    makes every position's chance exactly count / length, which a start drawn where the whole span fits
+    (T5's and SpanBERT's linear placement) does not: on short texts it piles coverage onto the head.
+    """
     covered = np.zeros(length, dtype=bool)
-    have = 0
+    if count <= 0:
+        return covered
+    if count >= length:
+        covered[:] = True
+        return covered
     p = 1.0 / max(mean_span, 1.0)
-    for _ in range(64 * max(count, 1)):
-        if have >= count:
-            return covered
-        span = min(int(rng.geometric(p)), length)
-        start = int(rng.integers(0, length - span + 1))
-        fresh = np.flatnonzero(~covered[start : start + span]) + start
-        fresh = fresh[: count - have]
-        covered[fresh] = True
-        have += len(fresh)
-    if have < count:  # vanishingly rare: finish with uniformly chosen free positions
-        free = np.flatnonzero(~covered)
-        covered[rng.choice(free, size=count - have, replace=False)] = True
+    spans = np.zeros(0, dtype=np.int64)
+    while spans.sum() < count:  # in batches: about count / mean_span draws in all, rarely a second batch
+        spans = np.concatenate([spans, rng.geometric(p, size=int(count * p) + 4)])
+    ends = np.cumsum(spans)
+    used = int(np.searchsorted(ends, count)) + 1  # the first span that reaches the count is the last
+    spans = spans[:used].copy()  # [S]
+    spans[-1] -= int(ends[used - 1]) - count
+    free = length - count
+    floor = 1 if free >= used else 0
+    slack = free - floor * used
+    # Stars and bars: S - 1 bars among slack + S - 1 places give a uniform composition of slack into S parts.
+    bars = np.sort(rng.choice(slack + used - 1, size=used - 1, replace=False))
+    gaps = np.diff(np.concatenate([[-1], bars, [slack + used - 1]])) - 1 + floor  # [S]
+    starts = np.concatenate([[0], np.cumsum(spans + gaps)[:-1]])  # [S] on the unturned circle
+    first = np.repeat(starts - np.concatenate([[0], np.cumsum(spans)[:-1]]), spans)  # [count]
+    positions = first + np.arange(count)  # [count]
+    covered[(positions + int(rng.integers(0, length))) % length] = True
     return covered
 
 

@@ -37,12 +37,23 @@ def tape_items(data: Any, offsets: Any, field: str) -> list[memoryview]:
         raise TypeError(f"{field}: a tape's offsets must be a 1-D integer array, got {offsets.dtype}")
     if len(offsets) == 0 or offsets[0] != 0:
         raise ValueError(f"{field}: a tape's offsets must start at 0 and hold items + 1 entries")
-    if np.any(np.diff(offsets) < 0):
+    if np.any(offsets[1:] < offsets[:-1]):  # compared, not differenced: a uint64 difference wraps round
         raise ValueError(f"{field}: a tape's offsets must be non-decreasing")
     if offsets[-1] != len(data):
         raise ValueError(f"{field}: a tape's offsets must end at len(data) = {len(data)}, got {offsets[-1]}")
     view = memoryview(np.ascontiguousarray(data))  # type: ignore[arg-type]
     return [view[int(a) : int(b)] for a, b in itertools.pairwise(offsets)]
+
+
+def utf8(text: str, field: str) -> bytes:
+    """`text` as UTF-8; a lone surrogate (which UTF-8 cannot hold) is a `ValueError` naming `field`."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"{field}: not valid Unicode text: {error.reason} at character {error.start} "
+            f"({text[error.start]!r}); pass bytes to train on raw bytes"
+        ) from None
 
 
 def parse_modalities(modalities: Any) -> list[Modality]:
@@ -64,7 +75,7 @@ def parse_contents(contents: Any, count: int) -> list[bytes | memoryview]:
         items = []
         for i, c in enumerate(contents):
             if isinstance(c, str):
-                items.append(c.encode("utf-8"))
+                items.append(utf8(c, f"contents[{i}]"))
             elif isinstance(c, bytes):
                 items.append(c)
             elif isinstance(c, np.ndarray):
@@ -81,31 +92,49 @@ def parse_contents(contents: Any, count: int) -> list[bytes | memoryview]:
     return items
 
 
-def per_item_integers(values: Any, count: int, field: str, below: int | None = None) -> np.ndarray | None:
-    """A per-item integer sequence: empty answers None; else exactly `count` values in [0, below)."""
-    if values is None or len(values) == 0:
+def _per_item(values: Any, field: str) -> list[Any] | None:
+    """A per-item sequence's values as a list, None when absent or empty; anything that is not a sequence
+    (a bare int, a string, a set, a generator) is a `TypeError` naming `field`."""
+    if values is None:
         return None
-    array = np.asarray(values)
-    if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.dtype == object):
-        raise TypeError(f"{field}: expected a sequence of integers")
-    if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in array.tolist()):
-        raise TypeError(f"{field}: expected a sequence of integers")
-    if len(array) != count:
-        raise ValueError(f"{field}: {len(array)} values, but the step has {count} items; it must be empty or as long")
-    array = array.astype(np.int64)
-    if np.any(array < 0):
-        raise ValueError(f"{field}: values must not be negative")
-    if below is not None and np.any(array >= below):
-        raise ValueError(f"{field}: values must lie below {below}, got {int(array.max())}")
-    return array
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1:
+            raise TypeError(f"{field}: expected a flat sequence, one value per item, got {values.ndim} dims")
+        return values.tolist() or None
+    if isinstance(values, (str, bytes, bytearray, memoryview)) or not isinstance(values, Sequence):
+        raise TypeError(f"{field}: expected a sequence with one value per item, got {type(values).__name__}")
+    return list(values) or None
+
+
+def per_item_integers(values: Any, count: int, field: str, below: int | None = None) -> np.ndarray | None:
+    """A per-item integer sequence: empty answers None; else exactly `count` values in [0, below).
+
+    Checked on the Python values before any conversion, so a value past int64 is a `ValueError` naming
+    `field[i]`, never an `OverflowError` (nor a uint64 wrapped to a negative int64)."""
+    listed = _per_item(values, field)
+    if listed is None:
+        return None
+    for i, v in enumerate(listed):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{field}[{i}]: expected an int, got {type(v).__name__}")
+    if len(listed) != count:
+        raise ValueError(f"{field}: {len(listed)} values, but the step has {count} items; it must be empty or as long")
+    limit = 2**63 if below is None else min(below, 2**63)
+    for i, v in enumerate(listed):
+        if int(v) < 0:
+            raise ValueError(f"{field}[{i}]: must not be negative, got {int(v)}")
+        if int(v) >= limit:
+            raise ValueError(f"{field}[{i}]: must lie below {limit}, got {int(v)}")
+    return np.array([int(v) for v in listed], dtype=np.int64)
 
 
 def parse_sides(sides: Any, count: int) -> list[LateInteractionSide] | None:
-    if sides is None or len(sides) == 0:
+    listed = _per_item(sides, "sides")
+    if listed is None:
         return None
-    if len(sides) != count:
-        raise ValueError(f"sides: {len(sides)} values, but the step has {count} items; it must be empty or as long")
-    return [LateInteractionSide.parse(s, f"sides[{i}]") for i, s in enumerate(sides)]  # type: ignore[misc]
+    if len(listed) != count:
+        raise ValueError(f"sides: {len(listed)} values, but the step has {count} items; it must be empty or as long")
+    return [LateInteractionSide.parse(s, f"sides[{i}]") for i, s in enumerate(listed)]  # type: ignore[misc]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -163,9 +192,9 @@ def _tape_offsets(offsets: Any, size: int, count: int, field: str) -> np.ndarray
         raise ValueError(f"{field}: a tape's offsets must hold items + 1 = {count + 1} entries, got {len(offsets)}")
     if offsets[0] != 0:
         raise ValueError(f"{field}: a tape's offsets must start at 0, got {int(offsets[0])}")
-    steps = np.diff(offsets)
-    if np.any(steps < 0):
-        at = int(np.argmax(steps < 0))
+    falls = offsets[1:] < offsets[:-1]  # compared, not differenced: a uint64 difference wraps round
+    if np.any(falls):
+        at = int(np.argmax(falls))
         raise ValueError(
             f"{field}: a tape's offsets must be non-decreasing, got {int(offsets[at])} then {int(offsets[at + 1])}"
         )
@@ -191,7 +220,7 @@ def _choice_bytes(value: Any, count: int) -> tuple[np.ndarray, np.ndarray]:
     parts = []
     for i, entry in enumerate(value):
         if isinstance(entry, str):
-            parts.append(np.frombuffer(entry.encode("utf-8"), dtype=np.uint8))
+            parts.append(np.frombuffer(utf8(entry, f"choices[{i}]"), dtype=np.uint8))
         elif isinstance(entry, (bytes, bytearray, memoryview)):
             parts.append(np.frombuffer(memoryview(entry).tobytes(), dtype=np.uint8))
         elif isinstance(entry, np.ndarray) and entry.dtype == np.uint8 and entry.ndim == 1:
@@ -231,6 +260,8 @@ def _choice_targets(value: Any, count: int) -> tuple[np.ndarray, np.ndarray]:
             raise TypeError(f"choice_targets[{i}]: expected real numbers, got a bool")
         try:
             array = np.asarray(entry, dtype=np.float64)
+        except OverflowError:
+            raise ValueError(f"choice_targets[{i}]: a target probability is past the float range") from None
         except (TypeError, ValueError):
             raise TypeError(f"choice_targets[{i}]: expected a flat sequence of real numbers") from None
         if array.ndim != 1:
