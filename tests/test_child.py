@@ -1,7 +1,8 @@
 """`uform.child.Child`: a process of ours that never imports the caller's main module (issue 10, item 4).
 
 Pins: a child runs its target with the caller's ``sys.path`` and a ``__main__`` that is not the caller's, and
-receives a pipe end and a slab file by descriptor number (no copy, no name); its sentinel is ready once it
+receives a pipe end and a slab file by descriptor number (no copy, no name) beside arguments larger than a
+pipe holds; its sentinel is ready once it
 ended, and its exit code reads as multiprocessing's (0, 1 for a target that raised, minus the signal that
 killed it); nothing defined in ``__main__`` crosses (a clear TypeError naming it, in `Child` and in
 `DecodePool.map`). The forms of the caller's script are in test_script_forms.py.
@@ -24,12 +25,12 @@ from uform.child import Child, context
 from uform.media.pool import DecodePool, SlabFile, create_slab, release_slab
 
 
-def report(conn: Connection, slab: SlabFile) -> None:
+def report(conn: Connection, slab: SlabFile, blob: bytes) -> None:
     """A child's target: writes into the slab through the inherited descriptor and says what it saw."""
     mapping = slab.map(64)
     mapping[:5] = b"hello"
     main = sys.modules["__main__"]
-    conn.send((os.getpid(), sys.path, getattr(main, "__file__", None), "test_child" in sys.modules))
+    conn.send((os.getpid(), sys.path, getattr(main, "__file__", None), "test_child" in sys.modules, len(blob)))
     conn.recv()  # until the parent says go
 
 
@@ -41,12 +42,14 @@ def test_a_child_runs_its_target_with_the_callers_path_and_descriptors_by_number
     slab, fd = create_slab(1 << 16)
     assert slab is not None and fd is not None
     ours, theirs = multiprocessing.Pipe()
-    child = Child(target=report, args=(theirs, SlabFile(fd)), name="uform-test")
+    blob = bytes(range(256)) * 4096  # 1 MiB: more than a pipe holds, so the start writes while the child reads
+    child = Child(target=report, args=(theirs, SlabFile(fd), blob), name="uform-test")
     child.start()
     theirs.close()
     os.close(fd)
     try:
-        pid, path, main_file, imported = ours.recv()
+        pid, path, main_file, imported, length = ours.recv()
+        assert length == len(blob)
         assert pid == child.pid and child.is_alive() and child.exitcode is None
         assert path == sys.path and main_file is None and imported  # our module, by name; never the caller's main
         assert slab[:5] == b"hello"  # one file, mapped on both sides

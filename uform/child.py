@@ -140,8 +140,14 @@ class Child:
             os.close(held)
         self._sentinel = sentinel
         weakref.finalize(self, os.close, sentinel)
-        with open(boot_write, "wb") as boot, contextlib.suppress(BrokenPipeError):  # a child that died at once
-            boot.write(buffer.getvalue())  # shows in its sentinel and exit code
+        try:
+            rest = memoryview(buffer.getvalue())
+            while rest:
+                rest = rest[os.write(boot_write, rest) :]
+        except BrokenPipeError:  # it died at once: that shows in its sentinel and exit code
+            pass
+        finally:
+            os.close(boot_write)
 
     def is_alive(self) -> bool:
         return self._popen is not None and self._popen.poll() is None
