@@ -5,7 +5,7 @@ receives a pipe end and a slab file by descriptor number (no copy, no name) besi
 pipe holds; its sentinel is ready once it
 ended, and its exit code reads as multiprocessing's (0, 1 for a target that raised, minus the signal that
 killed it); nothing defined in ``__main__`` crosses (a clear TypeError naming it, in `Child` and in
-`DecodePool.map`). The forms of the caller's script are in test_script_forms.py.
+`DecodePool.map`; a job's argument of ``__main__`` answers an error outcome that says why). The forms of the caller's script are in test_script_forms.py.
 """
 
 from __future__ import annotations
@@ -100,6 +100,9 @@ def test_nothing_of_the_main_module_crosses(monkeypatch: pytest.MonkeyPatch) -> 
         with pytest.raises(TypeError, match=r"not in the main module \(__main__\)"):
             pool.map(job, [((1,), {})])
         assert pool.processes == []  # refused before any worker started
+        (outcome,) = pool.map(len, [((Local(),), {})])  # a job whose argument only the caller's main module has
+    assert outcome.error is not None and outcome.error.startswith("could not load the job: AttributeError")
+    assert "never import the main module" in outcome.error
 
 
 def test_context_names_ours_and_multiprocessings() -> None:

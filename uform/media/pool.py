@@ -11,9 +11,9 @@ and answers one `Outcome` per job, in job order. No item can hang or crash the c
 
 A job is sent to one worker once and never run twice, not even after its worker died.
 
-Protocol. Each worker is a process (`uform.child.Child` by default, which never imports the caller's main module,
-so a plain script without a main guard can decode; or a `multiprocessing` process) with a pipe of its own, and (where /dev/shm exists) a slab of
-shared memory of its own, `_SLAB_BYTES` long. It sends ``("ready",)`` once it has
+Protocol. Each worker is a process (a `uform.child.Child` by default, which never imports the caller's main
+module, so a script without a main guard can decode; or a `multiprocessing` process) with a pipe of its own, and
+(where /dev/shm exists) a slab of shared memory of its own, `_SLAB_BYTES` long. It sends ``("ready",)`` once it has
 started, then for each job it receives (pickled ``(function, args, kwargs)``) it sends ``("ok", value)`` or
 ``("error", reason)`` when it finishes; an empty message asks it to exit. Before running a job whose unpickling was
 slow (its first job, or any that took over `_SLOW_LOAD_SECONDS`: an import of the job function's module) it sends
@@ -640,7 +640,10 @@ def _worker_main(conn: Connection, slab_file: SlabFile | None = None, slab_bytes
         try:
             function, args, kwargs = pickle.loads(data)
         except BaseException as exc:
-            reply = ("error", f"could not load the job: {_describe(exc)}")
+            reason = _describe(exc)
+            if "__main__" in reason:
+                reason += " (the decoder processes never import the main module: define it in a module of its own)"
+            reply = ("error", f"could not load the job: {reason}")
         else:
             del data
             if (first or time.monotonic() - loading > _SLOW_LOAD_SECONDS) and not _send(conn, ("started",)):
