@@ -12,8 +12,8 @@ the caller's, so the child imports the same uform (and modules next to the scrip
 
 The target and its arguments are pickled to the child through a pipe of their own. The descriptors they carry
 cross by number: a `multiprocessing.connection.Connection` in the arguments, or an object whose class sets
-``inherited_fd = True`` and holds its descriptor in ``fd`` (the media pool's `SlabFile`), is
-inherited by the child (`subprocess`'s ``pass_fds``) and rebuilt there around the same number (``cls(fd)``), so a pipe end or a
+``inherited_fd = True`` and holds its descriptor in ``fd`` (the media pool's `SlabFile`), is inherited by the
+child (`subprocess`'s ``pass_fds``) and rebuilt there around the same number (``cls(fd)``), so a pipe end or a
 shared-memory file needs no name and no broker. Nothing crosses from the main module: the target, and every
 class and function in its arguments, must be importable from a module by name (uform's own); one defined in
 ``__main__`` is refused here with a `TypeError`, since the child never imports the caller's script.
@@ -21,7 +21,9 @@ class and function in its arguments, must be importable from a module by name (u
 A `Child` answers the parts of `multiprocessing.Process` that uform's owners use (``start``, ``pid``,
 ``sentinel``, ``is_alive``, ``join``, ``kill``, ``terminate``, ``exitcode``, ``name``); its sentinel is the read
 end of a pipe whose write end only the child holds (as `multiprocessing`'s own spawn does), so it is ready once
-the child ended. Its standard output and error are the caller's; its standard input is /dev/null. POSIX only.
+the child ended. Its standard output and error are the caller's; its standard input is /dev/null; its
+environment is the caller's, its interpreter flags the defaults (none of the caller's ``-W``, ``-X``, ``-O``).
+POSIX only.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ class Child:
         sentinel, held = os.pipe()  # the child holds `held` for life: `sentinel` reads end of file once it ended
         try:
             self._popen = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, str(boot_read), str(held), json.dumps(sys.path)],
+                [sys.executable, "-c", _BOOT, str(boot_read), str(held), json.dumps(_search_path())],
                 pass_fds=(boot_read, held, *fds),
                 stdin=subprocess.DEVNULL,
             )
@@ -176,6 +178,11 @@ class Child:
     def __repr__(self) -> str:
         state = "initial" if self._popen is None else ("started" if self.exitcode is None else "stopped")
         return f"<Child name={self._name!r} pid={self.pid} {state}>"
+
+
+def _search_path() -> list[str]:
+    """The caller's ``sys.path`` for the child (entries that are not strings are never searched: dropped)."""
+    return [entry for entry in sys.path if isinstance(entry, str)]
 
 
 class _Context:
