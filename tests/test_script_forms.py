@@ -5,10 +5,11 @@ it, the same guarded file fed on standard input (``python - < script.py``), ``py
 shape (a fresh ``__main__`` without ``__file__`` running the code with `exec`; and IPython's shell, when it is
 installed, which is what a Jupyter kernel runs). Each script decodes a PNG it makes through a `DecodePool`, then
 trains a step with an image in process and through a host process (``host_processes=1``), strictly (a decode
-failure raises); the unguarded file also trains on an executor of two CPU devices (the fleet's workers). Pins: each
-succeeds, prints what it computed (the host process's loss bitwise the in-process one), and its body runs once:
-no process of uform's imports the script again (before, each decoder re-ran it: an unguarded script failed with
-a DecodePool hint, stdin failed even with the guard).
+failure raises); the unguarded file also trains on an executor of two CPU devices (the fleet's workers). Pins:
+each succeeds, prints what it computed (the host process's loss bitwise the in-process one), its decoder has
+not loaded torch (which the script's process has), and its body runs once: no process of uform's imports the
+script again (before, each decoder re-ran it: a guarded file ran its body once per decoder, an unguarded one
+failed with a DecodePool hint, and stdin failed even with the guard).
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ def png(seed):
 def main():
     with DecodePool(1) as pool:
         (outcome,) = pool.map(image_units, [((png(0),), dict(patch_side=8, channels=3, max_units=64))])
-    print("POOL", outcome.error, outcome.value.values.shape, flush=True)
+        (worker,) = pool.processes
+        with open(f"/proc/{{worker.pid}}/maps") as maps:  # this process has loaded torch (uform.Trainer)
+            torch = "torch" if "libtorch" in maps.read() else "no-torch"
+    print("POOL", outcome.error, outcome.value.values.shape, torch, flush=True)
     config = TrainerInitVramConfig(
         depth=1, hidden=128, objective=Objective.Masked, seed=3,
         batch=BatchShape(max_rows_per_device=2, max_segments_per_device=4, max_columns_per_row=64,
@@ -95,7 +99,8 @@ def run(command: list[str], cwd: Path, stdin: str | None = None) -> str:
 
 def check(out: str, fleet: bool) -> None:
     assert out.count(MARKER) == 1, out  # the body ran once: no child imported the script
-    assert re.search(r"^POOL None \(15, 192\)$", out, re.M), out  # 40x24 pixels: 5x3 patches of 8x8x3
+    # 40x24 pixels: 5x3 patches of 8x8x3; the decoder never loaded torch, which the script's process did
+    assert re.search(r"^POOL None \(15, 192\) no-torch$", out, re.M), out
     losses = dict(re.findall(r"^TRAINED hosts=(\d) skipped=0 loss=(\S+)$", out, re.M))
     assert set(losses) == {"0", "1"}, out
     assert losses["0"] == losses["1"], out  # the host process's step is bitwise the in-process one
