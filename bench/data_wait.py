@@ -320,5 +320,5 @@ def main() -> None:
     print(f"wrote {path}")
 
 
-if __name__ == "__main__":  # the decoder processes start through forkserver: keep the work behind this guard
+if __name__ == "__main__":
     main()

@@ -283,5 +283,5 @@ def main() -> None:
     print(f"\nwrote {path}")
 
 
-if __name__ == "__main__":  # the decoder processes start through forkserver: keep the work behind this guard
+if __name__ == "__main__":
     main()

@@ -1,8 +1,9 @@
 """The README's code blocks, extracted and run, so they cannot drift from the library.
 
 Python blocks run in README order, each in a fresh interpreter, in one shared temporary folder (the serving
-block reads the checkpoint the training block wrote). Each runs as `python -c <block>`: the block's text
-exactly as written, as a notebook cell or a pasted snippet runs it; a uform warning (a media item skipped,
+block reads the checkpoint the training block wrote). Each runs as a plain script file, `python block_N.py`,
+with no main guard, exactly as a user saves and runs it (tests/test_script_forms.py covers stdin, `-c` and
+notebook cells); a uform warning (a media item skipped,
 items dropped for room, a memory overshoot) is an error, so a block cannot pass by quietly doing less than it
 says. The two bash commands are not installed
 here (CI runs the test command itself, from `.ci/run`); they are held to what `.ci/run` runs and to the
@@ -63,8 +64,10 @@ def test_python_blocks_run_as_written(tmp_path: Path) -> None:
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     environment["OMP_NUM_THREADS"] = "2"
     for i, block in enumerate(code):
+        script = tmp_path / f"block_{i + 1}.py"
+        script.write_text(block)
         result = subprocess.run(
-            [sys.executable, "-W", "error::uform.notices.UformWarning", "-c", block],
+            [sys.executable, "-W", "error::uform.notices.UformWarning", script.name],
             cwd=tmp_path,
             env=environment,
             capture_output=True,

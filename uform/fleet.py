@@ -34,11 +34,12 @@ import gc
 import itertools
 import multiprocessing
 import queue
+import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,7 @@ import torch
 from . import vocab
 from .arena import Arena
 from .checkpoint import CheckpointError, ProgressCallback, Stopped
+from .child import Child
 from .config import TrainerInitVramConfig, TrainerStepConfig, TrainerStepStats
 from .data.items import ChoiceTapes
 from .enums import Modality, Objective
@@ -198,13 +200,12 @@ class Fleet:
     def start(self) -> None:
         if self.started:
             return
-        context = multiprocessing.get_context("spawn")
         self._progress = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uform-progress")
         for index, device in enumerate(self.devices):
-            ours, theirs = context.Pipe()
-            process = context.Process(
-                target=serve, args=(theirs, str(device), self.threads), name=f"uform-device-{index}"
-            )
+            ours, theirs = multiprocessing.Pipe()
+            # A fresh interpreter on a module of uform's (not multiprocessing's spawn, which would run the
+            # caller's main module again in each worker: a script without a main guard would start them anew).
+            process = Child(target=serve, args=(theirs, str(device), self.threads), name=f"uform-device-{index}")
             process.start()
             theirs.close()
             self._processes.append(process)
@@ -797,9 +798,7 @@ def _worker_step(state: dict[str, Any], ident: int, argument: dict[str, Any], an
         with contextlib.suppress(BufferError):
             old.close()
             retired.remove(old)
-    # Attaching registers the name with the resource tracker this worker shares with the calling process
-    # (spawned children inherit it): a second registration of the same name, which the caller's unlink ends.
-    memory = shared_memory.SharedMemory(name=argument["name"])
+    memory = _attach(argument["name"])
     offsets = argument["offsets"]
     view = memory.buf
     assert view is not None
@@ -849,6 +848,16 @@ def _worker_step(state: dict[str, Any], ident: int, argument: dict[str, Any], an
             fail(ident, error)
 
     future.add_done_callback(done)
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    """The calling process's segment `name`, mapped here and left to the caller: this worker has a resource
+    tracker of its own (it is not a multiprocessing child), which must not unlink the segment when it exits."""
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, track=False)
+    memory = shared_memory.SharedMemory(name=name)  # registers the name with this worker's tracker: undo that
+    resource_tracker.unregister(f"/{memory.name}", "shared_memory")  # the tracker's name has the leading slash
+    return memory
 
 
 def _choice_share(

@@ -19,10 +19,11 @@ The processes (``host_processes=N``, started on the first step that needs one):
 - Each host process is started with the run's config, its `MediaPolicy` and the attention path, owns a
   `DecodePool` of its own (``media.workers`` split over the N processes; started lazily, so a text-only process
   never starts decoders) and prepares up to `HOST_SLOTS` steps at once on two threads of its own: while one waits
-  for its step's media, the other packs. It is not daemonic, because a daemonic process may not start the decoder
-  processes; it ignores SIGINT (the trainer's process handles Ctrl-C), exits when its pipe to the trainer reports
-  end of file (the trainer's process died), killing its decoders, and is ended by `close` (also run at interpreter
-  exit, before multiprocessing joins its children, and when the object is collected).
+  for its step's media, the other packs. It is a `uform.child.Child` (a fresh interpreter on a module of uform's,
+  which never imports the trainer's main module, so a training script needs no main guard), and its decoders
+  come from a fork server of its own that preloads the decoding libraries. It ignores SIGINT (the trainer's
+  process handles Ctrl-C), exits when its pipe to the trainer reports end of file (the trainer's process died),
+  killing its decoders, and is ended by `close` (also run at interpreter exit, and when the object is collected).
 - A step travels as one message: its contents are copied once, back to back, into the input area of one of the
   process's slots in a shared-memory slab (`media.pool.create_slab`: a sparse file under /dev/shm, unlinked at
   once and mapped by the host process through its descriptor, so no name outlives a killed process), and the rest of its checked arguments (modalities, bags, groups, sides, choices,
@@ -59,7 +60,6 @@ import sys
 import threading
 import time
 import traceback
-import types
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -69,6 +69,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .child import START_METHOD
+from .child import context as context_of
 from .config import TrainerInitVramConfig
 from .data.batch import Batch, prepare
 from .data.blocks import block_tables
@@ -112,7 +114,10 @@ _CLOSE_GRACE_SECONDS = 10.0
 """How long `close` waits for a host process to end its decoders and exit before killing it."""
 _REAP_SECONDS = 5.0
 
-_DEFAULT_CONTEXT = "forkserver" if sys.platform.startswith("linux") else "spawn"
+_DEFAULT_CONTEXT = START_METHOD
+# A host process's main module is uform.child's boot, so multiprocessing's fork server may start its decoders:
+# it re-imports nothing of the user's, and preloads the decoding libraries once for all of them.
+_DECODER_CONTEXT = "forkserver" if sys.platform.startswith("linux") else START_METHOD
 _DECODER_PRELOAD = ["uform.media.decode", "uform.media.image", "uform.media.video", "uform.media.audio"]
 
 
@@ -255,7 +260,7 @@ class HostProcesses:
         self._attention = attention
         self.decoders = max(1, (policy.workers or decode_parallelism()) // count)
         """Decoding processes of each host process."""
-        self._ctx: Any = multiprocessing.get_context(context)
+        self._ctx: Any = context_of(context)
         self.input_bytes = _INPUT_BYTES
         self.output_bytes = _OUTPUT_BYTES
         self._hosts: list[_Host | None] = [None] * count
@@ -383,7 +388,7 @@ class HostProcesses:
                 self.decoders,
             ),
             name=f"uform-host-{index}",
-            daemon=False,  # it starts the decoder processes, which a daemonic process may not
+            daemon=False,  # under multiprocessing: it starts the decoder processes, which a daemonic process may not
         )
         try:
             try:
@@ -523,10 +528,7 @@ def _await_ready(process: Any, conn: Connection) -> bool:
             break
     process.join(_REAP_SECONDS if not process.is_alive() else 0)
     status = "it did not answer" if process.is_alive() else f"it exited ({exit_status(process.exitcode)})"
-    raise HostProcessError(
-        f"uform: a host process failed to start: {status} (does the main module start the trainer outside "
-        "`if __name__ == '__main__':`?)"
-    )
+    raise HostProcessError(f"uform: a host process failed to start: {status} (its error is on standard error)")
 
 
 def _bury(host: _Host, unmap: bool) -> None:
@@ -611,13 +613,9 @@ def _host_main(
     """A host process's whole life: map the slab, say ready, then prepare each step it is sent on a thread of
     its own until an empty message (exit) or end of file (the trainer's process died)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's process's to handle
-    # The decoder processes this one starts need none of the trainer's main module (their jobs are uform's own
-    # functions), yet multiprocessing re-runs the main module in every child it starts (a forkserver or spawn
-    # child imports it as __mp_main__): a training script that imports torch at its top would load torch in
-    # each decoder (about 2 s and 300 MB apiece). This process's children see a main module without a file, and
-    # their fork server preloads the decoding libraries instead, once.
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    with contextlib.suppress(Exception):  # no fork server on this platform
+    # This process's main module is uform.child's boot (no file, no module name), so the decoders' fork server
+    # imports nothing of the trainer's script: it preloads the decoding libraries instead, once.
+    if _DECODER_CONTEXT == "forkserver":
         multiprocessing.get_context("forkserver").set_forkserver_preload(_DECODER_PRELOAD)
     slab, fd = None, None
     if slab_file is not None:
@@ -674,7 +672,7 @@ class _HostState:
     def decoders(self) -> DecodePool:
         with self.lock:
             if self.pool is None:
-                self.pool = DecodePool(self.workers, self.policy.limits.timeout_seconds)
+                self.pool = DecodePool(self.workers, self.policy.limits.timeout_seconds, _DECODER_CONTEXT)
             return self.pool
 
     def send(self, payload: bytes) -> bool:

@@ -11,8 +11,9 @@ and answers one `Outcome` per job, in job order. No item can hang or crash the c
 
 A job is sent to one worker once and never run twice, not even after its worker died.
 
-Protocol. Each worker is a `multiprocessing` process with a pipe of its own, and (where /dev/shm exists) a slab of
-shared memory of its own, `_SLAB_BYTES` long. It sends ``("ready",)`` once it has
+Protocol. Each worker is a process (a `uform.child.Child` by default, which never imports the caller's main
+module, so a script without a main guard can decode; or a `multiprocessing` process) with a pipe of its own, and
+(where /dev/shm exists) a slab of shared memory of its own, `_SLAB_BYTES` long. It sends ``("ready",)`` once it has
 started, then for each job it receives (pickled ``(function, args, kwargs)``) it sends ``("ok", value)`` or
 ``("error", reason)`` when it finishes; an empty message asks it to exit. Before running a job whose unpickling was
 slow (its first job, or any that took over `_SLOW_LOAD_SECONDS`: an import of the job function's module) it sends
@@ -46,7 +47,6 @@ import multiprocessing.util
 import os
 import pickle
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -54,8 +54,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from ..child import Process
 
 __all__ = ["DecodePool", "Outcome", "decode_parallelism"]
 
@@ -83,7 +85,7 @@ _SLOW_LOAD_SECONDS = 0.05
 # Worker states.
 _BOOTING, _IDLE, _LOADING, _RUNNING = "booting", "idle", "loading", "running"
 
-_DEFAULT_CONTEXT = "forkserver" if sys.platform.startswith("linux") else "spawn"
+_DEFAULT_CONTEXT = "uform"  # uform.child.START_METHOD (imported when a pool is made: this module loads standalone)
 
 
 def decode_parallelism() -> int:
@@ -112,7 +114,7 @@ class _Worker:
 
     __slots__ = ("conn", "deadline", "job", "process", "sent_at", "slab", "state", "warm")
 
-    def __init__(self, process: BaseProcess, conn: Connection, deadline: float, slab: mmap.mmap | None) -> None:
+    def __init__(self, process: Process, conn: Connection, deadline: float, slab: mmap.mmap | None) -> None:
         self.process = process
         self.conn = conn
         self.slab = slab  # the parent's mapping of the worker's result slab, None without shared memory
@@ -127,11 +129,14 @@ class DecodePool:
     """Runs picklable decode jobs in worker processes, in parallel, each under a time limit.
 
     ``workers`` 0 means `decode_parallelism()`. Processes start lazily, on the first `map` that needs them, and
-    are reused across maps. ``context`` is the `multiprocessing` start method: "forkserver" on Linux (safe beside
-    torch's threads), "spawn" elsewhere. Worker processes ignore SIGINT: on Ctrl-C the parent's `map` raises
-    KeyboardInterrupt (killing the workers that were mid-job, so the pool stays usable) and the parent closes the
-    pool. The workers are daemonic, so a job cannot start `multiprocessing` children of its own (`subprocess` is
-    fine).
+    are reused across maps. ``context`` is how workers start: "uform" (the default) as `uform.child.Child`, a
+    fresh interpreter on a module of uform's that never imports the caller's main module (so the caller's script
+    needs no main guard, and may come from stdin, ``-c`` or a notebook); or a `multiprocessing` start method
+    ("forkserver", "spawn"), which imports the main module again in every worker: only for a process whose main
+    module is uform's own (a host process's decoders, from a fork server that preloads the decoding libraries).
+    The job function, and everything in its jobs, must be importable from a module by name: a worker never
+    imports ``__main__``. Worker processes ignore SIGINT: on Ctrl-C the parent's `map` raises KeyboardInterrupt
+    (killing the workers that were mid-job, so the pool stays usable) and the parent closes the pool.
 
     Call `map` from one thread at a time: a lock serializes concurrent callers, and `close` waits for a running
     `map` to finish. The pool is a context manager; `close` is idempotent and also runs at interpreter exit or
@@ -146,7 +151,9 @@ class DecodePool:
             raise ValueError(f"timeout_seconds: expected a positive number of seconds, got {timeout_seconds!r}")
         self.workers = workers or decode_parallelism()
         self.timeout_seconds = timeout
-        self._ctx: Any = multiprocessing.get_context(context)  # ValueError for an unknown start method
+        from ..child import context as context_of
+
+        self._ctx: Any = context_of(context)  # ValueError for an unknown start method
         self.context = context
         self.slab_bytes = _SLAB_BYTES  # each worker's shared-memory slab, for workers started from now on
         self._workers: list[_Worker] = []
@@ -165,8 +172,9 @@ class DecodePool:
     ) -> list[Outcome[T]]:
         """Runs ``function(*args, **kwargs)`` for every ``(args, kwargs)`` job, in parallel; one Outcome per job, in order.
 
-        ``function`` must be picklable (a module-level function); a job whose arguments do not pickle answers an
-        error outcome. Raises RuntimeError when the pool is closed or when worker processes keep failing to start.
+        ``function`` must be picklable (a module-level function of a module other than ``__main__``, which the
+        workers never import); a job whose arguments do not pickle answers an error outcome. Raises RuntimeError
+        when the pool is closed or when worker processes keep failing to start.
         """
         jobs = list(jobs)
         if not jobs:
@@ -180,6 +188,11 @@ class DecodePool:
                     f"DecodePool.map: the function must pickle (a module-level function), got {function!r}: "
                     f"{_describe(exc)}"
                 ) from exc
+            if getattr(function, "__module__", None) == "__main__":
+                raise TypeError(
+                    f"DecodePool.map: the function must live in a module the workers can import, not in the main "
+                    f"module (__main__), which they never import; got {function!r}"
+                )
             outcomes: list[Outcome[T] | None] = [None] * len(jobs)
             try:
                 self._run(function, jobs, outcomes)
@@ -197,7 +210,7 @@ class DecodePool:
             self._finalizer()
 
     @property
-    def processes(self) -> list[BaseProcess]:
+    def processes(self) -> list[Process]:
         """The worker processes running now (for inspection and tests)."""
         return [w.process for w in self._workers]
 
@@ -363,9 +376,14 @@ class DecodePool:
             self._boot_failures += 1
             if self._boot_failures >= _BOOT_FAILURES:
                 self._boot_failures = 0
+                hint = (
+                    "its error is on standard error"
+                    if self.context == _DEFAULT_CONTEXT
+                    else "does the main module start the pool outside `if __name__ == '__main__':`?"
+                )
                 raise RuntimeError(
                     f"DecodePool: worker processes fail to start: the last one {boot_failure} (start method "
-                    f"{self.context!r}; does the main module start the pool outside `if __name__ == '__main__':`?)"
+                    f"{self.context!r}; {hint})"
                 )
             return 0
         if worker.job is None:  # idle: nothing was lost
@@ -452,8 +470,11 @@ def create_slab(size: int, prefix: str = "uform-decoder-") -> tuple[mmap.mmap | 
 
 
 class SlabFile:
-    """A slab's descriptor as an argument of a process that `multiprocessing` starts: it pickles as a duplicate of
-    the descriptor sent to the child (as a `Connection` does), so the slab needs no name on the file system."""
+    """A slab's descriptor as an argument of a worker process, so the slab needs no name on the file system: a
+    `uform.child.Child` inherits it under the same number (``inherited_fd``), and for a process that
+    `multiprocessing` starts it pickles as a duplicate sent to the child (as a `Connection` does)."""
+
+    inherited_fd = True  # uform.child's mark: crosses to a Child as `fd`, rebuilt there as SlabFile(fd)
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -619,7 +640,10 @@ def _worker_main(conn: Connection, slab_file: SlabFile | None = None, slab_bytes
         try:
             function, args, kwargs = pickle.loads(data)
         except BaseException as exc:
-            reply = ("error", f"could not load the job: {_describe(exc)}")
+            reason = _describe(exc)
+            if "__main__" in reason:
+                reason += " (the decoder processes never import the main module: define it in a module of its own)"
+            reply = ("error", f"could not load the job: {reason}")
         else:
             del data
             if (first or time.monotonic() - loading > _SLOW_LOAD_SECONDS) and not _send(conn, ("started",)):
