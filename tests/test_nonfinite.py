@@ -36,6 +36,7 @@ from uform import (
     TrainerStepStats,
 )
 from uform.losses.contrastive import pair_loss
+from uform.media.decode import MediaPolicy
 
 SIDES = ["query", "query", "query", "document", "document", "document"]
 """Items 0-2 ask, 3-5 answer: pair_relations(3)'s pairs are (query, document) pairs."""
@@ -63,7 +64,9 @@ def bad_step(trainer: uform.Trainer, relations: uform.Relations | None = None, *
     assert trainer.steps_taken == taken
     after = snapshot(trainer)
     assert sorted(after) == sorted(before)
-    assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before if not torch.equal(before[k], after[k])]
+    assert all(torch.equal(before[k], after[k]) for k in before), [
+        k for k in before if not torch.equal(before[k], after[k])
+    ]
     assert all(p.grad is None for p in trainer.network.parameters())  # cleared: the next step adds onto nothing
     return stats
 
@@ -163,7 +166,7 @@ def test_a_huge_relation_weight_is_finite_under_ratios_and_skipped_under_sigmoid
     assert stats is not None and stats.nonfinite == 0 and finite(balanced) and balanced.steps_taken == 1
 
     sigmoid = make_trainer(contrastive=Contrastive(pair_loss=PairLossForm.Sigmoid))
-    first, _ = step_with(sigmoid)
+    step_with(sigmoid)
     skipped = bad_step(sigmoid, weighted(1e38))
     assert not math.isfinite(skipped.loss)
     assert skipped.step == 2  # the step keeps its number (the schedule and the draws move on)
@@ -199,13 +202,12 @@ def test_a_learning_rate_of_1e3_never_makes_a_weight_non_finite(make_trainer) ->
     """At 1e3 the first update is finite but wild; the forwards after it overflow, and those steps skip
     instead of writing NaN."""
     trainer = make_trainer(schedule=Schedule(steps=10, warmup_steps=0, learning_rate=1e3))
-    counts = []
-    for _ in range(4):
-        stats, _ = step_with(trainer)
-        assert stats is not None
-        counts.append(stats.nonfinite)
-        assert finite(trainer)
-    assert sum(counts) >= 1 and trainer.steps_taken == 4 - sum(counts)
+    with pytest.warns(NonFiniteWarning):
+        for _ in range(4):
+            step_with(trainer)
+            assert finite(trainer)
+    assert 1 <= trainer.steps_taken < 4
+    assert trainer.steps_taken + trainer.notices.count("non-finite") == 4
 
 
 def test_a_learning_rate_that_overflows_the_update_leaves_the_trainer_whole(make_trainer, tmp_path) -> None:
@@ -266,14 +268,23 @@ def image_bytes(seed: int) -> bytes:
     return out.getvalue()
 
 
-def test_a_text_only_step_leaves_the_image_modules_alone(make_trainer) -> None:
+def test_a_text_only_step_leaves_the_image_modules_alone(executor) -> None:
     """In a run with images a text-only step runs the image modules over inert padding units only: their
     gradients are exact zeros, which AdamW turned into decay and moving moments. Now they are untouched,
     bitwise (weights, moments, step counters), while every other parameter steps."""
     config = make_config(
-        batch=BatchShape(max_rows_per_device=2, max_segments_per_device=8, max_columns_per_row=64, image=ImageShape(patch_side=16)),
+        batch=BatchShape(
+            max_rows_per_device=2, max_segments_per_device=8, max_columns_per_row=64, image=ImageShape(patch_side=16)
+        ),
     )
-    trainer = make_trainer(config)
+    trainer = uform.Trainer.init_vram(executor, config, media=MediaPolicy(workers=1))
+    try:
+        image_steps(trainer)
+    finally:
+        trainer.close()
+
+
+def image_steps(trainer: uform.Trainer) -> None:
     images = ["image", "text", "image", "text"]
     contents = [image_bytes(0), "a red square", image_bytes(1), "a blue square"]
     relations = pair_relations(2)
@@ -281,7 +292,11 @@ def test_a_text_only_step_leaves_the_image_modules_alone(make_trainer) -> None:
     before = snapshot(trainer)
     step_with(trainer)  # text only
     after = snapshot(trainer)
-    image = [k for k in before if ".media.image." in f".{k.split('.', 1)[1]}" or ".reconstruct.image." in f".{k.split('.', 1)[1]}"]
+    image = [
+        k
+        for k in before
+        if ".media.image." in f".{k.split('.', 1)[1]}" or ".reconstruct.image." in f".{k.split('.', 1)[1]}"
+    ]
     assert image and any("moments.exp_avg." in k for k in image)
     changed = [k for k in image if not torch.equal(before[k], after[k])]
     assert not changed, changed
@@ -289,5 +304,6 @@ def test_a_text_only_step_leaves_the_image_modules_alone(make_trainer) -> None:
     assert all(not torch.equal(before[k], after[k]) for k in others)
     # the next step with images moves them again
     trainer.step(images, contents, TrainerStepConfig(relations=relations))
-    assert not torch.equal(snapshot(trainer)["weights.media.image.embedding.weight"], after["weights.media.image.embedding.weight"])
-
+    assert not torch.equal(
+        snapshot(trainer)["weights.media.image.embedding.weight"], after["weights.media.image.embedding.weight"]
+    )

@@ -325,9 +325,10 @@ class Fleet:
 
 
 def _merge(
-    futures: list[Future], plan: list[np.ndarray], count: int, checked: Any, succeeded: Callable[[], None]
+    futures: list[Future], plan: list[np.ndarray], count: int, checked: Any, succeeded: Callable[[int], None]
 ) -> Future:
-    """One future of the step's answer from the workers' answers; `succeeded` runs before it resolves."""
+    """One future of the step's answer from the workers' answers; `succeeded` runs before it resolves, with
+    the steps the workers have taken (the same on every worker: a step skipped as non-finite is skipped by all)."""
     done: Future = Future()
     done.set_running_or_notify_cancel()
     remaining = [len(futures)]
@@ -339,7 +340,7 @@ def _merge(
             done.set_exception(failure)
             return
         answers = [f.result() for f in futures]
-        succeeded()
+        succeeded(answers[0]["steps"])
         if checked.stats is not None:
             stats = checked.stats
             first = answers[0]["stats"]
@@ -543,9 +544,9 @@ class FleetTrainer(Trainer):
         done.add_done_callback(lambda _: _release(segments))
         return done
 
-    def _count(self) -> None:
+    def _count(self, steps: int) -> None:
         with self._lock:
-            self._steps += 1
+            self._steps = steps
 
     def _save(self, config: Any) -> Future:
         if self.closed:
@@ -821,7 +822,7 @@ def _worker_step(state: dict[str, Any], ident: int, argument: dict[str, Any], an
     def done(f: Future) -> None:
         try:
             f.result()
-            value: dict[str, Any] = {"stats": None, "embeddings": None, "present": None}
+            value: dict[str, Any] = {"stats": None, "embeddings": None, "present": None, "steps": trainer.steps_taken}
             if stats is not None:
                 value["stats"] = dataclasses.asdict(stats)
             if arena is not None and arena.embeddings is not None:

@@ -21,6 +21,7 @@ leaves a parameter whose `grad` is None: no decay, no moment update.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -63,7 +64,7 @@ class Optimizer(torch.optim.AdamW):
     """AdamW whose parameter groups each hold one `reach` part (the "reach" key, None for the rest), so that
     a device-side flag can skip one part's update without the host reading it (`step_unless`)."""
 
-    def step_unless(self, skips: list[Tensor | None]) -> None:
+    def step_unless(self, skips: Sequence[Tensor | None]) -> None:
         """One step of every group, group g's skipped on the device where `skips[g]` (a 0-d float32 flag on
         the parameters' device, fused kernel only) is 1: its weights and moments are not written and its step
         counters go back (torch's GradScaler protocol, `found_inf`). None: the group steps as `step` does."""

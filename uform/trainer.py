@@ -269,7 +269,9 @@ class Trainer:
         self._step_count = int(metadata["uform.step"])
         nonfinite_steps = metadata.get("uform.nonfinite", "0")
         if not nonfinite_steps.isdigit():
-            raise ValueError(f"resume: the checkpoint's uform.nonfinite must be a non-negative integer, got {nonfinite_steps!r}")
+            raise ValueError(
+                f"resume: the checkpoint's uform.nonfinite must be a non-negative integer, got {nonfinite_steps!r}"
+            )
         self._nonfinite_total = int(nonfinite_steps)
         self._calls = self._reported = self._step_count + self._nonfinite_total
         self._next_step = self._calls + 1

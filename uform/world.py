@@ -531,7 +531,8 @@ class GradientReducer:
 
     def _fixed(self) -> set[int]:
         """The indices (in `finish`'s flag order) of the parameters that are not variable."""
-        out, at = set(), 0
+        out: set[int] = set()
+        at = 0
         for bucket in self.buckets:
             out.update(at + i for i, p in enumerate(bucket.parameters) if id(p) not in self._variable)
             at += len(bucket.parameters)
