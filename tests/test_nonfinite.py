@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import make_config, pair_relations, snapshot, step_with
+from conftest import TEXTS, make_config, pair_relations, snapshot, step_with
 
 import uform
 from uform import (
@@ -37,6 +37,7 @@ from uform import (
 )
 from uform.losses.contrastive import pair_loss
 from uform.media.decode import MediaPolicy
+from uform.optim import BETAS, EPSILON
 
 SIDES = ["query", "query", "query", "document", "document", "document"]
 """Items 0-2 ask, 3-5 answer: pair_relations(3)'s pairs are (query, document) pairs."""
@@ -307,3 +308,70 @@ def image_steps(trainer: uform.Trainer) -> None:
     assert not torch.equal(
         snapshot(trainer)["weights.media.image.embedding.weight"], after["weights.media.image.embedding.weight"]
     )
+
+
+# ---- the device-decided skip (CUDA's path), through torch's fused AdamW on the CPU --------------------------
+
+
+def fused(trainer: uform.Trainer) -> None:
+    """Gives `trainer` the fused AdamW (CUDA's; torch has it on the CPU too), so that its step takes the path
+    where the device decides the skip: the flag goes to the kernel as `found_inf` and is read afterwards."""
+    from uform.optim import Optimizer
+
+    groups = [{k: g[k] for k in ("params", "weight_decay", "reach")} for g in trainer.optimizer.param_groups]
+    trainer.optimizer = Optimizer(groups, lr=0.0, betas=BETAS, eps=EPSILON, fused=True)
+
+
+def test_step_unless_skips_each_group_on_its_own_flag() -> None:
+    """A group whose flag is 1 is not written (weights, moments, step counter bitwise); a group whose flag is 0
+    steps exactly as a plain fused step does."""
+    from uform.optim import Optimizer
+
+    generator = torch.Generator().manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(4, 4, generator=generator)) for _ in range(2)]
+    plain = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+
+    def make(params: list[torch.nn.Parameter]) -> Any:
+        groups = [
+            {"params": [params[0]], "weight_decay": 0.01, "reach": None},
+            {"params": [params[1]], "weight_decay": 0.0, "reach": "media.image"},
+        ]
+        return Optimizer(groups, lr=1e-2, betas=BETAS, eps=EPSILON, fused=True)
+
+    mine, reference = make(ours), make(plain)
+    for step in range(3):
+        for p, q in zip(ours, plain, strict=True):
+            p.grad = torch.randn(4, 4, generator=generator)
+            q.grad = p.grad.clone()
+        skipped = step == 2
+        if skipped:  # the reference leaves it as torch.optim leaves a parameter without a gradient
+            plain[1].grad = None
+        mine.step_unless([torch.zeros(()), torch.tensor(float(skipped))])
+        reference.step()
+        for p, q in zip(ours, plain, strict=True):
+            assert torch.equal(p, q)
+            assert mine.state[p].keys() == reference.state[q].keys()
+            assert all(torch.equal(v, reference.state[q][k]) for k, v in mine.state[p].items())
+    assert float(mine.state[ours[1]]["step"]) == 2.0 and float(mine.state[ours[0]]["step"]) == 3.0
+
+
+def test_the_device_decided_skip_changes_nothing_and_is_counted(make_trainer, tmp_path) -> None:
+    """The CUDA path of the update on the CPU: the fused AdamW reads the flag, the host reads it after (the
+    completion thread, a save, `steps_taken`). The skipped step is bitwise nothing, counted, warned, stored."""
+    trainer = make_trainer(contrastive=Contrastive(pair_loss=PairLossForm.Sigmoid))
+    fused(trainer)
+    step_with(trainer)
+    stats = bad_step(trainer, weighted(1e38))
+    assert stats.step == 2 and not math.isfinite(stats.loss)
+    deferred = trainer.deferred(trainer.executor).step(
+        ["text"] * len(TEXTS), TEXTS, TrainerStepConfig(relations=weighted(1e38))
+    )
+    deferred.result(timeout=60)
+    assert trainer.steps_taken == 1 and trainer.notices.count("non-finite") == 2
+    path = tmp_path / "fused.safetensors"
+    trainer.save(path)
+    after, _ = step_with(trainer)
+    assert after is not None and after.step == 4 and after.nonfinite == 1  # the deferred step's skip, unread till now
+    assert trainer.steps_taken == 2 and finite(trainer)
+    resumed = make_trainer(TrainerInitVramConfig(resume=path))
+    assert resumed.steps_taken == 1

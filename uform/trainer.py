@@ -538,22 +538,23 @@ class Trainer:
         skipped when `rate` would carry it out of float32, or when `loss` (the world's, in a world) or a
         gradient (the world's sums, in a world: the same on every process, so every process decides alike
         with no collective of its own) is not finite. Parameters no process's gradient reached are left
-        alone. Answers whether it was skipped: a bool where the host decides (the CPU, or the rate), else the
-        device's flag (CUDA: a 0-d float32 tensor the fused kernel read, which nothing here waits for)."""
+        alone. Answers whether it was skipped: a bool where the host decides (the for-each AdamW of the CPU, or
+        the rate), else the device's flag (the fused AdamW of CUDA: a 0-d float32 tensor its kernel read, which
+        nothing here waits for)."""
         optimizer = self.optimizer
         try:
             if rate_overflows(rate):
                 return True
             grads = [p.grad for p in self.network.parameters() if p.grad is not None]
             flag = nonfinite(grads, loss)
-            cuda = self.device.type == "cuda"
-            if not cuda and bool(flag):
+            fused = bool(optimizer.defaults.get("fused"))  # the fused kernel reads the flag itself
+            if not fused and bool(flag):
                 return True
             if self._reducer is None:  # (a world's reducer already dropped what no process used, or flags it)
                 for p in unreached:
                     p.grad = None
             try:
-                if not cuda:
+                if not fused:
                     optimizer.step()
                     return False
                 skips = [flag] * len(optimizer.param_groups)
@@ -607,12 +608,12 @@ class Trainer:
                         return
                     step, flag, event = self._pending.popleft()
                 world = self.world if self.world is not None and self.world.size > 1 else None
-                if world is not None:
+                if event is not None and world is not None:
                     try:
                         wait_event(event, world, f"step {step}'s update")
                     except WorldAborted as error:
                         raise _broken(world, error, step) from error
-                else:
+                elif event is not None:  # (None: the CPU, whose flag was final when written)
                     event.synchronize()
                 self._record(step, bool(flag.item()), 0.0)
 
