@@ -822,7 +822,10 @@ def _worker_step(state: dict[str, Any], ident: int, argument: dict[str, Any], an
     def done(f: Future) -> None:
         try:
             f.result()
-            value: dict[str, Any] = {"stats": None, "embeddings": None, "present": None, "steps": trainer.steps_taken}
+            # The updates applied as far as this step (its answer resolved its skip): `steps_taken` would wait
+            # for the device work of the steps queued behind it.
+            steps = trainer._step_count
+            value: dict[str, Any] = {"stats": None, "embeddings": None, "present": None, "steps": steps}
             if stats is not None:
                 value["stats"] = dataclasses.asdict(stats)
             if arena is not None and arena.embeddings is not None:

@@ -3,8 +3,9 @@
 A step goes: check every argument (nothing changes if one is refused) -> prepare the host arrays
 (`host.py`: decode the media, then `data/batch.py`: pack, corrupt, pair; in a host process of the trainer's
 own on CUDA, on the trainer's host threads on the CPU) -> copy them to the device -> forward and losses (compiled on
-CUDA, with FlexAttention document masks and bf16 autocast) -> backward -> AdamW at the scheduled rate ->
-stats and the arena. The blocking and the deferred receivers queue onto one worker thread per trainer,
+CUDA, with FlexAttention document masks and bf16 autocast) -> backward -> AdamW at the scheduled rate, whole
+or not at all (`_update`: a step whose loss or gradients are not finite anywhere in the world is skipped on
+every process and counted) -> stats and the arena. The blocking and the deferred receivers queue onto one worker thread per trainer,
 so steps and saves apply in the order they were called.
 """
 
