@@ -5,8 +5,8 @@ A step goes: check every argument (nothing changes if one is refused) -> prepare
 own on CUDA, on the trainer's host threads on the CPU) -> copy them to the device -> forward and losses (compiled on
 CUDA, with FlexAttention document masks and bf16 autocast) -> backward -> AdamW at the scheduled rate, whole
 or not at all (`_update`: a step whose loss or gradients are not finite anywhere in the world is skipped on
-every process and counted) -> stats and the arena. The blocking and the deferred receivers queue onto one worker thread per trainer,
-so steps and saves apply in the order they were called.
+every process and counted) -> stats and the arena. The blocking and the deferred receivers queue onto one
+worker thread per trainer, so steps and saves apply in the order they were called.
 """
 
 from __future__ import annotations
@@ -269,7 +269,7 @@ class Trainer:
                 }
         self._step_count = int(metadata["uform.step"])
         nonfinite_steps = metadata.get("uform.nonfinite", "0")
-        if not nonfinite_steps.isdigit():
+        if not (nonfinite_steps.isascii() and nonfinite_steps.isdigit()):
             raise ValueError(
                 f"resume: the checkpoint's uform.nonfinite must be a non-negative integer, got {nonfinite_steps!r}"
             )
