@@ -347,3 +347,47 @@ def test_a_trainer_on_the_second_device_runs_every_thread_there() -> None:
         runs.append(losses)
         trainer.close()
     np.testing.assert_allclose(runs[1], runs[0], rtol=1e-2)
+
+
+def test_cuda_a_non_finite_step_is_skipped_whole_by_the_compiled_step_and_fused_adamw() -> None:
+    """The device decides the skip (the fused AdamW reads the flag; nothing waits for it): a step whose Sigmoid
+    loss overflows (relation weights of 1e38) leaves the weights, the moments and Adam's step counters bitwise
+    as they were and `steps_taken` unchanged; it is counted and warned about; the next good step applies."""
+    import warnings as _warnings
+
+    executor = u.Executor.for_vram([0])
+    trainer = u.Trainer.init_vram(executor, config(form=u.PairLossForm.Sigmoid))
+    texts, relations = items()
+    huge = u.Relations(
+        attract=u.Edges(offsets=relations.attract.offsets, ids=relations.attract.ids, weights=[1e38] * len(texts))
+    )
+
+    def state() -> dict[str, torch.Tensor]:
+        out = {f"w.{k}": v.detach().cpu().clone() for k, v in trainer.network.state_dict().items()}
+        for name, p in trainer.network.named_parameters():
+            for key, value in trainer.optimizer.state.get(p, {}).items():
+                out[f"{key}.{name}"] = torch.as_tensor(value).detach().cpu().clone()
+        return out
+
+    def step(relations: u.Relations) -> u.TrainerStepStats:
+        stats = u.TrainerStepStats()
+        trainer.on(executor).step(["text"] * len(texts), texts, u.TrainerStepConfig(relations=relations, stats=stats))
+        return stats
+
+    try:
+        assert step(relations).nonfinite == 0
+        before = state()
+        with _warnings.catch_warnings(record=True) as caught:
+            _warnings.simplefilter("always")
+            skipped = step(huge)
+        assert any(issubclass(w.category, u.NonFiniteWarning) for w in caught)
+        assert skipped.nonfinite == 1 and skipped.step == 2 and not np.isfinite(skipped.loss)
+        assert trainer.steps_taken == 1
+        after = state()
+        assert sorted(after) == sorted(before)
+        assert [k for k in before if not torch.equal(before[k], after[k])] == []
+        good = step(relations)
+        assert good.nonfinite == 0 and good.step == 3 and trainer.steps_taken == 2
+        assert all(bool(torch.isfinite(v).all()) for v in state().values())
+    finally:
+        trainer.close()

@@ -204,6 +204,24 @@ def test_a_device_without_items_still_steps(two: Executor) -> None:
     assert abs(theirs[0]["loss"] - ours[0]["loss"]) <= 1e-5 * abs(ours[0]["loss"])
 
 
+def test_a_step_skipped_as_non_finite_is_no_step_taken(two: Executor) -> None:
+    """One device's edges weigh 1e38 (its Sigmoid sum overflows): every worker skips, the merged stats count
+    it, and the fleet's `steps_taken` counts the updates applied, not the calls."""
+    trainer = Trainer.init_vram(two, wc.config(*wc.CASES[0][1:]))
+    try:
+        wc.run_steps(trainer, list(range(wc.BAGS)), [1])
+        texts, config = wc.step_inputs(list(range(wc.BAGS)), 2)
+        config.relations.attract.weights = [1e38] * 4 + list(config.relations.attract.weights[4:])  # bag 0's
+        config.stats = TrainerStepStats()
+        trainer.step(["text"] * len(texts), texts, config)
+        assert config.stats.nonfinite == 1 and config.stats.step == 2
+        assert trainer.steps_taken == 1
+        wc.run_steps(trainer, list(range(wc.BAGS)), [3])
+        assert trainer.steps_taken == 2
+    finally:
+        trainer.close()
+
+
 def test_an_edge_across_bags_is_refused_and_changes_nothing(two: Executor) -> None:
     trainer = Trainer.init_vram(two, wc.config(*wc.CASES[0][1:]))
     texts, config = wc.step_inputs([0, 1], 1)

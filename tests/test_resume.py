@@ -412,6 +412,8 @@ def test_the_digest_is_verified_before_any_network_is_built(executor, saved_run,
         ("uform.step", "١"),  # a digit str.isdigit and int() accept, not ASCII decimal
         ("uform.dropped", "-1"),
         ("uform.skipped", "many"),
+        ("uform.nonfinite", "-1"),
+        ("uform.nonfinite", "١"),
         ("uform.rng", json.dumps({"draws": "mt19937", "seed": 7})),
         ("uform.rng", json.dumps({"draws": "pcg64 keyed by (seed, step, stream)", "seed": 8})),
         ("uform.rng", "{"),

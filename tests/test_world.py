@@ -94,6 +94,7 @@ def worlds(tmp_path_factory) -> dict[str, Any]:
         ),
         "invariance-4": Launch("invariance-4", hosts("invariance", reports, 4, "four", "--timeout", "120"), logs),
         "fault": Launch("fault", hosts("fault", reports, 3, "fault", "--timeout", "30"), logs),
+        "nonfinite": Launch("nonfinite", hosts("nonfinite", reports, 2, "nonfinite", "--timeout", "120"), logs),
     }
     codes = {"fault": launches["fault"].wait(deadline)}
     resume = Launch("resume", hosts("resume", reports, 2, "fault", "--timeout", "60"), logs)
@@ -239,6 +240,58 @@ def test_restarting_with_resume_continues_the_run_in_another_world(worlds) -> No
             assert_arrays_agree(theirs, arrays)
 
 
+def _arrays(reports: Path, name: str, prefix: str) -> dict[str, np.ndarray]:
+    with np.load(reports / f"{name}.npz") as every:
+        return {k.removeprefix(prefix): every[k] for k in every.files if k.startswith(prefix)}
+
+
+def _differ(a: dict[str, np.ndarray], b: dict[str, np.ndarray], names: list[str] | None = None) -> list[str]:
+    """The names (of `names`, default all) whose arrays differ in any bit."""
+    assert sorted(a) == sorted(b), set(a) ^ set(b)
+    return [k for k in (names or sorted(a)) if a[k].tobytes() != b[k].tobytes()]
+
+
+def check_nonfinite_world(reports: Path) -> None:
+    """Process 1's step 2 has a NaN in one gradient (its loss finite), process 0's nothing wrong: both skip
+    step 2 (weights, moments and step counters bitwise those after step 1, `steps_taken` 1), both count it,
+    and step 3 applies on both, bitwise alike."""
+    for rank in range(2):
+        text = json.loads((reports / f"nonfinite-{rank}.json").read_text())["text"]
+        assert [s["step"] for s in text] == [1, 2, 3]
+        assert [s["nonfinite"] for s in text] == [0, 1, 0]
+        assert [s["steps_taken"] for s in text] == [1, 1, 2]
+        assert all(np.isfinite(s["loss"]) for s in text)
+        name = f"nonfinite-{rank}"
+        assert _differ(_arrays(reports, name, "text-2/"), _arrays(reports, name, "text-1/")) == []
+        assert _differ(_arrays(reports, name, "text-3/"), _arrays(reports, name, "text-2/"))
+    for step in (1, 2, 3):
+        prefix = f"text-{step}/"
+        assert _differ(_arrays(reports, "nonfinite-0", prefix), _arrays(reports, "nonfinite-1", prefix)) == []
+
+
+def check_media_world(reports: Path) -> None:
+    """Images on process 0 alone: the image modules step on both processes (the world used them). A text-only
+    step on both: they stay bitwise as they were (weights, moments, step counters), the tower steps."""
+    first = [_arrays(reports, f"nonfinite-{rank}", "image-1/") for rank in range(2)]
+    second = [_arrays(reports, f"nonfinite-{rank}", "image-2/") for rank in range(2)]
+    image = [k for k in first[0] if ".media.image." in k or ".reconstruct.image." in k]
+    assert "moments.exp_avg.media.image.embedding.weight" in image and "weights.media.image.embedding.weight" in image
+    assert _differ(first[0], first[1]) == [] and _differ(second[0], second[1]) == []
+    assert _differ(second[0], first[0], image) == []
+    tower = [k for k in first[0] if k.startswith("weights.tower.")]
+    assert _differ(second[0], first[0], tower) == tower
+
+
+def test_a_non_finite_gradient_on_one_process_skips_the_step_on_every_process(worlds) -> None:
+    report(worlds, "nonfinite-0")
+    check_nonfinite_world(worlds["reports"])
+
+
+def test_media_modules_move_only_in_world_steps_holding_their_units(worlds) -> None:
+    report(worlds, "nonfinite-1")
+    check_media_world(worlds["reports"])
+
+
 def test_every_world_exited_cleanly(worlds) -> None:
     for name, codes in worlds["codes"].items():
         if name != "fault":
@@ -329,3 +382,21 @@ def test_a_killed_process_fails_the_other_within_the_deadline_with_nccl(tmp_path
         assert [s["step"] for s in theirs] == [3] == [s["step"] for s in ours]
         a, b = theirs[0]["loss"], ours[0]["loss"]
         assert abs(a - b) <= wc.GPU_TOLERANCE * max(abs(b), 1e-3), (rank, a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available(),
+    reason="needs two CUDA devices and NCCL",
+)
+def test_a_non_finite_step_and_unused_media_on_two_gpus_with_nccl(tmp_path: Path) -> None:
+    """The `nonfinite` world on two GPUs (NCCL, compiled step, fused AdamW): the skip and the media groups'
+    skips are decided on the device, by flags of the world's reduced gradients that no process reads."""
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    launch = Launch("nonfinite", hosts("nonfinite", reports, 2, "nonfinite", "--timeout", "300", "--cuda"), logs)
+    assert launch.wait(time.monotonic() + 900) == [0, 0], launch.output()
+    check_nonfinite_world(reports)
+    check_media_world(reports)

@@ -46,6 +46,7 @@ from uform import (  # noqa: E402
     TrainerStepConfig,
     TrainerStepStats,
 )
+from uform.media.decode import MediaPolicy  # noqa: E402
 
 BAGS = 4
 WORDS = ["cat", "bus", "rain", "tree", "boat", "lamp", "bird", "road", "moon", "desk", "fish", "hill"]
@@ -341,6 +342,76 @@ def resume(args: argparse.Namespace, reports: Path) -> None:
     _write(reports, f"resume-{rank}", {"stats": stats, "description": _describe(description)}, arrays)
 
 
+def image_bytes(seed: int) -> bytes:
+    """A 32 x 32 PNG of noise (two 16-pixel patches a side)."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
+def nonfinite(args: argparse.Namespace, reports: Path) -> None:
+    """Two processes. A text run: step 1; step 2 with a NaN put into one gradient on process 1 alone (its
+    loss finite); step 3. Then a run with images: step 1 with images on process 0 alone, step 2 text only on
+    both. Each process reports its stats and `steps_taken`, and its state after every step."""
+    import uform.world
+
+    uform.world.BUCKET_BYTES = 64 << 10  # several buckets even for the tiny tower
+    mesh = mesh_of(args, Executor.for_vram([args.host]) if args.cuda else None)
+    rank, size = mesh.describe().ranks[0], mesh.describe().world_size
+    bags = share(rank, size)
+    report: dict[str, Any] = {"text": [], "image": []}
+    arrays: dict[str, np.ndarray] = {}
+    trainer = Trainer.init_vram(
+        mesh.executor, config(Objective.Contrastive, PairLossForm.Sigmoid, Negatives.Ambient, mesh=mesh)
+    )
+    poisoned = trainer.network.tower.blocks[0].qkv.weight
+    for step in (1, 2, 3):
+        hook = None
+        if step == 2 and rank == 1:
+            hook = poisoned.register_hook(lambda g: g * float("nan"))
+        texts, step_config = step_inputs(bags, step)
+        stats = TrainerStepStats()
+        step_config.stats = stats
+        trainer.on(trainer.executor).step(["text"] * len(texts), texts, step_config)
+        if hook is not None:
+            hook.remove()
+        report["text"].append(
+            {"step": stats.step, "nonfinite": stats.nonfinite, "steps_taken": trainer.steps_taken, "loss": stats.loss}
+        )
+        arrays.update({f"text-{step}/{k}": v for k, v in snapshot(trainer).items()})
+    trainer.close()
+    images = config(
+        Objective.Joint,
+        PairLossForm.Sigmoid,
+        Negatives.Ambient,
+        mesh=mesh,
+        batch=BatchShape(
+            max_rows_per_device=6,
+            max_segments_per_device=16,
+            max_columns_per_row=64,
+            image=uform.ImageShape(patch_side=16),
+        ),
+    )
+    trainer = Trainer.init_vram(mesh.executor, images, media=MediaPolicy(workers=1))
+    for step in (1, 2):
+        texts, step_config = step_inputs(bags, step)
+        modalities = ["text"] * len(texts)
+        contents: list[Any] = list(texts)
+        if step == 1 and rank == 0:  # process 0's b-sides are images in the first step
+            for i in range(1, len(contents), 2):
+                modalities[i], contents[i] = "image", image_bytes(i)
+        trainer.on(trainer.executor).step(modalities, contents, step_config)
+        report["image"].append({"steps_taken": trainer.steps_taken})
+        arrays.update({f"image-{step}/{k}": v for k, v in snapshot(trainer).items()})
+    trainer.close()
+    mesh.close()
+    _write(reports, f"nonfinite-{rank}", report, arrays)
+
+
 def _describe(description: uform.MeshDescription) -> dict[str, Any]:
     return {
         "host_count": description.host_count,
@@ -369,6 +440,7 @@ SCENARIOS = {
     "alone": alone,
     "kill": kill,
     "resume_alone": resume_alone,
+    "nonfinite": nonfinite,
 }
 
 

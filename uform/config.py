@@ -230,7 +230,8 @@ class TrainerStepStats:
     """What a step reports, every loss its world mean, overwritten by the call."""
 
     step: int = 0
-    """The optimizer step the call applied, counted from one across resumes."""
+    """The step number the call ran as (its place in the schedule), counted from one across resumes; the
+    optimizer step it applied, unless it was skipped (`nonfinite`)."""
     learning_rate: float = 0.0
     """The learning rate it applied."""
     loss: float = 0.0
@@ -257,6 +258,11 @@ class TrainerStepStats:
     skipped: int = 0
     """Media items skipped because they could not be decoded or broke a limit, since the last step that
     read its stats (a field this implementation adds to the seed's)."""
+    nonfinite: int = 0
+    """Steps whose update was skipped on every process because their loss or gradients were not finite
+    somewhere in the world (or their learning rate would carry the update out of float32), since the last step
+    that read its stats, this one included (a field this implementation adds to the seed's). A skipped step
+    keeps its number (the schedule and the draws move on) but changes no weight, moment or `steps_taken`."""
 
 
 @dataclass(kw_only=True)

@@ -331,11 +331,12 @@ def _merge(
     plan: list[np.ndarray],
     count: int,
     checked: Any,
-    succeeded: Callable[[], None],
+    succeeded: Callable[[int], None],
     notices: Notices,
 ) -> Future:
-    """One future of the step's answer from the workers' answers; `succeeded` runs before it resolves, and the
-    workers' held-back warnings are replayed through `notices`, so each shows once, in this process."""
+    """One future of the step's answer from the workers' answers; `succeeded` runs before it resolves, with the
+    steps the workers have taken (the same on every worker: a step skipped as non-finite is skipped by all), and
+    the workers' held-back warnings are replayed through `notices`, so each shows once, in this process."""
     done: Future = Future()
     done.set_running_or_notify_cancel()
     remaining = [len(futures)]
@@ -347,7 +348,7 @@ def _merge(
             done.set_exception(failure)
             return
         answers = [f.result() for f in futures]
-        succeeded()
+        succeeded(answers[0]["steps"])
         for answer in answers:
             notices.replay(answer.get("notices", []))
         if checked.stats is not None:
@@ -556,9 +557,9 @@ class FleetTrainer(Trainer):
         done.add_done_callback(lambda _: _release(segments))
         return done
 
-    def _count(self) -> None:
+    def _count(self, steps: int) -> None:
         with self._lock:
-            self._steps += 1
+            self._steps = steps
 
     def _save(self, config: Any) -> Future:
         if self.closed:
@@ -834,7 +835,10 @@ def _worker_step(state: dict[str, Any], ident: int, argument: dict[str, Any], an
     def done(f: Future) -> None:
         try:
             f.result()
-            value: dict[str, Any] = {"stats": None, "embeddings": None, "present": None}
+            # The updates applied as far as this step (its answer resolved its skip): `steps_taken` would wait
+            # for the device work of the steps queued behind it.
+            steps = trainer._step_count
+            value: dict[str, Any] = {"stats": None, "embeddings": None, "present": None, "steps": steps}
             value["notices"] = trainer.notices.drain()
             if stats is not None:
                 value["stats"] = dataclasses.asdict(stats)

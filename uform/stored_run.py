@@ -5,7 +5,7 @@ which anyone who edits a file can recompute) says a file is intact, not that it 
 refused on its own terms, from the header alone, before any data is read or anything allocated:
 
 - the stored config must be a valid run (`config.resolve`, the library's own rules, naming the field);
-- every count and label beside it has a type and a range: `uform.step`, `uform.dropped` and `uform.skipped` are
+- every count and label beside it has a type and a range: `uform.step`, `uform.dropped`, `uform.skipped` and `uform.nonfinite` are
   non-negative decimal integers below 2^63 (zero where absent); `uform.rng` names the draws this library makes and the config's seed;
 - the network that config would build must be exactly the tensors the file holds: each weight its name, dtype
   and shape, each parameter's Adam moments (step, exp_avg, exp_avg_sq) all three or none, nothing else. The
@@ -42,7 +42,7 @@ FORMAT = "uform.trainer.1"
 RNG_DRAWS = "pcg64 keyed by (seed, step, stream)"
 """The `draws` of a checkpoint's `uform.rng`: how this library keys every random draw of a run."""
 
-_COUNTERS = ("uform.step", "uform.dropped", "uform.skipped")
+_COUNTERS = ("uform.step", "uform.dropped", "uform.skipped", "uform.nonfinite")
 _DECIMAL = re.compile(r"0|[1-9][0-9]{0,18}")
 _MOMENTS = ("step", "exp_avg", "exp_avg_sq")
 
@@ -63,6 +63,8 @@ class StoredRun:
     """Segments dropped since the last step that read its stats."""
     skipped: int
     """Media items skipped since the last step that read its stats."""
+    nonfinite: int
+    """Steps skipped whole because their loss or gradients were not finite (numbered, but no update applied)."""
 
 
 def read_stored_run(path: str | bytes | os.PathLike) -> StoredRun:

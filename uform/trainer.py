@@ -3,9 +3,10 @@
 A step goes: check every argument (nothing changes if one is refused) -> prepare the host arrays
 (`host.py`: decode the media, then `data/batch.py`: pack, corrupt, pair; in a host process of the trainer's
 own on CUDA, on the trainer's host threads on the CPU) -> copy them to the device -> forward and losses (compiled on
-CUDA, with FlexAttention document masks and bf16 autocast) -> backward -> AdamW at the scheduled rate ->
-stats and the arena. The blocking and the deferred receivers queue onto one worker thread per trainer,
-so steps and saves apply in the order they were called.
+CUDA, with FlexAttention document masks and bf16 autocast) -> backward -> AdamW at the scheduled rate, whole
+or not at all (`_update`: a step whose loss or gradients are not finite anywhere in the world is skipped on
+every process and counted) -> stats and the arena. The blocking and the deferred receivers queue onto one
+worker thread per trainer, so steps and saves apply in the order they were called.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import hashlib
 import json
 import os
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,8 +51,8 @@ from .memory import check_memory
 from .model.attention import compiled_flex_available, document_mask
 from .model.network import Network
 from .notices import MediaWarning as MediaWarning  # re-exported: where callers met it first
-from .notices import Notices, ScheduleWarning
-from .optim import build_optimizer, learning_rate
+from .notices import NonFiniteWarning, Notices, ScheduleWarning
+from .optim import Optimizer, build_optimizer, learning_rate, nonfinite, rate_overflows, reach
 from .relations import check_relations, edge_limit
 from .stored_run import FORMAT, RNG_DRAWS, StoredRun, read_run_tensors, read_stored_run
 from .world import GradientReducer, MeshError, World, WorldAborted, reduction_order, wait_event
@@ -100,8 +102,22 @@ class Trainer:
         self._reducer: GradientReducer | None = None
         if self.world is not None and self.world.size > 1:
             self.network.world = self.world
-        self.optimizer: torch.optim.AdamW
+        self.optimizer: Optimizer
         self._step_count = 0
+        """Updates applied, across resumes (`steps_taken`); where the device decides a skip, as far as read."""
+        self._calls = 0
+        """The number of the last step whose device stage ran, applied or skipped (the draws' key)."""
+        self._nonfinite_total = 0
+        """Steps skipped as non-finite, across resumes (as far as read)."""
+        self._skips: list[int] = []
+        """The numbers of the skipped steps no step's stats have reported yet."""
+        self._pending: deque[tuple[int, torch.Tensor, Any]] = deque()
+        """CUDA: (step, host flag, event) of the steps whose skip only the device knows yet, oldest first."""
+        self._torn = ""
+        """Why an update failed part-way (then every later step and save refuses)."""
+        self._counting = threading.Lock()
+        self.notices = Notices()
+        """The run's warnings, each kind shown once and counted ("non-finite": steps skipped)."""
         self._dropped = 0
         self._skipped = 0
         self.media = MediaPolicy()
@@ -130,6 +146,8 @@ class Trainer:
         self._completion = ThreadPoolExecutor(1, "uform-completion", initializer=_bind_device, initargs=device)
         self._lock = threading.Lock()
         self._next_step = 1
+        self._reported = 0  # the last step whose stats were read (the skips reported are those after it)
+        self._resolving = threading.Lock()
         cuda = self.device.type == "cuda"
         self.attention = "flex" if compiled_flex_available(self.device) else "dense"
         self._losses: Callable[..., dict[str, torch.Tensor]] = self.network.losses
@@ -241,7 +259,8 @@ class Trainer:
             raise
         self.mesh._borrow(self)
         if world.size > 1:
-            self._reducer = GradientReducer([p for _, p in reduction_order(self.network)], world)
+            variable = [p for name, p in self.network.named_parameters() if reach(name) is not None]
+            self._reducer = GradientReducer([p for _, p in reduction_order(self.network)], world, variable=variable)
 
     def _resume(self, stored: StoredRun, tensors: dict[str, torch.Tensor]) -> None:
         # read_stored_run checked the names, dtypes and shapes against this network, read_run_tensors the digest.
@@ -257,7 +276,9 @@ class Trainer:
                     "exp_avg_sq": tensors[f"moments.exp_avg_sq.{name}"].clone(),
                 }
         self._step_count = stored.step
-        self._next_step = self._step_count + 1
+        self._nonfinite_total = stored.nonfinite
+        self._calls = self._reported = self._step_count + self._nonfinite_total
+        self._next_step = self._calls + 1
         self._dropped = stored.dropped
         self._skipped = stored.skipped
 
@@ -283,7 +304,8 @@ class Trainer:
 
     @property
     def steps_taken(self) -> int:
-        """Optimizer steps applied so far, across resumes."""
+        """Optimizer steps applied so far, across resumes (a step skipped as non-finite is not one)."""
+        self._resolve(None)
         return self._step_count
 
     def close(self) -> None:
@@ -413,9 +435,12 @@ class Trainer:
 
     def _apply_step(self, checked: _Checked, host: Future, step: int) -> Callable[[], torch.Tensor | None]:
         r = self.config
-        if step != self._step_count + 1:  # an earlier queued step failed: its successors' draws move up
+        if self._torn:
+            host.cancel()
+            raise RuntimeError(self._torn)
+        if step != self._calls + 1:  # an earlier queued step failed: its successors' draws move up
             ran = not host.cancel()  # a host stage that ran (or runs) has warned already
-            step = self._step_count + 1
+            step = self._calls + 1
             batch, tensors = self._prepare(checked, step, notify=not ran)
         else:
             batch, tensors = host.result()
@@ -443,8 +468,9 @@ class Trainer:
             if world is not None:  # every process divides its sums by the world's counts
                 terms = _world_counts(terms, world)
             totals = self.network.total(terms)
+            unreached = self._unreached(batch)
             if self._reducer is not None:
-                self._reducer.arm()
+                self._reducer.arm(unreached)
             totals["loss"].backward()
             if self._reducer is not None:
                 self._reducer.finish()  # the gradients of the world's loss, summed over its processes
@@ -457,9 +483,11 @@ class Trainer:
             if world is not None:
                 raise _broken(world, error, step) from error
             raise
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._step_count = step
+        loss = totals["loss"] if world_stats is None else world_stats[0]  # the world's, where there is one
+        skip = self._update(rate, loss, unreached)
+        self._calls = step
+        if isinstance(skip, bool):
+            self._record(step, skip, rate)
         self._dropped += batch.dropped
         self._skipped += batch.skipped
 
@@ -475,6 +503,9 @@ class Trainer:
             )
             dropped, self._dropped = self._dropped, 0
             skipped, self._skipped = self._skipped, 0
+            since, self._reported = self._reported, step  # this report counts the skips of steps (since, step]
+        if not isinstance(skip, bool):  # the device decided: read on the completion thread, or by a save
+            readback["skip"] = skip
         if checked.arena is not None:
             slot = torch.from_numpy(batch.layout.slot).to(self.device, non_blocking=True)
             present = slot >= 0
@@ -484,6 +515,9 @@ class Trainer:
         if cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
+        if "skip" in host_copies:
+            with self._counting:
+                self._pending.append((step, host_copies["skip"], event))
 
         def finish() -> torch.Tensor | None:
             if event is not None and world is not None:
@@ -493,6 +527,7 @@ class Trainer:
                     raise _broken(world, error, step) from error
             elif event is not None:
                 event.synchronize()
+            self._resolve(step)
             if checked.stats is not None:
                 stats = checked.stats
                 for f in dataclasses.fields(TrainerStepStats):
@@ -504,11 +539,116 @@ class Trainer:
                 stats.truncated = batch.truncated
                 stats.dropped = dropped
                 stats.skipped = skipped
+                stats.nonfinite = self._reported_skips(since, step)
             if checked.arena is None:
                 return None
             return checked.arena.land(host_copies["arena"], torch.from_numpy(batch.layout.slot >= 0), checked.scalar)
 
         return finish
+
+    def _unreached(self, batch: Batch) -> list[torch.nn.Parameter]:
+        """The parameters this process's step does not reach: the media modules (`optim.reach`) of every kind
+        the step holds no units of (they run over inert padding units only, so their gradients are exact zeros
+        that must not move AdamW's decay or moments)."""
+        absent = {kind for kind, parts in batch.media.items() if not parts["valid"].any()}
+        if not absent:
+            return []
+        return [
+            p
+            for name, p in self.network.named_parameters()
+            if (part := reach(name)) is not None and part.split(".")[1] in absent
+        ]
+
+    def _update(self, rate: float, loss: torch.Tensor, unreached: list[torch.nn.Parameter]) -> bool | torch.Tensor:
+        """AdamW at `rate`, whole or not at all, then the gradients cleared whatever happened. The update is
+        skipped when `rate` would carry it out of float32, or when `loss` (the world's, in a world) or a
+        gradient (the world's sums, in a world: the same on every process, so every process decides alike
+        with no collective of its own) is not finite. Parameters no process's gradient reached are left
+        alone. Answers whether it was skipped: a bool where the host decides (the for-each AdamW of the CPU, or
+        the rate), else the device's flag (the fused AdamW of CUDA: a 0-d float32 tensor its kernel read, which
+        nothing here waits for)."""
+        optimizer = self.optimizer
+        try:
+            if rate_overflows(rate):
+                return True
+            grads = [p.grad for p in self.network.parameters() if p.grad is not None]
+            flag = nonfinite(grads, loss)
+            fused = bool(optimizer.defaults.get("fused"))  # the fused kernel reads the flag itself
+            if not fused and bool(flag):
+                return True
+            if self._reducer is None:  # (a world's reducer already dropped what no process used, or flags it)
+                for p in unreached:
+                    p.grad = None
+            try:
+                if not fused:
+                    optimizer.step()
+                    return False
+                skips = [flag] * len(optimizer.param_groups)
+                if self._reducer is not None:  # a media part no process used skips on its world flag
+                    for g, group in enumerate(optimizer.param_groups):
+                        if group["reach"] is not None:
+                            unused = (self._reducer.used(group["params"][0]) == 0).float()
+                            skips[g] = torch.maximum(flag, unused)
+                optimizer.step_unless(skips)
+                return flag
+            except Exception as error:
+                self._torn = (
+                    f"trainer: an update failed part-way ({type(error).__name__}: {error}); the weights may hold "
+                    "part of a step, so this trainer takes no more steps and saves none: init_vram with resume "
+                    "continues the run from its last checkpoint"
+                )
+                raise RuntimeError(self._torn) from error
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+
+    def _record(self, step: int, skipped: bool, rate: float) -> None:
+        """Counts step `step` as applied or skipped (and warns, once, of a skip)."""
+        with self._counting:
+            if skipped:
+                self._nonfinite_total += 1
+                self._skips.append(step)
+            else:
+                self._step_count += 1
+        if not skipped:
+            return
+        if rate_overflows(rate):
+            why = f"its learning rate {rate:g} would carry AdamW's update out of float32"
+        else:
+            why = "its loss or gradients were not finite somewhere in the world"
+        self.notices.warn(
+            "non-finite",
+            f"uform: step {step} was skipped on every process: {why}. The weights, the optimizer's moments and "
+            "steps_taken are as before it; every such step is counted in TrainerStepStats.nonfinite (this "
+            "warning is shown once). Look for a huge loss weight, relation weight, inverse temperature or "
+            "learning rate.",
+            NonFiniteWarning,
+        )
+
+    def _resolve(self, upto: int | None) -> None:
+        """Counts the steps up to `upto` (None: every one) whose skip only the device knew, in order, waiting
+        for their device work (CUDA)."""
+        with self._resolving:
+            while True:
+                with self._counting:
+                    if not self._pending or (upto is not None and self._pending[0][0] > upto):
+                        return
+                    step, flag, event = self._pending.popleft()
+                world = self.world if self.world is not None and self.world.size > 1 else None
+                if event is not None and world is not None:
+                    try:
+                        wait_event(event, world, f"step {step}'s update")
+                    except WorldAborted as error:
+                        raise _broken(world, error, step) from error
+                elif event is not None:  # (None: the CPU, whose flag was final when written)
+                    event.synchronize()
+                self._record(step, bool(flag.item()), 0.0)
+
+    def _reported_skips(self, since: int, step: int) -> int:
+        """The skipped steps in (since, step], taken off the list (each is reported once)."""
+        with self._counting:
+            mine = [s for s in self._skips if since < s <= step]
+            self._skips = [s for s in self._skips if not since < s <= step]
+        return len(mine)
 
     def _run_save(self, config: TrainerSaveConfig) -> None:
         if self.world is not None and self.world.aborted:
@@ -518,8 +658,18 @@ class Trainer:
                 (self.world.failed or [f"mesh: the world failed ({self.world.aborted})"])[0]
                 + "; this process's weights may hold part of a step, so it saves none"
             )
+        if self._torn:
+            raise RuntimeError(self._torn)
+        self._resolve(None)
         if self.world is not None and self.world.rank != 0:
             return  # only the process of index zero writes; every process holds the same weights
+        broken = [k for k, v in self.network.state_dict().items() if v.is_floating_point() and not v.isfinite().all()]
+        if broken:
+            raise ValueError(
+                f"save: the weights {broken[:3]}{' and more' if len(broken) > 3 else ''} hold NaN or infinite "
+                f"values; refusing to write {os.fsdecode(config.path)} (a checkpoint of them would serve NaN "
+                "embeddings). The last checkpoint written is the one to resume from"
+            )
         names = dict(self.network.named_parameters())
         tensors: dict[str, torch.Tensor] = {f"weights.{k}": v.detach() for k, v in self.network.state_dict().items()}
         for name, p in names.items():
@@ -534,6 +684,7 @@ class Trainer:
             "uform.step": str(self._step_count),
             "uform.dropped": str(self._dropped),
             "uform.skipped": str(self._skipped),
+            "uform.nonfinite": str(self._nonfinite_total),
             "uform.rng": json.dumps({"draws": RNG_DRAWS, "seed": self.config.seed}),
         }
         write_checkpoint(config.path, tensors, metadata, config.progress, config.progress_steps or 10)

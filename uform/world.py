@@ -357,10 +357,17 @@ class GradientReducer:
     produces them. Buckets launch strictly in their fixed order on every process (a ready bucket waits for
     its predecessors), so the collectives match whatever order backward finishes parameters in.
 
-    A parameter that received no gradient on a process contributes zeros, with a used flag of zero; after
-    the sum, a parameter no process used keeps `grad = None`, as it would in one process over the whole
-    batch (AdamW then leaves it and its moments alone). The summed gradients stay in the buckets: each
-    `.grad` is a view of its bucket until the optimizer's `zero_grad(set_to_none=True)` drops it.
+    A parameter that received no gradient on a process (or that `arm` names as not reached there: a media
+    modality's modules in a step without its units, whose gradients are exact zeros) contributes zeros,
+    with a used flag of zero; after the sum, a parameter no process used keeps `grad = None`, as it would in
+    one process over the whole batch (AdamW then leaves it and its moments alone). The summed gradients stay
+    in the buckets: each `.grad` is a view of its bucket until the optimizer's `zero_grad(set_to_none=True)`
+    drops it.
+
+    `variable` parameters are those whose use changes from step to step (the media modules). On a GPU their
+    flags are never held (see `_unused`): they always get their `.grad` view, and `used` answers their flag
+    on the device, which the trainer hands to the fused AdamW as the skip of their parameter group, so that
+    a parameter no process used is not written in the very step it was not used, without a host read.
 
     Nothing here reads the device from the host: which parameters backward reached is known on the host
     (the hooks fired), a bucket's gradients go in with one multi-tensor copy and its flags with one copy of
@@ -369,8 +376,16 @@ class GradientReducer:
     synchronises, cost 2-GPU weak scaling ~15 points).
     """
 
-    def __init__(self, parameters: Iterable[nn.Parameter], world: World, bucket_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        parameters: Iterable[nn.Parameter],
+        world: World,
+        bucket_bytes: int | None = None,
+        variable: Iterable[nn.Parameter] = (),
+    ) -> None:
         self.world = world
+        self._variable = {id(p) for p in variable}
+        self._unreached: set[int] = set()
         limit = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         self.buckets: list[_Bucket] = []
         current: list[nn.Parameter] = []
@@ -404,8 +419,10 @@ class GradientReducer:
             handle.remove()
         self._handles = []
 
-    def arm(self) -> None:
-        """Before backward: every bucket waits for all its parameters again."""
+    def arm(self, unreached: Iterable[nn.Parameter] = ()) -> None:
+        """Before backward: every bucket waits for all its parameters again; `unreached` are parameters this
+        process's step does not reach whatever backward gives them (they count as unused here)."""
+        self._unreached = {id(p) for p in unreached}
         for bucket in self.buckets:
             if bucket.buffer is None:
                 first = bucket.parameters[0]
@@ -426,7 +443,7 @@ class GradientReducer:
             return
         bucket, index = self._where[id(p)]
         with self._lock:
-            bucket.fired[index] = p.grad is not None
+            bucket.fired[index] = p.grad is not None and id(p) not in self._unreached
             bucket.pending -= 1
             self._launch_ready()
 
@@ -473,6 +490,13 @@ class GradientReducer:
                 p.grad = None if at + index in unused else bucket.views[index].view_as(p)
             at += len(bucket.parameters)
 
+    def used(self, p: nn.Parameter) -> Tensor:
+        """p's used flag of the last step, summed over the world (0-d, on the device; 0: no process used it).
+        Read it after `finish` and before the next `arm`."""
+        bucket, index = self._where[id(p)]
+        assert bucket.buffer is not None
+        return bucket.buffer[bucket.numel + index]
+
     def _unused(self, flags: Tensor) -> set[int]:
         """The parameters no process used this step. On the CPU read exactly every step. On a GPU reading
         them would stall the host until the device is done, so the set read on the first step is held (it
@@ -480,13 +504,16 @@ class GradientReducer:
         later; should they ever differ, every later step reads them exactly."""
         if flags.device.type == "cpu" or self._exact:
             return {i for i, used in enumerate(flags.tolist()) if used == 0}
+        # The variable parameters' flags change with the data: never held, they keep their views (the
+        # trainer skips their update on the device by `used`).
+        fixed = self._fixed()
         if self._held is None:
-            self._held = {i for i, used in enumerate(flags.tolist()) if used == 0}
+            self._held = {i for i, used in enumerate(flags.tolist()) if used == 0 and i in fixed}
             return self._held
         if self._pending_flags is not None:
             host, event = self._pending_flags
             wait_event(event, self.world, "the previous step's gradient reduction")
-            seen = {i for i, used in enumerate(host.tolist()) if used == 0}
+            seen = {i for i, used in enumerate(host.tolist()) if used == 0 and i in fixed}
             if seen != self._held:
                 warnings.warn(
                     "uform: the parameters no process uses changed between steps; reading them every step",
@@ -501,3 +528,12 @@ class GradientReducer:
         event.record(torch.cuda.current_stream(flags.device))
         self._pending_flags = (host, event)
         return self._held
+
+    def _fixed(self) -> set[int]:
+        """The indices (in `finish`'s flag order) of the parameters that are not variable."""
+        out: set[int] = set()
+        at = 0
+        for bucket in self.buckets:
+            out.update(at + i for i, p in enumerate(bucket.parameters) if id(p) not in self._variable)
+            at += len(bucket.parameters)
+        return out

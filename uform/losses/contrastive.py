@@ -17,6 +17,13 @@ With sp = softplus and l_ij the logit of row i, column j, the forms score each a
     Ranked    sum_{p,n} w_p w_n sp(l_n - l_p) / sum_{p,n} w_p w_n        (the bias cancels)
 The functions answer the SUM of those anchor terms and the anchor count; the caller divides once by the
 (possibly world-wide) count, so that the loss is the world mean whatever the number of processes.
+
+Every accepted weight (finite, non-negative, up to float32's largest) scores without a non-finite value of
+its own making: Balanced and Ranked are ratios of weight sums, so each row's positive and negative weights are
+first divided by their own largest (the ratio is unchanged; a subnormal weight such as 1e-41 no longer makes a
+denominator whose reciprocal, in the gradient, overflows, and a weight of 1e38 no longer overflows a product or
+a sum). softplus is `logaddexp(0, x)`, exact in every dtype (F.softplus switches to x past a threshold of 20,
+which is off by up to 2e-9 in float64) with the exact gradient sigmoid(x) everywhere.
 """
 
 from __future__ import annotations
@@ -43,6 +50,17 @@ def _math_dtype(*dtypes: torch.dtype) -> torch.dtype:
         if dtype.is_floating_point:
             out = torch.promote_types(out, dtype)
     return out
+
+
+def softplus(x: Tensor) -> Tensor:
+    """log(1 + e^x) = logaddexp(0, x): exact in every dtype, its gradient sigmoid(x) (no threshold)."""
+    return torch.logaddexp(torch.zeros_like(x), x)
+
+
+def _per_row_unit(w: Tensor) -> Tensor:
+    """w [N, M] (non-negative) divided by each row's largest, so its largest is 1 (a zero row stays zero)."""
+    top = w.amax(dim=1, keepdim=True)  # [N, 1]
+    return w / torch.where(top > 0, top, 1.0)
 
 
 def _ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
@@ -91,15 +109,17 @@ def pair_loss(
 
     if form == PairLossForm.Sigmoid:
         sign = torch.where(positive, 1.0, -1.0).to(dtype)  # [N, M]
-        total = (w * F.softplus(-sign * logits)).sum()
+        total = (w * softplus(-sign * logits)).sum()
         anchors = scored.any(dim=1).sum().to(dtype)
         return total, anchors
 
-    w_pos = torch.where(positive, w, 0.0)  # [N, M]
-    w_neg = torch.where(negative, w, 0.0)  # [N, M]
+    # Both forms are ratios of weight sums, invariant to a row's scale per half: each half's weights are
+    # divided by their largest, so no sum, product or reciprocal of them leaves the float range.
+    w_pos = _per_row_unit(torch.where(positive, w, 0.0))  # [N, M], each row's largest 1
+    w_neg = _per_row_unit(torch.where(negative, w, 0.0))  # [N, M], each row's largest 1
     if form == PairLossForm.Balanced:
-        attract = _ratio((w_pos * F.softplus(-logits)).sum(dim=1), w_pos.sum(dim=1))  # [N]
-        repel = _ratio((w_neg * F.softplus(logits)).sum(dim=1), w_neg.sum(dim=1))  # [N]
+        attract = _ratio((w_pos * softplus(-logits)).sum(dim=1), w_pos.sum(dim=1))  # [N]
+        repel = _ratio((w_neg * softplus(logits)).sum(dim=1), w_neg.sum(dim=1))  # [N]
         anchors = scored.any(dim=1).sum().to(dtype)
         return (attract + repel).sum(), anchors
 
@@ -119,7 +139,7 @@ def pair_loss(
     for start in range(0, rows, chunk):
         part = slice(start, start + chunk)
         margins = logits[part, None, :] - logits_pos[part, :, None]  # [C, K, M]: l_n - l_p
-        per_positive = (F.softplus(margins) * w_neg[part, None, :]).sum(dim=2)  # [C, K]
+        per_positive = (softplus(margins) * w_neg[part, None, :]).sum(dim=2)  # [C, K]
         numerators.append((per_positive * w_slots[part]).sum(dim=1))  # [C]
     numerator = torch.cat(numerators) if numerators else logits.new_zeros(0)  # [N]
     denominator = w_pos.sum(dim=1) * w_neg.sum(dim=1)  # [N]
