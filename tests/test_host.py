@@ -249,7 +249,9 @@ def test_training_through_host_processes_is_bitwise_in_process_training(twins: t
         assert s1 == s2 and s2 is not None and s2.skipped == 1 and s2.late_interaction_loss > 0
         assert torch.equal(e1, e2)
     assert_same(our_weights, their_weights)
-    assert len(away._hosts.processes) == 2  # type: ignore[union-attr]  # both host processes took steps
+    # How many of the two processes a run starts is timing: a step the first finishes before the next is asked
+    # for needs no second (seen on the H200 machine's 16 cores). The answers never depend on it (above).
+    assert 1 <= len(away._hosts.processes) <= 2  # type: ignore[union-attr]
 
 
 def test_host_processes_never_load_torch(twins: tuple[Trainer, Trainer]) -> None:

@@ -91,7 +91,8 @@ def script(guarded: bool, fleet: bool) -> str:
 
 
 def run(command: list[str], cwd: Path, stdin: str | None = None) -> str:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, input=stdin, capture_output=True, text=True, env=env, cwd=cwd, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     return result.stdout
