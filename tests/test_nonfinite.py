@@ -375,3 +375,22 @@ def test_the_device_decided_skip_changes_nothing_and_is_counted(make_trainer, tm
     assert trainer.steps_taken == 2 and finite(trainer)
     resumed = make_trainer(TrainerInitVramConfig(resume=path))
     assert resumed.steps_taken == 1
+
+
+def test_a_step_without_sides_leaves_the_late_interaction_head_alone(make_trainer) -> None:
+    """A step with no query or document tokens runs the token head over padding only (exact-zero
+    gradients): its weights, moments and step counters stay bitwise as they were, while the tower steps."""
+    trainer = make_trainer(late_interaction=LateInteraction(weight=1.0, width=16))
+    step_with(trainer, sides=SIDES)
+    before = snapshot(trainer)
+    step_with(trainer)  # no sides: no late-interaction tokens
+    after = snapshot(trainer)
+    late = [k for k in before if ".token_head." in f".{k}" or ".late_temperatures." in f".{k}"]
+    assert late and any(k.startswith("moments.exp_avg.") for k in late)
+    changed = [k for k in late if not torch.equal(before[k], after[k])]
+    assert not changed, changed
+    tower = [k for k in before if k.startswith("weights.tower.")]
+    assert tower and all(not torch.equal(before[k], after[k]) for k in tower)
+    step_with(trainer, sides=SIDES)  # sides again: the head moves again
+    moved = snapshot(trainer)
+    assert not torch.equal(moved["weights.token_head.projection.weight"], after["weights.token_head.projection.weight"])

@@ -51,12 +51,19 @@ def decays(name: str, parameter: nn.Parameter) -> bool:
     return parameter.ndim >= 2 and not name.startswith(("embed.", "temperatures."))
 
 
+LATE = "late"
+"""The `reach` part of late interaction's token head and temperatures."""
+
+
 def reach(name: str) -> str | None:
     """The part of the network that only some steps reach, for parameter `name`: "media.<kind>" (a media
     modality's unit and mask embeddings) or "reconstruct.<kind>" (its reconstruction head), reached only by
-    a step holding units of that kind; None for every other parameter. A step without a kind's units still
-    runs its modules over inert padding units, whose gradients are exact zeros: that is not a gradient."""
+    a step holding units of that kind; "late" (the token head and late temperatures), reached only by a step
+    holding both query and document tokens; None for every other parameter. A step without a part's inputs
+    still runs its modules over inert padding, whose gradients are exact zeros: that is not a gradient."""
     parts = name.split(".")
+    if parts[0] in ("token_head", "late_temperatures"):
+        return LATE
     return ".".join(parts[:2]) if parts[0] in ("media", "reconstruct") and len(parts) > 2 else None
 
 

@@ -52,7 +52,7 @@ from .model.attention import compiled_flex_available, document_mask
 from .model.network import Network
 from .notices import MediaWarning as MediaWarning  # re-exported: where callers met it first
 from .notices import NonFiniteWarning, Notices, ScheduleWarning
-from .optim import Optimizer, build_optimizer, learning_rate, nonfinite, rate_overflows, reach
+from .optim import LATE, Optimizer, build_optimizer, learning_rate, nonfinite, rate_overflows, reach
 from .relations import check_relations, edge_limit
 from .stored_run import FORMAT, RNG_DRAWS, StoredRun, read_run_tensors, read_stored_run
 from .world import GradientReducer, MeshError, World, WorldAborted, reduction_order, wait_event
@@ -547,17 +547,24 @@ class Trainer:
         return finish
 
     def _unreached(self, batch: Batch) -> list[torch.nn.Parameter]:
-        """The parameters this process's step does not reach: the media modules (`optim.reach`) of every kind
-        the step holds no units of (they run over inert padding units only, so their gradients are exact zeros
-        that must not move AdamW's decay or moments)."""
-        absent = {kind for kind, parts in batch.media.items() if not parts["valid"].any()}
+        """The parameters this process's step does not reach (`optim.reach`): the media modules of every kind
+        the step holds no units of, and late interaction's head where the step holds no query or no document
+        tokens. They run over inert padding only, so their gradients are exact zeros that must not move AdamW's
+        decay or moments."""
+        absent = {
+            f"{part}.{kind}"
+            for kind, parts in batch.media.items()
+            if not parts["valid"].any()
+            for part in ("media", "reconstruct")
+        }
+        if batch.late:
+            slots, documents = batch.late["z"].shape  # padding: query_slot == S, document_of == Dd
+            queries = (batch.late["query_slot"] < slots).any()
+            if not (queries and (batch.late["document_of"] < documents).any()):
+                absent.add(LATE)
         if not absent:
             return []
-        return [
-            p
-            for name, p in self.network.named_parameters()
-            if (part := reach(name)) is not None and part.split(".")[1] in absent
-        ]
+        return [p for name, p in self.network.named_parameters() if reach(name) in absent]
 
     def _update(self, rate: float, loss: torch.Tensor, unreached: list[torch.nn.Parameter]) -> bool | torch.Tensor:
         """AdamW at `rate`, whole or not at all, then the gradients cleared whatever happened. The update is
