@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -247,3 +248,21 @@ def naive_row_loss(
         return None
     numerator = sum(wp * wn * sp(ln - lp) for lp, wp in positives for ln, wn in negatives)
     return numerator / sum(wp * wn for _, wp in positives for _, wn in negatives)  # type: ignore[no-any-return]
+
+
+def within(seconds: float, call: Callable[[], Any]) -> BaseException | None:
+    """What `call` raised (None: it returned), or a TimeoutError if it still runs after `seconds` (a read blocked
+    on a named pipe would be; the caller then unblocks it). The call runs in a daemon thread."""
+    outcome: list[BaseException | None] = []
+
+    def target() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return TimeoutError(f"still running after {seconds} s") if thread.is_alive() else outcome[0]

@@ -12,13 +12,13 @@ import pickle
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 import safetensors
 import safetensors.torch
 import torch
+from conftest import within
 
 from uform import checkpoint
 from uform.checkpoint import CheckpointError, Stopped, read_checkpoint, read_metadata, write_checkpoint
@@ -488,33 +488,13 @@ def test_boolean_bytes_other_than_zero_and_one_are_refused(tmp_path):
     assert read_checkpoint(path)[0]["flags"].tolist() == [False, True, True]
 
 
-def run_with_deadline(call, seconds: float = 30.0) -> BaseException | None:
-    """Runs `call` in a thread; answers what it raised (None if it returned), or fails the test if it is still
-    running at the deadline (a read blocked on a FIFO would be; the caller then unblocks it)."""
-    outcome: list[BaseException | None] = []
-
-    def target() -> None:
-        try:
-            call()
-            outcome.append(None)
-        except BaseException as error:
-            outcome.append(error)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        return TimeoutError(f"still running after {seconds} s")
-    return outcome[0]
-
-
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
 def test_a_named_pipe_is_refused_at_once(tmp_path):
     fifo = tmp_path / "pipe.safetensors"
     os.mkfifo(fifo)
     try:
         for name in ("read_checkpoint", "read_metadata", "read_layout"):
-            error = run_with_deadline(lambda name=name: getattr(checkpoint, name)(fifo))
+            error = within(30, lambda name=name: getattr(checkpoint, name)(fifo))
             assert isinstance(error, CheckpointError), error
             assert str(fifo) in str(error) and "named pipe" in str(error)
     finally:

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import threading
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from conftest import (
     overfull_texts,
     snapshot,
     step_with,
+    within,
 )
 from safetensors import safe_open
 
@@ -466,23 +466,6 @@ def test_the_tensors_must_be_exactly_the_runs(executor, saved_run, edit: str) ->
             tensors["weights.embed.table.weight"] = tensors["weights.embed.table.weight"].double()
 
     refused_everywhere(executor, reforge(saved_run, edit_tensors=change), "do not match its config")
-
-
-def within(seconds: float, call) -> BaseException | None:
-    """What `call` raised (None: it returned), or a TimeoutError if it still runs after `seconds`."""
-    outcome: list[BaseException | None] = []
-
-    def target() -> None:
-        try:
-            call()
-            outcome.append(None)
-        except BaseException as error:
-            outcome.append(error)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    return TimeoutError(f"still running after {seconds} s") if thread.is_alive() else outcome[0]
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
