@@ -27,8 +27,8 @@ the step repelling under `Negatives.Ambient`, scored by the pooled sigmoid (SigL
 that evaluation then sees clean).
 
 Evaluation: the held-out opening sentences are the queries, the held-out rests the documents, each
-query's one relevant document its own rest, embedded through the serving path (`Model.from_trainer`, texts
-longer than a row cut at the row's width, as in training) and scored by `uform.evaluate_retrieval`;
+query's one relevant document its own rest, cut at the row's width (as the serving path would cut them),
+embedded through the serving path (`Model.from_trainer`) and scored by `uform.evaluate_retrieval`;
 recall@1, recall@10 and MRR are printed before and after training. Given a `checkpoint` path, the demo
 closes the whole loop: it saves the trained run there, loads it back with `uform.load` and evaluates the
 loaded model too (the same numbers, up to float noise). The defaults (300 steps of 64 pairs, a 2 x 128 tower, rows of 128 bytes, peak learning rate
@@ -56,6 +56,7 @@ from .executor import Executor
 from .relations import Edges, Relations
 from .serve import Model, load
 from .trainer import Trainer
+from .vocab import prefix
 
 __all__ = ["held_out_split", "load_pairs", "load_paragraphs", "run_demo"]
 
@@ -216,8 +217,11 @@ def run_demo(
     )
     trainer = Trainer.init_vram(executor, config)
     try:
-        queries = [pairs[i][0].encode() for i in held]
-        documents = [pairs[i][1].encode() for i in held]
+        # Cut at the row's width here, as the served model would (the same bytes), so that the evaluation
+        # does not warn about a cut the demo chose.
+        room = columns - len(prefix(Modality.Text, None))
+        queries = [pairs[i][0].encode()[:room] for i in held]
+        documents = [pairs[i][1].encode()[:room] for i in held]
         relevant = list(range(len(held)))
 
         def evaluate(model: Model) -> dict[str, float]:
@@ -250,8 +254,8 @@ def run_demo(
             chosen, order = order[:per_step], order[per_step:]
             contents = []
             for i in chosen:
-                contents.append(_crop(pool[i], QUERY_WORDS, rng).encode())
-                contents.append(_crop(pool[i], DOCUMENT_WORDS, rng).encode())
+                contents.append(_crop(pool[i], QUERY_WORDS, rng).encode()[:room])
+                contents.append(_crop(pool[i], DOCUMENT_WORDS, rng).encode()[:room])
             on.step([Modality.Text] * len(contents), contents, step_config)
             dropped += stats.dropped
             if progress and (step == steps or step % max(1, steps // 100) == 0):
