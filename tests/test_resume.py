@@ -501,3 +501,14 @@ def test_a_genuine_checkpoint_still_loads_and_resumes(executor, saved_run) -> No
 )
 def test_sizes_past_what_torch_can_shape_are_checkpoint_errors(executor, saved_run, no_network_built, changes) -> None:
     refused_everywhere(executor, reforge(saved_run, edit_config(**changes)), "cannot be built")
+
+
+def test_non_finite_weights_are_refused_by_resume_and_load(executor, saved_run) -> None:
+    """A file whose weights hold a NaN (forged, or saved before save refused them) would serve NaN vectors."""
+
+    def poison(tensors: dict) -> None:
+        name = next(k for k in tensors if k.startswith("weights.") and tensors[k].is_floating_point())
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[0] = float("nan")
+
+    refused_everywhere(executor, reforge(saved_run, edit_tensors=poison), "hold NaN or infinite values")

@@ -111,6 +111,15 @@ def read_run_tensors(
                 raise CheckpointError(
                     f"{shown}: {name} is {count}; an Adam step count is a whole number in [0, uform.step={run.step}]"
                 )
+    # A trainer refuses to save non-finite weights; a file that holds them anyway (forged, or written before that
+    # rule) would serve NaN vectors that look like an answer, and resume a run that can never recover.
+    broken = [
+        name.removeprefix("weights.")
+        for name, value in tensors.items()
+        if name.startswith("weights.") and value.is_floating_point() and not bool(torch.isfinite(value).all())
+    ]
+    if broken:
+        raise CheckpointError(f"{shown}: the weights {broken[:4]} hold NaN or infinite values; not a usable run")
     return tensors
 
 
