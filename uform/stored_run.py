@@ -16,7 +16,7 @@ refused on its own terms, from the header alone, before any data is read or anyt
 Since the file's tensors span exactly its data (`checkpoint.read_checkpoint`), a file that passes allocates at
 most its own length when read, and the network built from its config is the size of the tensors it holds. The
 data is then read and its digest verified before anything is built (`read_run_tensors`); the moments' step
-counters are checked then (finite, whole, between zero and the run's step).
+counters are checked then (finite, whole, between zero and the run's step), and every weight must be finite.
 """
 
 from __future__ import annotations
