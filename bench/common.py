@@ -65,7 +65,7 @@ def add_geometry(
     columns: int = 1024,
     segments: int = 256,
 ) -> None:
-    """--depth, --hidden, --rows, --columns and --segments, defaulting to the seed's geometry unless given."""
+    """--depth, --hidden, --rows, --columns and --segments, defaulting to the reference geometry (docs/design.md §1) unless given."""
     for name, default in (
         ("depth", depth),
         ("hidden", hidden),

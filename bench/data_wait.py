@@ -1,6 +1,6 @@
 """The share of a training step spent waiting for data, with 256 x 256 JPEGs beside text.
 
-A trainer at the seed's geometry (default depth 12 x hidden 512, 64 rows x 1024 columns, 256 segments,
+A trainer at the reference geometry of docs/design.md §1 (default depth 12 x hidden 512, 64 rows x 1024 columns, 256 segments,
 image patch 16, RGBA) takes `--steps` Joint steps of `--images` JPEGs (cut from scikit-image's photographs,
 each a different crop so no two items are the same bytes) beside `--texts` captions, submitted through
 `Trainer.deferred` with two steps in flight, the way a data loader drives it. Two runs:
@@ -29,7 +29,7 @@ needs a GPU that runs the device stage without the interpreter):
              Read with the probe running; the JSON also holds a reading without it (`without_probe`), which
              on a small virtual machine bills more CPU to every thread's wake-up from an idle core.
 
-`--host-only` skips the two trained runs (the host stage at the seed's geometry needs no device).
+`--host-only` skips the two trained runs (the host stage at the reference geometry needs no device).
 
 Prints a table and writes bench-data-wait.json under $OUT (or the current folder). Usage:
   python bench/data_wait.py [--executor cuda] [--images 128 --texts 128 --steps 20 --warmup 5 --workers 0]

@@ -1,6 +1,6 @@
 """Serving throughput of `uform.load(...).encode`: items per second for text and for JPEG images.
 
-A freshly initialised network at the given geometry (default: the seed's, depth 12 x hidden 512, 64 rows x
+A freshly initialised network at the given geometry (default: the reference geometry of docs/design.md §1, depth 12 x hidden 512, 64 rows x
 1024 columns, 256 segments, image patch_side 16) is written as a trainer checkpoint and loaded back with
 `uform.load` on `--device` (cuda: compiled, FlexAttention, bf16 autocast; cpu: eager, f32), then timed on:
 
@@ -8,7 +8,7 @@ A freshly initialised network at the given geometry (default: the seed's, depth 
            with its one-byte prefix four fill a 1024-column row and 256 fill the batch exactly);
   image    `--images` `--image-side`² JPEGs (quality 90) of smooth colour fields with noise, decoded in
            the model's decoder pool (one process per core unless `--workers`); a 256² image at patch 16 is
-           256 patches, so three fit a 1024-column row (192 per batch at the seed's geometry);
+           256 patches, so three fit a 1024-column row (192 per batch at the reference geometry);
   decode   the same JPEGs through a decoder pool alone (the media stage's own ceiling).
 
 Each figure is the best of `--repeats` timed calls after one warm-up call (which compiles on CUDA). Prints

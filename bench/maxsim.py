@@ -1,7 +1,7 @@
-"""MaxSim alone, forward + backward, at the seed's late-interaction capacities: the previous implementation
+"""MaxSim alone, forward + backward, at the reference geometry's late-interaction capacities: the previous implementation
 (kept below as `ReferenceMaxSim`, verbatim) beside the current `uform.losses.late.maxsim`, timed and checked.
 
-Geometry (default the seed's: Qt 16384 query tokens, Dt 65536 document tokens, Dd 256 columns, W 128; `--scale`
+Geometry (default the reference geometry's, docs/design.md §1: Qt 16384 query tokens, Dt 65536 document tokens, Dd 256 columns, W 128; `--scale`
 multiplies Qt, Dt and Dd): half the query capacity holds real (unit) vectors, the rest is zero padding, as the
 network gives it; `Dd / 2` documents of random lengths (at most `--longest`, 1023 = a 1024-column row less its
 prefix) fill about half of Dt, contiguous and in column order as the host packs them, the rest padding. The

@@ -1,7 +1,7 @@
 """The cost of the late-interaction and choices terms: full training steps with each term off and on.
 
 Four runs at one geometry (default: a small CPU one, depth 2 x hidden 128, 8 rows x 256 columns, 32
-segments; `--device cuda --seed-geometry` gives the seed's 12 x 512, 64 x 1024, 256 segments):
+segments; `--device cuda --reference-geometry` gives docs/design.md §1's 12 x 512, 64 x 1024, 256 segments):
 
   base      Objective.Joint (span corruption + sigmoid contrastive over attract pairs i <-> i ^ 1)
   late      + late interaction (weight 1, width 128, span 64): even items queries, odd items documents
@@ -10,7 +10,8 @@ segments; `--device cuda --seed-geometry` gives the seed's 12 x 512, 64 x 1024, 
 
 Blocking steps, stats read back every step; prints the median step time (and on CUDA the peak memory)
 per run and writes bench-objectives.json under $OUT (or the current folder). Usage:
-  python bench/objectives.py [--device cpu|cuda] [--seed-geometry] [--steps 10]
+  python bench/objectives.py [--device cpu|cuda] [--reference-geometry] [--steps 10]
+(`--seed-geometry` is its earlier name, kept for the commands in BENCHMARKS.md.)
 """
 
 from __future__ import annotations
@@ -79,13 +80,13 @@ def run(args: argparse.Namespace, name: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--seed-geometry", action="store_true")
+    parser.add_argument("--reference-geometry", "--seed-geometry", dest="reference_geometry", action="store_true")
     add_geometry(parser, depth=2, hidden=128, rows=8, columns=256, segments=32)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--runs", default="base,late,choices,both")
     args = parser.parse_args()
-    if args.seed_geometry:
+    if args.reference_geometry:
         args.depth, args.hidden, args.rows, args.columns, args.segments = 12, 512, 64, 1024, 256
     if args.device == "cpu":
         torch.set_num_threads(min(2, torch.get_num_threads()))

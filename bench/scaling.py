@@ -1,6 +1,6 @@
 """Weak scaling of the world step: tokens/s on N GPUs against one, at the same per-device batch.
 
-Per device, the seed's geometry: depth 12, hidden 512, 64 rows x 1024 columns, 256 segments, Objective.Joint
+Per device, the reference geometry (docs/design.md §1): depth 12, hidden 512, 64 rows x 1024 columns, 256 segments, Objective.Joint
 (span corruption + sigmoid contrastive); 256 text items of 255 bytes (with the prefix they fill the 64 rows
 exactly), 128 attract pairs, each pair one bag, so every anchor is scored against every item of the world.
 Steps go through `Trainer.deferred` with two in flight, stats read back every step.

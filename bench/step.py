@@ -1,6 +1,6 @@
 """Training-step throughput of uform's trainer beside Hugging Face's BertForMaskedLM, in one run.
 
-Both at the same geometry (default: the seed's, depth 12 x hidden 512, 64 rows x 1024 columns, 256
+Both at the same geometry (default: the reference geometry of docs/design.md §1, depth 12 x hidden 512, 64 rows x 1024 columns, 256
 segments per device), bf16 autocast, fused AdamW, full steps (forward, loss, backward, update):
 
   uform_joint   Trainer.deferred(...).step of an Objective.Joint text step (span corruption + sigmoid

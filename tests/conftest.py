@@ -223,7 +223,7 @@ def stats_dict(stats: TrainerStepStats) -> dict[str, Any]:
 def naive_row_loss(
     positives: list[tuple[torch.Tensor, float]], negatives: list[tuple[torch.Tensor, float]], form: Any
 ) -> torch.Tensor | None:
-    """One row's pair loss as DESIGN.md section 3 writes it, scalar by scalar, from its scored cells as
+    """One row's pair loss as docs/design.md §5 writes it, scalar by scalar, from its scored cells as
     (logit, weight) pairs; None when the row is not an anchor (no scored cell; for Ranked, no positive and
     negative both). The loss tests (pooled and late interaction) share it."""
 

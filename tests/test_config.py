@@ -1,4 +1,4 @@
-"""The seed's configuration structs, `resolve()`'s derivations and checks, and the checkpoint dictionary."""
+"""The configuration structs of UForm 4's trainer API, `resolve()`'s derivations and checks, and the checkpoint dictionary."""
 
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ from uform.config import (
 from uform.enums import Negatives, Objective, PairLossForm, Scalar
 
 # --------------------------------------------------------------------------------------------------
-# The seed's structs and their fields, in the seed's order (Choices is DESIGN.md's, read from
+# The reference API's structs and their fields, in its order (docs/design.md §1; Choices is ours, read from
 # TrainerInitVramConfig.choices: "read when its weight is positive").
 
-SEED_FIELDS = {
+REFERENCE_FIELDS = {
     "AudioShape": ["chunk_samples", "sample_rate"],
     "BatchShape": [
         "max_rows_per_device",
@@ -177,18 +177,18 @@ def _is_zero(value) -> bool:
 # 1. Structs: names, order, defaults, keyword-only
 
 
-# Fields this implementation adds after the seed's own, each by an issue that asks for it.
+# Fields this implementation adds after the reference API's own, each by an issue that asks for it.
 ADDED_FIELDS = {"TrainerStepStats": ["skipped", "nonfinite"]}
 
 
-@pytest.mark.parametrize("name", list(SEED_FIELDS))
-def test_struct_has_the_seeds_fields_in_order(name):
+@pytest.mark.parametrize("name", list(REFERENCE_FIELDS))
+def test_struct_has_the_reference_fields_in_order(name):
     kind = _struct(name)
     assert dataclasses.is_dataclass(kind)
-    assert [f.name for f in dataclasses.fields(kind)] == SEED_FIELDS[name] + ADDED_FIELDS.get(name, [])
+    assert [f.name for f in dataclasses.fields(kind)] == REFERENCE_FIELDS[name] + ADDED_FIELDS.get(name, [])
 
 
-@pytest.mark.parametrize("name", list(SEED_FIELDS))
+@pytest.mark.parametrize("name", list(REFERENCE_FIELDS))
 def test_struct_defaults_to_zero(name):
     kind = _struct(name)
     instance = kind()
@@ -208,7 +208,7 @@ def test_enum_field_defaults_to_the_zero_member(owner, field_name):
     assert value is kind(0)
 
 
-@pytest.mark.parametrize("name", list(SEED_FIELDS))
+@pytest.mark.parametrize("name", list(REFERENCE_FIELDS))
 def test_struct_is_keyword_only(name):
     kind = _struct(name)
     assert all(f.kw_only for f in dataclasses.fields(kind))

@@ -30,7 +30,7 @@ def reference_term(
     columns: torch.Tensor | None = None,
     column_valid: list[bool] | None = None,
 ) -> tuple[torch.Tensor, int]:
-    """DESIGN.md §3 literally: loops over anchors and their cells, scalar arithmetic per pair."""
+    """docs/design.md §5 literally: loops over anchors and their cells, scalar arithmetic per pair."""
     columns = embeddings if columns is None else columns
     column_valid = valid if column_valid is None else column_valid
     rows, count = z.shape

@@ -1,4 +1,4 @@
-"""Text span corruption (DESIGN.md section 3, masked text): exact coverage, the MASK / random / kept split."""
+"""Text span corruption (docs/design.md §5, masked text): exact coverage, the MASK / random / kept split."""
 
 from __future__ import annotations
 

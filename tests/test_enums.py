@@ -1,4 +1,4 @@
-"""The seed's enumerations: member names, integer values, words, and how parsing refuses bad input."""
+"""The enumerations of UForm 4's trainer API: member names, integer values, words, and how parsing refuses bad input."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from uform.enums import LateInteractionSide, Modality, Negatives, Objective, PairLossForm, Scalar
 
-# The seed's members, in its order, with its integer values (LateInteractionSide's `None` is `None_`).
-SEED_MEMBERS = {
+# The reference API's members, in its order, with its integer values (LateInteractionSide's `None` is `None_`).
+REFERENCE_MEMBERS = {
     Modality: [("Text", 0), ("Image", 1), ("Video", 2), ("Audio", 3)],
     Objective: [("Masked", 0), ("Contrastive", 1), ("Joint", 2)],
     Negatives: [("Ambient", 0), ("Named", 1)],
@@ -18,7 +18,7 @@ SEED_MEMBERS = {
 }
 
 # The words each member prints as and parses from.
-SEED_WORDS = {
+REFERENCE_WORDS = {
     Modality: ["text", "image", "video", "audio"],
     Objective: ["masked", "contrastive", "joint"],
     Negatives: ["ambient", "named"],
@@ -26,7 +26,7 @@ SEED_WORDS = {
     LateInteractionSide: ["none", "query", "document", "queryanddocument"],
 }
 
-ALL_ENUMS = [*SEED_MEMBERS, Scalar]
+ALL_ENUMS = [*REFERENCE_MEMBERS, Scalar]
 
 
 def _ids(kinds):
@@ -37,16 +37,16 @@ def _ids(kinds):
 # Names and values
 
 
-@pytest.mark.parametrize("kind", list(SEED_MEMBERS), ids=_ids(SEED_MEMBERS))
-def test_members_match_the_seed_exactly(kind):
-    assert [(m.name, m.value) for m in kind] == SEED_MEMBERS[kind]
+@pytest.mark.parametrize("kind", list(REFERENCE_MEMBERS), ids=_ids(REFERENCE_MEMBERS))
+def test_members_match_the_reference_exactly(kind):
+    assert [(m.name, m.value) for m in kind] == REFERENCE_MEMBERS[kind]
     # No aliases hiding behind the listed members.
-    assert list(kind.__members__) == [name for name, _ in SEED_MEMBERS[kind]]
+    assert list(kind.__members__) == [name for name, _ in REFERENCE_MEMBERS[kind]]
 
 
-@pytest.mark.parametrize("kind", list(SEED_MEMBERS), ids=_ids(SEED_MEMBERS))
+@pytest.mark.parametrize("kind", list(REFERENCE_MEMBERS), ids=_ids(REFERENCE_MEMBERS))
 def test_members_are_integers(kind):
-    for name, value in SEED_MEMBERS[kind]:
+    for name, value in REFERENCE_MEMBERS[kind]:
         member = kind[name]
         assert isinstance(member, int)
         assert member == value
@@ -72,17 +72,17 @@ def test_examples_from_the_design():
     assert Modality.parse("image") is Modality.Image
 
 
-@pytest.mark.parametrize("kind", list(SEED_WORDS), ids=_ids(SEED_WORDS))
+@pytest.mark.parametrize("kind", list(REFERENCE_WORDS), ids=_ids(REFERENCE_WORDS))
 def test_members_print_as_their_words(kind):
-    assert [str(m) for m in kind] == SEED_WORDS[kind]
-    assert [f"{m}" for m in kind] == SEED_WORDS[kind]
-    assert [format(m) for m in kind] == SEED_WORDS[kind]
-    assert kind.words() == SEED_WORDS[kind]
+    assert [str(m) for m in kind] == REFERENCE_WORDS[kind]
+    assert [f"{m}" for m in kind] == REFERENCE_WORDS[kind]
+    assert [format(m) for m in kind] == REFERENCE_WORDS[kind]
+    assert kind.words() == REFERENCE_WORDS[kind]
 
 
-@pytest.mark.parametrize("kind", list(SEED_WORDS), ids=_ids(SEED_WORDS))
+@pytest.mark.parametrize("kind", list(REFERENCE_WORDS), ids=_ids(REFERENCE_WORDS))
 def test_members_parse_from_their_words(kind):
-    for member, word in zip(kind, SEED_WORDS[kind], strict=True):
+    for member, word in zip(kind, REFERENCE_WORDS[kind], strict=True):
         assert kind.parse(word) is member
         assert kind.parse(word.upper()) is member
         assert kind.parse(f"  {word}\n") is member
@@ -137,7 +137,7 @@ def test_unknown_word_raises_value_error_naming_the_field(kind, word):
         kind.parse(word)
 
 
-@pytest.mark.parametrize("kind", list(SEED_MEMBERS), ids=_ids(SEED_MEMBERS))
+@pytest.mark.parametrize("kind", list(REFERENCE_MEMBERS), ids=_ids(REFERENCE_MEMBERS))
 def test_out_of_range_integer_raises_value_error_naming_the_field(kind):
     for value in (-1, len(kind), 99):
         with pytest.raises(ValueError, match="the_field"):
@@ -154,7 +154,7 @@ def test_out_of_range_integer_raises_value_error_naming_the_field(kind):
         pytest.param(["image"], id="list"),
     ],
 )
-@pytest.mark.parametrize("kind", list(SEED_MEMBERS), ids=_ids(SEED_MEMBERS))
+@pytest.mark.parametrize("kind", list(REFERENCE_MEMBERS), ids=_ids(REFERENCE_MEMBERS))
 def test_wrong_type_raises_type_error_naming_the_field(kind, value):
     with pytest.raises(TypeError, match="the_field"):
         kind.parse(value, "the_field")

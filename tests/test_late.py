@@ -118,11 +118,11 @@ def test_maxsim_sends_a_tie_to_the_lowest_token() -> None:
     assert torch.equal(documents.grad, torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]]))
 
 
-def test_maxsim_chunks_stay_bounded_at_the_seed_geometry() -> None:
-    """At the seed's geometry (64 x 1024 rows, 256 segments, span 64) a chunk holds at most 2^25 floats (2^27 on
+def test_maxsim_chunks_stay_bounded_at_the_reference_geometry() -> None:
+    """At the reference geometry (docs/design.md §1: 64 x 1024 rows, 256 segments, span 64) a chunk holds at most 2^25 floats (2^27 on
     CUDA) in any intermediate: the block layout's 4336 blocks of 16 slots (65536 tokens, each of 256 columns padded up to
     whole blocks) and a grid of 64 blocks per column (1023 tokens at most past a prefix)."""
-    seed = resolve(
+    late = resolve(
         uform.TrainerInitVramConfig(
             depth=12,
             hidden=512,
@@ -132,10 +132,10 @@ def test_maxsim_chunks_stay_bounded_at_the_seed_geometry() -> None:
         )
     ).late_interaction
     qt, dt, dd, width = (
-        seed.max_query_tokens_per_device,
-        seed.max_document_tokens_per_device,
-        seed.max_documents_per_device,
-        seed.width,
+        late.max_query_tokens_per_device,
+        late.max_document_tokens_per_device,
+        late.max_documents_per_device,
+        late.width,
     )
     assert (qt, dt, dd, width) == (16384, 65536, 256, 128)
     assert maxsim_geometry(dt, dd, 16, 1023) == (4336, 64)
@@ -353,7 +353,7 @@ def reference_late(
     w: np.ndarray,
     form: PairLossForm,
 ) -> tuple[torch.Tensor, int]:
-    """DESIGN.md §3 literally: per query row and document column, sum over the row's tokens of the max
+    """docs/design.md §5 literally: per query row and document column, sum over the row's tokens of the max
     over the column's tokens; then the pair form per anchor, one scalar at a time."""
     slots, columns = z.shape
     total = queries.new_zeros(())

@@ -4,7 +4,7 @@ Every sample is built from files other people made (scikit-image's photographs, 
 see media_samples.py). Runs are tiny (depth 1, hidden 128, 128-256 columns, rows of 2-6) and trainers
 are shared across checks where they can be, since each one starts its own pool of decoder processes.
 
-Pins: every container the seed names trains with a finite, positive masked loss of its modality; unit
+Pins: every container the media decoders accept trains with a finite, positive masked loss of its modality; unit
 counts, positions, markers and slots in the packed rows; mask ratios (video tube masks agree across
 time; no masking under Contrastive); per-unit normalised targets and the masked sum against a naive loop;
 the gradient reaching every media parameter; broken, oversized and slow items skipped (counted and

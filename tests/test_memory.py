@@ -51,8 +51,8 @@ def geometry(depth: int, hidden: int, rows: int, columns: int, segments: int, **
     )
 
 
-SEED = geometry(12, 512, 64, 1024, 256)
-"""The seed's geometry (its README's training run, which a 24 GB CPU machine's kernel killed)."""
+REFERENCE = geometry(12, 512, 64, 1024, 256)
+"""The reference geometry (docs/design.md §1; the README's training run, which a 24 GB CPU machine's kernel killed)."""
 
 
 def full_step(segments: int, columns: int, rows: int) -> tuple[list[str], list[bytes], TrainerStepConfig]:
@@ -149,23 +149,23 @@ def test_cpu_estimate_is_a_steps_peak_memory_within_a_factor() -> None:
     assert added / 1.5 <= peak <= added * 1.5, (peak, added)
 
 
-def test_seed_geometry_is_tens_of_gib_on_the_cpu_and_fits_an_h200() -> None:
-    seed = resolve(SEED)
-    cpu, cuda = memory.estimate_memory(seed, "cpu"), memory.estimate_memory(seed, "cuda")
+def test_reference_geometry_is_tens_of_gib_on_the_cpu_and_fits_an_h200() -> None:
+    reference = resolve(REFERENCE)
+    cpu, cuda = memory.estimate_memory(reference, "cpu"), memory.estimate_memory(reference, "cuda")
     assert cpu.total > 24 * GIB  # what killed the README's snippet on a 24 GB machine
     # Measured on an H200 (torch 2.11, compiled): 0.53 GB of weights and moments, 17.38 GB more at its peak.
     assert 0.9 * 17.91e9 <= cuda.total <= 1.1 * 17.91e9
     assert cpu.activations > cuda.activations  # float32 and the dense path's C x C masks
 
 
-def test_the_seed_geometry_warns_on_a_small_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_reference_geometry_warns_on_a_small_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The README's old snippet, on a CPU machine with 8 GiB available: a MemoryWarning naming the fields to
     shrink, once (a second run counts without showing it again), and the run is still built."""
     monkeypatch.setattr(memory, "available_memory", lambda device: 8 * GIB)
     monkeypatch.setattr(memory, "_NOTICES", Notices())
     executor = Executor.cpu()
     with pytest.warns(MemoryWarning, match=r"batch\.max_rows_per_device \(64\) or batch\.max_columns_per_row") as shown:
-        trainer = Trainer.init_vram(executor, SEED)
+        trainer = Trainer.init_vram(executor, REFERENCE)
     trainer.close()
     assert "8.0 GiB available" in str(shown[0].message) and "out-of-memory killer" in str(shown[0].message)
     small = geometry(12, 512, 60, 1024, 240)  # still too large, overshooting less: counted, not shown
@@ -187,7 +187,7 @@ def test_a_fake_cuda_budget_refuses_before_anything_is_built(monkeypatch: pytest
 
     monkeypatch.setattr(uform.trainer, "Network", built)
     with pytest.raises(ValueError, match=r"^memory: .* on cuda:0 .* 8\.0 GiB available; shrink batch\.max_rows"):
-        Trainer.init_vram(executor, SEED)
+        Trainer.init_vram(executor, REFERENCE)
     # Weights dominate a deep, wide run with a small batch: depth and hidden come first.
     wide = resolve(geometry(48, 4096, 1, 64, 2))
     with pytest.raises(ValueError, match=r"shrink depth \(48\) or hidden \(4096\), then batch"):

@@ -1,4 +1,4 @@
-"""Packing invariants (DESIGN.md section 2) on random item sets: `plan` + `fill_text`, and `prepare`."""
+"""Packing invariants (docs/design.md §2) on random item sets: `plan` + `fill_text`, and `prepare`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """uform: one multimodal transformer tower, trained with masked, contrastive, late-interaction and
 calibrated-choice objectives, on one GPU or many, and served from the checkpoint it wrote.
 
-The names follow the Rust API page of UForm 4's trainer (see docs/); `DESIGN.md` fixes the Python shape.
+The names follow the Rust API page of UForm 4's trainer; docs/design.md says how, with the conventions the code
+pins, and docs/architecture.md draws the layers.
 """
 
 from typing import TYPE_CHECKING, Any

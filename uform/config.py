@@ -1,10 +1,11 @@
-"""The seed's configuration structs, field by field, and the one place their zeros are derived.
+"""The configuration structs of UForm 4's trainer API, field by field, and the one place their zeros are
+derived.
 
-Every struct is a keyword-only dataclass whose fields keep the seed's names and order and default to
+Every struct is a keyword-only dataclass whose fields keep the reference API's names and order and default to
 zero / empty / None, as the C structs they mirror. `resolve()` is the single, pure function that turns
-a user's config into the one a run uses: it applies every "zero derives" rule of the seed (in the
-visible derivation block below, one line per rule) and then checks every rule the seed states, raising
-`ValueError` naming the field. The resolved config is what a checkpoint stores.
+a user's config into the one a run uses: it applies every "zero derives" rule (in the visible derivation
+block below, one line per rule) and then checks every rule of a run, raising `ValueError` naming the
+field. The resolved config is what a checkpoint stores (docs/design.md §1).
 """
 
 from __future__ import annotations
@@ -257,11 +258,11 @@ class TrainerStepStats:
     its stats."""
     skipped: int = 0
     """Media items skipped because they could not be decoded or broke a limit, since the last step that
-    read its stats (a field this implementation adds to the seed's)."""
+    read its stats (a field this implementation adds to the reference API's)."""
     nonfinite: int = 0
     """Steps whose update was skipped on every process because their loss or gradients were not finite
     somewhere in the world (or their learning rate would carry the update out of float32), since the last step
-    that read its stats, this one included (a field this implementation adds to the seed's). A skipped step
+    that read its stats, this one included (a field this implementation adds to the reference API's). A skipped step
     keeps its number (the schedule and the draws move on) but changes no weight, moment or `steps_taken`."""
 
 
@@ -304,7 +305,7 @@ class TrainerSaveConfig:
 
 
 # --------------------------------------------------------------------------------------------------
-# resolve(): every "zero derives" rule, then every rule the seed states
+# resolve(): every "zero derives" rule, then every rule of a run
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -334,7 +335,7 @@ def resolve(config: TrainerInitVramConfig) -> TrainerInitVramConfig:
     sigmoid = pooled_form == PairLossForm.Sigmoid
     span = _or(li.max_query_span, 64)
 
-    # ---- the derivation block: one line per rule of the seed --------------------------------------
+    # ---- the derivation block: one line per rule ---------------------------------------------------
     batch = dataclasses.replace(
         b,
         image=dataclasses.replace(b.image, channels=_or(b.image.channels, 4)),
@@ -448,7 +449,7 @@ def _check_numbers(obj: Any, prefix: str = "") -> None:
         elif f.type in ("int", int):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-            if name != "seed" and not -(2**63) <= value < 2**63:  # the seed is unsigned, checked on its own
+            if name != "seed" and not -(2**63) <= value < 2**63:  # `seed` is unsigned, checked on its own
                 raise ValueError(f"{name}: must fit a signed 64-bit integer, got {value}")
         elif f.type in ("float", float):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -463,7 +464,7 @@ def _need(ok: bool, message: str) -> None:
 
 
 def check(r: TrainerInitVramConfig) -> None:
-    """Every rule of the seed over a resolved config; raises `ValueError` naming the field."""
+    """Every rule of a run over a resolved config; raises `ValueError` naming the field."""
     b = r.batch
     _need(r.depth > 0, f"depth: must be positive, got {r.depth}")
     _need(r.hidden > 0 and r.hidden % 128 == 0, f"hidden: must be a positive multiple of 128, got {r.hidden}")

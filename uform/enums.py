@@ -1,7 +1,7 @@
-"""The seed's enumerations, with its member names and integer values.
+"""The enumerations of UForm 4's trainer API, with its member names and integer values (docs/design.md §1).
 
-`Modality`, `Objective` and `Negatives` parse from and print as lower-case words, as the seed's
-`FromStr` / `Display` do; `PairLossForm`, `LateInteractionSide` and `Scalar` parse too, for the CLI.
+`Modality`, `Objective` and `Negatives` parse from and print as lower-case words, as the reference
+API's `FromStr` / `Display` do; `PairLossForm`, `LateInteractionSide` and `Scalar` parse too, for the CLI.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class PairLossForm(_Worded):
 class LateInteractionSide(_Worded):
     """Which side of a late-interaction score an item takes."""
 
-    # The seed's first member is `None`, a keyword in Python: it is spelled `None_` here and parses
+    # The reference API's first member is `None`, a keyword in Python: it is spelled `None_` here and parses
     # from the word "none".
     None_ = 0
     """The item takes no part in late interaction."""

@@ -2,8 +2,8 @@
 
 `Executor.for_vram([i])` names CUDA device i, in this process; `Executor.for_vram([0, 1, ...])` names
 several, each driven by a worker process of its own that is a rank of the run's world (`uform.fleet`).
-`Executor.cpu()` is the development executor the tests and CI use (the seed trains on GPUs only; the CPU
-path computes the same function in fp32 with the dense reference attention).
+`Executor.cpu()` is the development executor the tests and CI use (UForm 4's trainer API trains on GPUs
+only, docs/design.md §1; the CPU path computes the same function in fp32 with the dense reference attention).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ keyed by (seed, step, stream), so it answers the same arrays wherever and in wha
 
 In process (``host_processes=0``), the trainer's two host threads call `host_stage` themselves. Their Python and
 numpy work then shares the interpreter lock with the device thread, which launches the step's kernels: on an H200
-at the seed's geometry with 128 JPEGs a step, that costs 13-18% of the step (BENCHMARKS.md). `HostProcesses`
+at the reference geometry (docs/design.md §1) with 128 JPEGs a step, that costs 13-18% of the step (BENCHMARKS.md). `HostProcesses`
 moves the work out: the trainer's process keeps only the device stage and one copy of the finished arrays. The
 shape is PyTorch DataLoader's (worker processes that build whole batches; a pin-memory thread in the main process,
 `torch/utils/data/dataloader.py`), with two differences: a step is numbered when it is called, and its number keys

@@ -15,7 +15,7 @@ The estimate sums, in bytes:
   the device, float32 in the unit embedding's input, the normalised target and the reconstruction.
 
 The constants are measured, not derived from first principles (the next section says how); the estimate is
-meant to catch a geometry that cannot fit (the seed's on a CPU machine: about 60 GiB), not to size a
+meant to catch a geometry that cannot fit (the reference geometry's on a CPU machine: about 60 GiB), not to size a
 tight margin.
 """
 
@@ -45,13 +45,13 @@ CPU_MASK_BYTES = 4.0
 CPU_BACKWARD_BYTES = 32.0
 CPU_BACKWARD_MASK_BYTES = 8.0
 # CUDA (bf16 autocast, compiled, FlexAttention: no C x C term): peak allocated over a step beyond the weights
-# and moments, measured on an H200 (torch 2.11) at the seed's geometry and with rows, columns and depth
+# and moments, measured on an H200 (torch 2.11) at the reference geometry and with rows, columns and depth
 # halved and hidden doubled, linear in each: 42.3 bytes a block and 10.9 for the heads, gradients included
-# (4.6 of them at the seed's geometry), the transients of backward included.
+# (4.6 of them at the reference geometry), the transients of backward included.
 CUDA_BLOCK_BYTES = 42.5
 CUDA_HEAD_BYTES = 6.5
 # Late interaction: each device's MaxSim holds a few chunks at once (`losses.late.chunk_elements`); at the
-# seed's geometry with weight 0.5 the step peaked 1.25 GB above the same run without it (H200).
+# reference geometry with weight 0.5 the step peaked 1.25 GB above the same run without it (H200).
 LATE_CHUNKS = 2
 MEDIA_UNIT_BYTES = 14
 """Bytes per media value at capacity: uint8 on the host and the device, four float32 copies on the way in

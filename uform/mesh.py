@@ -1,8 +1,8 @@
-"""The mesh: every device of every host of a run, as one `torch.distributed` world (DESIGN.md section 4).
+"""The mesh: every device of every host of a run, as one `torch.distributed` world (docs/design.md §6).
 
 Each host's process calls `Mesh.bootstrap(executor, MeshOptions(host_domain_index=h, host_domain_count=n,
 directory=..., job=...))`. The hosts meet in files under `directory/job` (a directory every host sees, as
-the seed's `/shared/exchange`):
+the `/shared/exchange` of UForm 4's trainer API's example):
 
 1. Host 0 picks a fresh run id, creates `job/<run>/`, and publishes the id in `job/current.json` (written
    whole and renamed into place). Run directories of earlier runs of the job are removed.

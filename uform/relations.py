@@ -1,9 +1,9 @@
 """A step's contrastive targets: three edge sets over its items, checked and resolved into pair targets.
 
-`Edges` and `Relations` mirror the seed's `uform_edges_view_t` / `uform_relations_view_t`. `check_relations`
+`Edges` and `Relations` mirror UForm 4's trainer API's `uform_edges_view_t` / `uform_relations_view_t`. `check_relations`
 is the binding's check of a step's relations against its items (raising `ValueError` naming the field, or
 `TypeError` for a wrong type, and never changing its input); `pair_targets` resolves them, with the run's
-`Negatives`, into the dense per-pair sign and weight matrices the contrastive loss reads (DESIGN.md §3).
+`Negatives`, into the dense per-pair sign and weight matrices the contrastive loss reads (docs/design.md §5).
 """
 
 from __future__ import annotations

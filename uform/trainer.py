@@ -132,7 +132,7 @@ class Trainer:
         # GPU never waits on Python (the draws are keyed by the step number, which is fixed when the step is
         # called, so preparing ahead changes nothing). The host stage has two threads: while one waits for its
         # step's media in the decode pool, the other packs the step before (with 128 JPEGs beside text at the
-        # seed's geometry each half is about as long as the other; bench/data_wait.py). With host processes the
+        # reference geometry each half is about as long as the other; bench/data_wait.py). With host processes the
         # threads only send each step to a host process and copy its answer (each process prepares two at once).
         # Every thread of the trainer starts on the trainer's device: CUDA's current device is per thread
         # and a new thread's is device 0, so on any other device an event recorded or a stream read there
@@ -159,7 +159,7 @@ class Trainer:
             # blocks still differentiate; the heads and losses compile as a graph of their own (broken around
             # the embedding gather); the embedding lookup and the loop over the blocks run eagerly. Not the
             # default: on one host's NVLink the whole step's all-reduce takes ~1 ms, less than what the eager
-            # loop costs the host (2 x H200, seed geometry: 89.1% weak scaling against 95.9% for 'whole').
+            # loop costs the host (2 x H200, reference geometry: 89.1% weak scaling against 95.9% for 'whole').
             for block in self.network.tower.blocks:
                 block.compile(dynamic=False)
             self._losses = _split_step(self.network, torch.compile(self.network.heads, dynamic=False))
@@ -747,7 +747,7 @@ def default_host_processes(executor: Executor) -> int:
 
     On CUDA the device thread needs the interpreter lock to launch kernels and the in-process host stage's
     Python holds it. Measured on the H200 machine (`python bench/data_wait.py --executor cuda --host-processes
-    N`, 128 JPEGs beside 128 texts at the seed's geometry, fed instantly 57.8 ms/step): 92.3 ms/step in
+    N`, 128 JPEGs beside 128 texts at the reference geometry, fed instantly 57.8 ms/step): 92.3 ms/step in
     process, 75.1 ms/step through one host process. On the CPU the device stage's kernels run without the
     lock and a process would only cost its start."""
     return 1 if executor.device.type == "cuda" else 0

@@ -1,4 +1,4 @@
-"""Text span corruption for the masked objective (DESIGN.md section 3).
+"""Text span corruption for the masked objective (docs/design.md §5).
 
 Shape legend: R rows, C columns, P covered positions of the step.
 

@@ -9,7 +9,7 @@ Packing is two stages so that every modality shares one planner:
    segment lands: a row, a first column and a slot. Integers only. A segment longer than a row is cut
    at the row's width and counted in `truncated`; a segment for which the step has no room (rows,
    segments or bags) is dropped whole and counted in `dropped`. Bags are visited in a keyed shuffled
-   order (the seed's "shuffle"), so that which items an overfull step drops is fair and reproducible;
+   order (the reference API's "shuffle"), so that which items an overfull step drops is fair and reproducible;
    the items of a bag are visited one after another, in the caller's order, and each lands first-fit
    in the lowest row with room. Slots are numbered in (row, column) order, so segment ids grow along
    every row.

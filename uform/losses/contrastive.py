@@ -1,4 +1,4 @@
-"""The contrastive pair losses of DESIGN.md §3, as pure functions over tensors.
+"""The contrastive pair losses of docs/design.md §5, as pure functions over tensors.
 
 Shape legend (annotated inline as `[N, M]`):
     N  rows: the anchors, one per slot of this process's step (each may be an invalid, empty slot)

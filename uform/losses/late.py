@@ -109,7 +109,7 @@ def block_layout(document_of: Tensor, columns: int, block: int = BLOCK, longest:
     Every shape is static (Dt, Dd, `block`, `longest`); nothing reads a value back to the host. `longest` is
     a bound on any column's token count (the caller's capacities: a document is at most one row); it is
     checked in eager CPU calls and trusted elsewhere. Cost: a stable sort of Dt tags and a few passes over
-    Dt and Nb (microseconds on a GPU at the seed's capacities).
+    Dt and Nb (microseconds on a GPU at the reference geometry's capacities).
     """
     of = document_of.long()
     d_tokens = of.shape[0]

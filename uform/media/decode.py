@@ -45,7 +45,7 @@ def decode_item(kind: str, data: bytes, geometry: dict[str, Any], max_units: int
     """Decodes one item of `kind` ("image", "video" or "audio") into at most `max_units` units.
 
     `geometry` holds the run's shape slice of that modality (patch_side, channels, tube_frames,
-    frame_stride, chunk_samples, sample_rate, as the seed's ImageShape / VideoShape / AudioShape name them).
+    frame_stride, chunk_samples, sample_rate, as the reference API's ImageShape / VideoShape / AudioShape name them).
     """
     # The decoding libraries load here, in the worker processes, not where a trainer is merely built.
     from .audio import audio_units

@@ -224,7 +224,7 @@ class Network(nn.Module):
         )
 
     def total(self, terms: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The per-term means and the weighted total the step minimises (DESIGN.md section 3)."""
+        """The per-term means and the weighted total the step minimises (docs/design.md §5)."""
         masking = self.config.masking
         text = terms["masked_text_sum"] / terms["masked_text_count"].clamp_min(1)
         contrastive = terms["contrastive_sum"] / terms["contrastive_anchors"].clamp_min(1)
@@ -234,7 +234,7 @@ class Network(nn.Module):
             term = terms[f"masked_{kind}_sum"] / terms[f"masked_{kind}_count"].clamp_min(1)
             out[f"masked_{kind}_loss"] = term
             loss = loss + getattr(masking, f"{kind}_weight") * term
-        if "late_interaction_sum" in terms:  # reported weighted, as the seed says
+        if "late_interaction_sum" in terms:  # reported weighted, as UForm 4's trainer API reports it
             late = terms["late_interaction_sum"] / terms["late_interaction_anchors"].clamp_min(1)
             out["late_interaction_loss"] = self.config.late_interaction.weight * late
             loss = loss + out["late_interaction_loss"]
