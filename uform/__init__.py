@@ -4,6 +4,7 @@ calibrated-choice objectives, on one GPU or many, and served from the checkpoint
 The names follow the Rust API page of UForm 4's trainer (see docs/); `DESIGN.md` fixes the Python shape.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 # Names resolve lazily (PEP 562), so that a media decoding worker process, which imports
@@ -55,9 +56,7 @@ _WHERE = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        import importlib
-
+    if name in _WHERE:  # the package's one lazy import (PEP 562; why: above `_WHERE`)
         value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
         globals()[name] = value
         return value
