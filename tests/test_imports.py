@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
+
+import uform
 
 
 def _loaded(code: str, modules: tuple[str, ...]) -> list[str]:
@@ -19,3 +23,131 @@ def test_a_text_trainer_does_not_import_media_libraries() -> None:
 
 def test_the_decode_pool_module_does_not_import_torch() -> None:
     assert _loaded("import uform.media.pool, uform.media.decode", ("torch",)) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# The import graph: no loop among uform's modules, counting the imports inside functions too
+
+
+PACKAGE = Path(uform.__file__).resolve().parent
+
+ALLOWED_LOCAL_IMPORTS = {
+    (
+        "uform.host",
+        "torch",
+    ): "only the trainer's process adopts a host process's answer; host processes never load torch",
+    ("uform.data.batch", "torch"): "a host process packs batches without torch; only the trainer's makes tensors",
+    ("uform.media.decode", "uform.media.audio"): "optional heavy decoders load in the decode workers, on need",
+    ("uform.media.decode", "uform.media.image"): "optional heavy decoders load in the decode workers, on need",
+    ("uform.media.decode", "uform.media.video"): "optional heavy decoders load in the decode workers, on need",
+    ("uform.media.pool", "uform.child"): "the pool's module loads standalone from its file, stdlib only, no uform",
+    ("uform.demo", "pydoc_data.topics"): "the demo's text (a megabyte of CPython's docs) loads when a demo runs",
+}
+"""Every import inside a function of uform, with why it is there: a new one (one that dodges a loop, say) fails
+`test_no_import_inside_a_function_but_the_listed_ones` until it is listed here with its reason. The lazy names
+of `uform` and `uform.media` (PEP 562) go through `importlib.import_module`, which is no import statement."""
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _targets(node: ast.Import | ast.ImportFrom, name: str, is_package: bool) -> set[str]:
+    """The modules an import statement of module `name` names (for `from x import y`: x, and x.y in case y
+    is a module)."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names}
+    if node.level:
+        base = name.split(".") if is_package else name.split(".")[:-1]
+        anchor = base[: len(base) - node.level + 1]
+        target = ".".join(anchor + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    return {target} | {f"{target}.{alias.name}" for alias in node.names}
+
+
+def _imports() -> tuple[dict[str, set[str]], set[tuple[str, str]]]:
+    """uform's import graph (module -> the uform modules it imports, anywhere in its text: at the top, under
+    TYPE_CHECKING, inside functions) and the (module, target) pairs of the imports inside functions."""
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    local: set[tuple[str, str]] = set()
+    for name, path in files.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        found: set[str] = set()
+        inside: set[int] = set()  # ids of the import statements within a function's body
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                inside.update(id(n) for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom)))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                targets = _targets(node, name, path.name == "__init__.py")
+                found |= targets
+                if id(node) in inside:  # the module it names: x of `from x import y`, each x of `import x`
+                    named = _targets(node, name, path.name == "__init__.py") if isinstance(node, ast.Import) else None
+                    local |= {(name, t) for t in (named or {min(targets, key=len)})}
+        # A module's own package (`from . import vocab` names uform itself) is no edge of the graph.
+        graph[name] = {t for t in found if t in files and t != name and not name.startswith(t + ".")}
+    return graph, local
+
+
+def _loops(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    loops: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                loops.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return loops
+
+
+def test_the_graph_check_finds_a_loop_it_is_shown() -> None:
+    """The check itself: a loop through a function-local import is one."""
+    assert _loops({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _loops({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_loop_among_uform_modules() -> None:
+    graph, _ = _imports()
+    assert "uform.trainer" in graph and "uform.fleet" in graph["uform.trainer"]  # the graph is uform's
+    assert _loops(graph) == []
+
+
+def test_no_import_inside_a_function_but_the_listed_ones() -> None:
+    _, local = _imports()
+    assert sorted(local - set(ALLOWED_LOCAL_IMPORTS)) == []
+    assert sorted(set(ALLOWED_LOCAL_IMPORTS) - local) == []  # a reason for an import that is gone: drop it
+
+
+def test_the_runtime_layers_only_point_down() -> None:
+    """executor -> fleet (the worker processes) knows nothing above; the mesh nothing of the trainer."""
+    graph, _ = _imports()
+    assert graph["uform.fleet"] & {"uform.executor", "uform.mesh", "uform.trainer"} == set()
+    assert graph["uform.executor"] & {"uform.mesh", "uform.trainer"} == set()
+    assert "uform.trainer" not in graph["uform.mesh"]

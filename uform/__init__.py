@@ -5,6 +5,7 @@ The names follow the Rust API page of UForm 4's trainer; docs/design.md says how
 pins, and docs/architecture.md draws the layers.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 # Names resolve lazily (PEP 562), so that a media decoding worker process, which imports
@@ -56,9 +57,7 @@ _WHERE = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        import importlib
-
+    if name in _WHERE:  # the package's one lazy import (PEP 562; why: above `_WHERE`)
         value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
         globals()[name] = value
         return value

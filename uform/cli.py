@@ -13,6 +13,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from . import __version__
+from .demo import DEFAULTS, run_demo
+from .executor import Executor
+
 __all__ = ["build_parser", "main"]
 
 
@@ -31,8 +35,6 @@ def _natural(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .demo import DEFAULTS
-
     parser = argparse.ArgumentParser(
         prog="uform", description="uform: one multimodal transformer tower, trained and served."
     )
@@ -78,13 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(stop.code or 0)
 
     if args.command == "version":
-        from . import __version__
-
         print(f"uform {__version__}")
         return 0
-
-    from .demo import run_demo
-    from .executor import Executor
 
     try:
         run_demo(

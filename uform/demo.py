@@ -98,7 +98,7 @@ def _prose(paragraph: str) -> bool:
 
 def load_paragraphs() -> list[str]:
     """The prose paragraphs of CPython's `pydoc_data.topics`, whitespace-normalised, each once, in topic order."""
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics  # local: a megabyte of CPython's docs, loaded when a demo runs
 
     found: dict[str, None] = {}
     for name in sorted(topics):

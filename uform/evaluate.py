@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .enums import LateInteractionSide, Modality
+from .serve import Model
 
 __all__ = ["encode_texts", "evaluate_retrieval", "ranking_metrics", "retrieval_metrics"]
 
@@ -228,8 +229,6 @@ def encode_texts(trainer: Any, texts: Sequence[bytes | str], chunk: int = 256) -
     without gradients (bf16 autocast on CUDA, as in training) and is put back in the mode it was in;
     weights, optimizer and step are untouched.
     """
-    from .serve import Model
-
     if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
         raise ValueError(f"texts: expected a sequence of bytes or str, got {type(texts).__name__}")
     if not _is_int(chunk) or chunk < 1:

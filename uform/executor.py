@@ -2,19 +2,21 @@
 
 `Executor.for_vram([i])` names CUDA device i, in this process; `Executor.for_vram([0, 1, ...])` names
 several, each driven by a worker process of its own that is a rank of the run's world (`uform.fleet`).
+An executor only names its devices and owns those processes: what they run is sent to them by the layers
+above (`uform.mesh`, `uform.trainer`), which this module never imports.
 `Executor.cpu()` is the development executor the tests and CI use (UForm 4's trainer API trains on GPUs
 only, docs/design.md §1; the CPU path computes the same function in fp32 with the dense reference attention).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import weakref
 from collections.abc import Sequence
-from typing import Any
 
 import torch
+
+from .fleet import Fleet
 
 
 class Executor:
@@ -26,12 +28,10 @@ class Executor:
         if _token is not _PRIVATE:
             raise TypeError("Executor: make one with Executor.cpu() or Executor.for_vram([...])")
         self.devices = tuple(devices)
-        self._fleet: Any = None
+        self._fleet: Fleet | None = None
         self.joined = False
-        """Whether this executor's workers belong to a world now (one mesh at a time)."""
+        """Whether this executor's workers belong to a world now (one mesh at a time; `uform.mesh` sets it)."""
         if _workers:
-            from .fleet import Fleet
-
             self._fleet = Fleet(self.devices, _threads)
             weakref.finalize(self, self._fleet.close)
 
@@ -69,31 +69,13 @@ class Executor:
         """Whether this executor drives its devices through worker processes (several devices)."""
         return self._fleet is not None
 
-    def join_workers(self, *world: Any) -> None:
-        """Makes worker i the rank `ranks[i]` of the world a rendezvous formed (see `Mesh.bootstrap`)."""
-        from .world import MeshError
-
-        if self.joined:
-            raise MeshError("mesh: this executor's devices already belong to a mesh; close it first")
-        spec, ranks, size, timeout, hosts_of, description, tier = world
-        commands = [("join", (spec, rank, size, timeout, hosts_of, description, tier)) for rank in ranks]
-        futures = self._fleet.call(commands)
-        errors = []
-        for future in futures:
-            try:
-                future.result()
-            except BaseException as error:
-                errors.append(error)
-        if errors:
-            with contextlib.suppress(Exception):
-                self._fleet.everyone("leave")
-            raise errors[0]
-        self.joined = True
-
-    def leave_workers(self) -> None:
-        """The workers leave their world (their trainers close)."""
-        self.joined = False
-        self._fleet.everyone("leave")
+    @property
+    def workers(self) -> Fleet:
+        """The worker processes of an executor of several devices (started on first use); the mesh joins them
+        to its world and the trainer sends them its steps. Refused for an executor of one device."""
+        if self._fleet is None:
+            raise ValueError(f"executor: {self} drives its device in this process; it has no worker processes")
+        return self._fleet
 
     def close(self) -> None:
         """Stops the worker processes of an executor of several devices (a no-op otherwise)."""

@@ -1,6 +1,11 @@
-"""An executor of several devices: one worker process per device, each a rank of the run's world.
+"""The worker processes of an executor of several devices (one per device, each a rank of the run's world), and
+how a step travels to them and back.
 
 Shape legend: N items of a step, D the devices of the executor (its workers), H hidden.
+
+This module is the runtime beneath the executor: it knows nothing of meshes or trainers. Each command names
+its `Verb`, owned by the module that sends it (`uform.mesh` joins and leaves the world, `uform.trainer`'s
+fleet trainer builds, steps and saves), so the layers only point down: trainer -> mesh -> executor -> fleet.
 
 The calling process keeps no replica. A step's items are checked here, routed to the devices by bag (a bag
 never splits; bags balance across devices by their size, greedily, largest first: Graham's LPT rule),
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import itertools
 import multiprocessing
@@ -46,17 +52,14 @@ import numpy as np
 import torch
 
 from . import vocab
-from .arena import Arena
 from .checkpoint import CheckpointError, ProgressCallback, Stopped
 from .child import Child
-from .config import TrainerInitVramConfig, TrainerStepConfig, TrainerStepStats
+from .config import TrainerStepStats
 from .data.items import ChoiceTapes
-from .enums import Modality, Objective
+from .enums import Modality
 from .host import HostProcessError
 from .media.limits import MediaError
 from .notices import Notices
-from .relations import edge_limit, first_crossing, restrict
-from .trainer import Deferred, On, Trainer, check_step, resolve_run, save_config
 from .world import MeshError
 
 _ERRORS: dict[str, type[BaseException]] = {
@@ -108,6 +111,12 @@ def item_sizes(modalities: Sequence[Modality], contents: Sequence[Any], columns:
 # --------------------------------------------------------------------------------------------------
 # The calling process's side
 
+
+Verb = Callable[[dict[str, Any], torch.device, Any, ProgressCallback], Any]
+"""What a worker runs for a command: verb(state, device, argument, progress) on the worker's main thread, with the
+worker's state ("trainer", "mesh": each closed when the worker exits; "retired": segments of steps done). It
+answers the command's value, or a `Future` of it. It crosses the pipe by reference, so it is a module-level
+function of uform's (the worker imports its module)."""
 
 _GO, _STOP, _RAISED = "go", "stop", "raised"
 """A report's verdict: go on, stop (the callback answered False), or stop for an exception of the callback."""
@@ -167,7 +176,7 @@ class ProgressRelay:
             self._reply(index, ident, verdict)
 
 
-def _failure(futures: Sequence[Future], relay: ProgressRelay | None = None) -> BaseException | None:
+def first_failure(futures: Sequence[Future], relay: ProgressRelay | None = None) -> BaseException | None:
     """What a call over the workers raises once every worker answered, None if none failed: the progress
     callback's own exception where it raised (the workers only stopped for it), else a device's own error
     ahead of its peers' MeshErrors (a stalled world follows from the error that stalled it)."""
@@ -253,7 +262,7 @@ class Fleet:
                 kind, message = value
                 future.set_exception(_ERRORS.get(kind, RuntimeError)(message))
 
-    def call(self, commands: Sequence[tuple[str, Any]], relay: ProgressRelay | None = None) -> list[Future]:
+    def call(self, commands: Sequence[tuple[Verb, Any]], relay: ProgressRelay | None = None) -> list[Future]:
         """Sends command i to worker i (all under one lock, so every worker sees the calls in one order);
         the workers' progress reports for these commands go to `relay`."""
         self.start()
@@ -277,7 +286,7 @@ class Fleet:
                 futures.append(future)
         return futures
 
-    def everyone(self, verb: str, argument: Any = None, relay: ProgressRelay | None = None) -> list[Any]:
+    def everyone(self, verb: Verb, argument: Any = None, relay: ProgressRelay | None = None) -> list[Any]:
         """The same command to every worker; answers their values or raises the first error (the progress
         callback's own exception where it raised)."""
         futures = self.call([(verb, argument)] * len(self.devices), relay)
@@ -326,7 +335,7 @@ class Fleet:
         self.started = False
 
 
-def _merge(
+def merge_answers(
     futures: list[Future],
     plan: list[np.ndarray],
     count: int,
@@ -343,7 +352,7 @@ def _merge(
     lock = threading.Lock()
 
     def finish() -> None:
-        failure = _failure(futures)
+        failure = first_failure(futures)
         if failure is not None:
             done.set_exception(failure)
             return
@@ -386,7 +395,9 @@ def _merge(
     return done
 
 
-def _share(segment: list[shared_memory.SharedMemory], contents: Sequence[Any], items: np.ndarray) -> dict[str, Any]:
+def share_items(
+    segment: list[shared_memory.SharedMemory], contents: Sequence[Any], items: np.ndarray
+) -> dict[str, Any]:
     """Copies the bytes of `items` into one new shared-memory segment (the only copy they take on their
     way to the worker); answers its name and the offsets of every item in it."""
     lengths = np.array([len(contents[i]) for i in items], dtype=np.int64)
@@ -402,210 +413,12 @@ def _share(segment: list[shared_memory.SharedMemory], contents: Sequence[Any], i
     return {"name": memory.name, "offsets": offsets}
 
 
-def _release(segments: list[shared_memory.SharedMemory]) -> None:
+def release_segments(segments: list[shared_memory.SharedMemory]) -> None:
     for memory in segments:
         with contextlib.suppress(Exception):
             memory.close()
         with contextlib.suppress(Exception):
             memory.unlink()
-
-
-def _fleet_of(executor: Any) -> Fleet:
-    return executor._fleet  # type: ignore[no-any-return]
-
-
-class FleetTrainer(Trainer):
-    """A trainer over an executor of several devices: the same verbs, each device's replica in its worker.
-
-    Made by `Trainer.init_vram` when its executor has several devices; see the module's docstring.
-    """
-
-    def __init__(self, executor: Any, config: TrainerInitVramConfig, mesh: Any, owns_mesh: bool) -> None:
-        # No replica here: Trainer.__init__ (a network, threads) is not for the calling process.
-        self.executor = executor
-        self.config = config
-        self.mesh = mesh
-        self._owns_mesh = owns_mesh
-        self._fleet = _fleet_of(executor)
-        self._steps = 0
-        self.closed = False
-        self._lock = threading.Lock()
-        self.notices = Notices()
-        """The run's warnings, each kind shown once here and counted over every device (the workers hold
-        theirs back and send them with each step's answer)."""
-
-    @classmethod
-    def start(
-        cls,
-        executor: Any,
-        config: TrainerInitVramConfig,
-        media: Any,
-        host_processes: int | None = None,
-        world_compile: str = "whole",
-    ) -> Any:
-        from .mesh import Mesh, MeshOptions
-
-        resolved, _stored = resolve_run(config)
-        mesh, owns = config.mesh, False
-        if mesh is None:  # this process alone: a world of its own devices
-            mesh, owns = Mesh.bootstrap(executor, MeshOptions(job="local")), True
-        fleet = _fleet_of(executor)
-        # The callback stays here (it need not pickle); every worker reads the checkpoint with a stand-in that
-        # relays its reports, merged into one device's (see the module's docstring).
-        shipped = dataclasses.replace(config, mesh=None, progress=None)
-        relayed = config.progress is not None
-        try:
-            steps = fleet.everyone(
-                "init", (shipped, media, host_processes, world_compile, relayed), fleet.relay(config.progress)
-            )
-        except BaseException:
-            with contextlib.suppress(BaseException):
-                fleet.everyone("close_trainer")
-            if owns:
-                mesh.close()
-            raise
-        trainer = cls(executor, dataclasses.replace(resolved, mesh=config.mesh), mesh, owns)
-        trainer._steps = steps[0]
-        mesh._borrow(trainer)
-        return trainer
-
-    # ---- the verbs -----------------------------------------------------------------------------------
-
-    def on(self, executor: Any) -> _FleetOn:  # type: ignore[override]
-        self._check_executor(executor)
-        return _FleetOn(self)
-
-    def deferred(self, executor: Any) -> _FleetDeferred:  # type: ignore[override]
-        self._check_executor(executor)
-        return _FleetDeferred(self)
-
-    @property
-    def steps_taken(self) -> int:
-        return self._steps
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        with contextlib.suppress(BaseException):
-            self._fleet.everyone("close_trainer")
-        self.closed = True
-        if self.mesh is not None:
-            self.mesh._release(self)
-            if self._owns_mesh:
-                self.mesh.close()
-
-    def _check_executor(self, executor: Any) -> None:
-        if executor is not self.executor:
-            raise ValueError(f"executor: this trainer runs on {self.executor}, not {executor}")
-
-    # ---- steps -----------------------------------------------------------------------------------------
-
-    def _submit(self, modalities: Any, contents: Any, config: TrainerStepConfig | None) -> Future:
-        if self.closed:
-            raise ValueError("trainer: it was closed")
-        devices = len(self._fleet.devices)
-        checked = check_step(self.config, modalities, contents, config, False, edge_factor=devices)
-        count = len(checked.modalities)
-        bags = checked.bags if checked.bags is not None else np.arange(count)
-        if self.config.objective != Objective.Masked:
-            crossing = first_crossing(checked.relations, count, bags)
-            if crossing is not None:
-                name, i, j = crossing
-                raise ValueError(
-                    f"relations.{name}: items {i} and {j} are in different bags; on an executor of several "
-                    "devices an edge joins items of one bag (a bag is what lands on one device)"
-                )
-        sizes = item_sizes(checked.modalities, checked.contents, self.config.batch.max_columns_per_row)
-        plan = route(sizes, bags, devices)
-        limit, words = edge_limit(self.config)
-        shares = [restrict(checked.relations, items, count) for items in plan]
-        if self.config.objective != Objective.Masked:
-            for d, relations in enumerate(shares):
-                for name in ("attract", "repel", "ignore"):
-                    edges = len(getattr(relations, name).ids)
-                    if edges > limit:
-                        raise ValueError(
-                            f"relations.{name}: device {d} takes {edges} edges of the step, more than {words}"
-                        )
-        segments: list[shared_memory.SharedMemory] = []
-        commands = []
-        try:
-            for items, relations in zip(plan, shares, strict=True):
-                shared = _share(segments, checked.contents, items)
-                commands.append(
-                    (
-                        "step",
-                        {
-                            **shared,
-                            "modalities": [int(checked.modalities[i]) for i in items],
-                            "bags": bags[items],
-                            "groups": None if checked.groups is None else checked.groups[items],
-                            "sides": None if checked.sides is None else [int(checked.sides[i]) for i in items],
-                            "choices": None if checked.choices is None else _choice_share(checked.choices, items),
-                            "relations": relations,
-                            "items": items,
-                            "stats": checked.stats is not None,
-                            "arena": checked.arena is not None,
-                        },
-                    )
-                )
-            futures = self._fleet.call(commands)
-        except BaseException:
-            _release(segments)
-            raise
-        done = _merge(futures, plan, count, checked, self._count, self.notices)
-        done.add_done_callback(lambda _: _release(segments))
-        return done
-
-    def _count(self, steps: int) -> None:
-        with self._lock:
-            self._steps = steps
-
-    def _save(self, config: Any) -> Future:
-        if self.closed:
-            raise ValueError("trainer: it was closed")
-        saved = save_config(config)
-        # Only the worker of rank 0 writes, so its reports are the ones relayed (the others make none).
-        shipped = (dataclasses.replace(saved, progress=None), saved.progress is not None)
-        relay = self._fleet.relay(saved.progress)
-        futures = self._fleet.call([("save", shipped)] * len(self._fleet.devices), relay)
-        done: Future = Future()
-        done.set_running_or_notify_cancel()
-        finished = threading.Lock()
-
-        def all_done(_: Future) -> None:
-            with finished:  # the last two workers may answer at once, on their readers
-                if not all(f.done() for f in futures) or done.done():
-                    return
-                failure = _failure(futures, relay)
-                if failure is not None:
-                    done.set_exception(failure)
-                else:
-                    done.set_result(None)
-
-        for f in futures:
-            f.add_done_callback(all_done)
-        return done
-
-
-class _FleetOn(On):
-    trainer: FleetTrainer
-
-    def step(self, modalities: Any, contents: Any, config: TrainerStepConfig | None = None) -> torch.Tensor | None:
-        return self.trainer._submit(modalities, contents, config).result()
-
-    def save(self, config: Any) -> None:
-        self.trainer._save(config).result()
-
-
-class _FleetDeferred(Deferred):
-    trainer: FleetTrainer
-
-    def step(self, modalities: Any, contents: Any, config: TrainerStepConfig | None = None) -> Future:
-        return self.trainer._submit(modalities, contents, config)
-
-    def save(self, config: Any) -> Future:
-        return self.trainer._save(config)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -657,7 +470,10 @@ class _Verdicts:
 
 
 def serve(pipe: Any, device_name: str, threads: int) -> None:
-    """A worker's loop: commands in order, answers as they complete (steps answer when done)."""
+    """A worker's loop: commands in order, answers as they complete (steps answer when done).
+
+    A command's verb is a `Verb`: the module that sends it owns what it does (the mesh joins and leaves a world,
+    the trainer builds, steps and saves), so this loop knows none of them."""
     if threads:
         torch.set_num_threads(threads)
     device = torch.device(device_name)
@@ -697,17 +513,26 @@ def serve(pipe: Any, device_name: str, threads: int) -> None:
                 return
 
     threading.Thread(target=read, daemon=True, name="uform-worker-reader").start()
+
+    def resolved(ident: int, value: Future) -> None:
+        try:
+            answer(ident, "ok", value.result())
+        except BaseException as error:
+            fail(ident, error)
+
     while True:
         ident, verb, argument = commands.get()
         if verb == "exit":
             break
         try:
-            if verb == "step":
-                _worker_step(state, ident, argument, answer, fail)
-                continue
-            answer(ident, "ok", _WORKER_VERBS[verb](state, device, argument, verdicts.callback(ident)))
+            value = verb(state, device, argument, verdicts.callback(ident))
         except BaseException as error:
             fail(ident, error)
+            continue
+        if isinstance(value, Future):  # answered once done (a step): the next command need not wait for it
+            value.add_done_callback(functools.partial(resolved, ident))
+        else:
+            answer(ident, "ok", value)
     trainer = state["trainer"]
     if trainer is not None:
         with contextlib.suppress(BaseException):
@@ -724,137 +549,7 @@ def serve(pipe: Any, device_name: str, threads: int) -> None:
             memory._mmap = None  # type: ignore[attr-defined]
 
 
-def _worker_join(state: dict[str, Any], device: torch.device, argument: Any, progress: Any) -> None:
-    from .executor import Executor
-    from .mesh import Mesh, join, nccl_defaults
-
-    world_spec, rank, size, timeout, hosts_of, description, tier = argument
-    if device.type == "cuda":
-        nccl_defaults(tier)
-        executor = Executor.for_vram([device.index or 0])
-    else:
-        executor = Executor.cpu()
-    world = join(world_spec, rank, size, device, timeout, hosts_of)
-    mesh = Mesh._member(executor, dataclasses.replace(description, ranks=(rank,)), world)
-    state["mesh"] = mesh
-
-
-def _worker_leave(state: dict[str, Any], device: torch.device, argument: Any, progress: Any) -> None:
-    if state["trainer"] is not None:
-        state["trainer"].close()
-        state["trainer"] = None
-    if state["mesh"] is not None:
-        state["mesh"].close()
-        state["mesh"] = None
-
-
-def _worker_init(state: dict[str, Any], device: torch.device, argument: Any, progress: ProgressCallback) -> int:
-    from .trainer import Trainer
-
-    config, media, host_processes, world_compile, relayed = argument
-    mesh = state["mesh"]
-    if mesh is None:
-        raise MeshError("mesh: this device's worker belongs to no world; bootstrap a mesh over the executor first")
-    if state["trainer"] is not None:  # dropped before the new one is made: a failed init leaves none behind
-        state["trainer"].close()
-        state["trainer"] = None
-    run = dataclasses.replace(config, mesh=mesh, progress=progress if relayed else None)
-    trainer = Trainer.init_vram(
-        mesh.executor, run, media=media, host_processes=host_processes, world_compile=world_compile
-    )
-    trainer.notices = Notices(relay=True)  # the user is in the calling process: warnings go there, once
-    state["trainer"] = trainer
-    return trainer.steps_taken
-
-
-def _worker_close_trainer(state: dict[str, Any], device: torch.device, argument: Any, progress: Any) -> None:
-    if state["trainer"] is not None:
-        state["trainer"].close()
-        state["trainer"] = None
-
-
-def _worker_save(state: dict[str, Any], device: torch.device, argument: Any, progress: ProgressCallback) -> None:
-    trainer = state["trainer"]
-    if trainer is None:
-        raise ValueError("trainer: none was made on this executor")
-    config, relayed = argument
-    trainer.save(dataclasses.replace(config, progress=progress if relayed else None))
-
-
-_WORKER_VERBS = {
-    "join": _worker_join,
-    "leave": _worker_leave,
-    "init": _worker_init,
-    "close_trainer": _worker_close_trainer,
-    "save": _worker_save,
-}
-
-
-def _worker_step(state: dict[str, Any], ident: int, argument: dict[str, Any], answer: Any, fail: Any) -> None:
-    """Submits the step to this worker's trainer over the shared bytes (no copy) and answers when done."""
-
-    trainer: Trainer = state["trainer"]
-    retired: list[shared_memory.SharedMemory] = state["retired"]
-    for old in list(retired):  # segments of earlier steps, closed once nothing reads them any more
-        with contextlib.suppress(BufferError):
-            old.close()
-            retired.remove(old)
-    memory = _attach(argument["name"])
-    offsets = argument["offsets"]
-    view = memory.buf
-    assert view is not None
-    contents = [view[offsets[k] : offsets[k + 1]] for k in range(len(offsets) - 1)]
-
-    def release() -> None:
-        contents.clear()
-        retired.append(memory)  # the calling process unlinks it; the mapping goes with its last view
-
-    try:
-        if trainer is None:
-            raise ValueError("trainer: none was made on this executor")
-        stats = TrainerStepStats() if argument["stats"] else None
-        arena = Arena() if argument["arena"] else None
-        config = TrainerStepConfig(
-            bags=argument["bags"],
-            temperature_groups=[] if argument["groups"] is None else argument["groups"],
-            sides=[] if argument["sides"] is None else argument["sides"],
-            choices=((), ()) if argument["choices"] is None else argument["choices"][:2],
-            choice_targets=((), ()) if argument["choices"] is None else argument["choices"][2:],
-            relations=argument["relations"],
-            stats=stats,
-            arena=arena,
-        )
-        checked = trainer._check_step(argument["modalities"], contents, config, copy_buffers=False)
-        checked.origin = argument["items"]  # warnings name the caller's items
-        future = trainer._submit_step(checked)
-    except BaseException as error:
-        release()
-        fail(ident, error)
-        return
-
-    def done(f: Future) -> None:
-        try:
-            f.result()
-            # The updates applied as far as this step (its answer resolved its skip): `steps_taken` would wait
-            # for the device work of the steps queued behind it.
-            steps = trainer._step_count
-            value: dict[str, Any] = {"stats": None, "embeddings": None, "present": None, "steps": steps}
-            value["notices"] = trainer.notices.drain()
-            if stats is not None:
-                value["stats"] = dataclasses.asdict(stats)
-            if arena is not None and arena.embeddings is not None:
-                value["embeddings"] = arena.embeddings.float().numpy()
-                value["present"] = arena.present.numpy() if arena.present is not None else None
-            release()
-            answer(ident, "ok", value)
-        except BaseException as error:
-            release()
-            fail(ident, error)
-
-    future.add_done_callback(done)
-
-
-def _attach(name: str) -> shared_memory.SharedMemory:
+def attach_segment(name: str) -> shared_memory.SharedMemory:
     """The calling process's segment `name`, mapped here and left to the caller: this worker has a resource
     tracker of its own (it is not a multiprocessing child), which must not unlink the segment when it exits."""
     if sys.version_info >= (3, 13):
@@ -864,7 +559,7 @@ def _attach(name: str) -> shared_memory.SharedMemory:
     return memory
 
 
-def _choice_share(
+def choice_share(
     choices: ChoiceTapes, items: Sequence[int] | np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One device's part of a step's checked choices: (data, offsets, targets, offsets) tapes of `items`."""

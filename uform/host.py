@@ -203,7 +203,7 @@ def host_stage(
 def adopt(answer: HostAnswer, pin: bool) -> dict[str, torch.Tensor]:
     """The host tensors of an answer whose arrays may be views of a slab: each array copied once (into
     page-locked memory when `pin`), and the batch made to hold those copies (`Batch.adopt`)."""
-    import torch
+    import torch  # local: only the trainer's process adopts answers; a host process never loads torch
 
     host = answer.batch.host_tensors(pin, copy=True)
     for name, table in answer.tables.items():

@@ -28,6 +28,8 @@ import torch
 
 from .config import TrainerInitVramConfig
 from .data.batch import media_features
+from .losses.late import chunk_elements
+from .model.network import Network
 from .notices import MemoryWarning, Notices
 
 # ---- measured constants: bytes per (position x hidden) ---------------------------------------------
@@ -94,8 +96,6 @@ class MemoryEstimate:
 
 def parameter_count(config: TrainerInitVramConfig) -> int:
     """The weights of the run's network, counted on the meta device (shapes only, nothing allocated)."""
-    from .model.network import Network
-
     with torch.device("meta"):
         network = Network(config)
     return sum(p.numel() for p in network.parameters())
@@ -116,8 +116,6 @@ def estimate_memory(config: TrainerInitVramConfig, device_type: str) -> MemoryEs
         activations += positions * config.hidden * CPU_BACKWARD_BYTES
     li = config.late_interaction
     if li.weight > 0:
-        from .losses.late import chunk_elements
-
         tokens = li.max_query_tokens_per_device + li.max_document_tokens_per_device
         activations += tokens * li.width * 4 * 4  # projected, normalised, and their gradients, float32
         activations += li.max_query_tokens_per_device * li.max_documents_per_device * 8  # argmax, int64

@@ -650,7 +650,9 @@ class Mesh:
         hosts_of = [r // per_host for r in range(size)]
         if executor.has_workers():
             spec = {k: v for k, v in world.items() if not k.startswith("_")}
-            executor.join_workers(spec, ranks, size, options.timeout_seconds, hosts_of, description, options.multimem)
+            _join_workers(
+                executor, (spec, ranks, size, options.timeout_seconds, hosts_of, description, options.multimem)
+            )
         else:
             mesh.world = join(world, ranks[0], size, executor.device, options.timeout_seconds, hosts_of)
             mesh._owns_group = True
@@ -701,8 +703,9 @@ class Mesh:
             )
         self._closed = True
         if self.executor.has_workers():
+            self.executor.joined = False
             with contextlib.suppress(Exception):  # a dead worker has left already
-                self.executor.leave_workers()
+                self.executor.workers.everyone(_leave_worker)
         if self.world is not None:
             self.world.unwatch()
         done = False  # the groups of an aborted NCCL world are not destroyed (they would wait for the dead)
@@ -742,3 +745,50 @@ class Mesh:
 
 
 _PRIVATE = object()
+
+
+# --------------------------------------------------------------------------------------------------
+# The worker processes of an executor of several devices: each joins the world as a rank of its own
+
+
+def _join_workers(executor: Executor, world: tuple[Any, ...]) -> None:
+    """Makes worker i the rank `ranks[i]` of the world a rendezvous formed (`world`: the spec, the ranks, the
+    size, the timeout, each rank's host, the description and the multicast tier)."""
+    if executor.joined:
+        raise MeshError("mesh: this executor's devices already belong to a mesh; close it first")
+    spec, ranks, size, timeout, hosts_of, description, tier = world
+    workers = executor.workers
+    futures = workers.call([(_join_worker, (spec, rank, size, timeout, hosts_of, description, tier)) for rank in ranks])
+    errors = []
+    for future in futures:
+        try:
+            future.result()
+        except BaseException as error:
+            errors.append(error)
+    if errors:
+        with contextlib.suppress(Exception):
+            workers.everyone(_leave_worker)
+        raise errors[0]
+    executor.joined = True
+
+
+def _join_worker(state: dict[str, Any], device: torch.device, argument: Any, progress: Any) -> None:
+    """In a worker (a `uform.fleet.Verb`): forms its rank of the world, its mesh an executor of its one device."""
+    world_spec, rank, size, timeout, hosts_of, description, tier = argument
+    if device.type == "cuda":
+        nccl_defaults(tier)
+        executor = Executor.for_vram([device.index or 0])
+    else:
+        executor = Executor.cpu()
+    world = join(world_spec, rank, size, device, timeout, hosts_of)
+    state["mesh"] = Mesh._member(executor, dataclasses.replace(description, ranks=(rank,)), world)
+
+
+def _leave_worker(state: dict[str, Any], device: torch.device, argument: Any, progress: Any) -> None:
+    """In a worker (a `uform.fleet.Verb`): its trainer closes (it borrows the mesh), then it leaves the world."""
+    if state["trainer"] is not None:
+        state["trainer"].close()
+        state["trainer"] = None
+    if state["mesh"] is not None:
+        state["mesh"].close()
+        state["mesh"] = None

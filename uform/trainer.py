@@ -7,6 +7,10 @@ CUDA, with FlexAttention document masks and bf16 autocast) -> backward -> AdamW 
 or not at all (`_update`: a step whose loss or gradients are not finite anywhere in the world is skipped on
 every process and counted) -> stats and the arena. The blocking and the deferred receivers queue onto one
 worker thread per trainer, so steps and saves apply in the order they were called.
+
+On an executor of several devices `Trainer.init_vram` answers a `FleetTrainer` (at the end of this file): this
+process routes each step to the devices' worker processes (`uform.fleet`), each of which runs a `Trainer` of its
+own device as one rank of the mesh.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
@@ -29,7 +34,7 @@ import torch
 
 from .arena import Arena
 from .capacity import warn_step_capacity
-from .checkpoint import write_checkpoint
+from .checkpoint import ProgressCallback, write_checkpoint
 from .config import (
     TrainerInitVramConfig,
     TrainerSaveConfig,
@@ -43,17 +48,28 @@ from .data.batch import MEDIA_KINDS, Batch, media_features
 from .data.items import ChoiceTapes, parse_choices, parse_contents, parse_modalities, parse_sides, per_item_integers
 from .enums import LateInteractionSide, Modality, Objective, Scalar
 from .executor import Executor
+from .fleet import (
+    attach_segment,
+    choice_share,
+    first_failure,
+    item_sizes,
+    merge_answers,
+    release_segments,
+    route,
+    share_items,
+)
 from .host import HostJob, HostProcesses, decode_media, host_stage
 from .media.decode import MediaPolicy, warn_skipped
 from .media.pool import DecodePool
 from .media.units import Units
 from .memory import check_memory
+from .mesh import Mesh, MeshOptions
 from .model.attention import compiled_flex_available, document_mask
 from .model.network import Network
 from .notices import MediaWarning as MediaWarning  # re-exported: where callers met it first
 from .notices import NonFiniteWarning, Notices, ScheduleWarning
 from .optim import LATE, Optimizer, build_optimizer, learning_rate, nonfinite, rate_overflows, reach
-from .relations import check_relations, edge_limit
+from .relations import check_relations, edge_limit, first_crossing, restrict
 from .stored_run import FORMAT, RNG_DRAWS, StoredRun, read_run_tensors, read_stored_run
 from .world import GradientReducer, MeshError, World, WorldAborted, reduction_order, wait_event
 
@@ -215,8 +231,6 @@ class Trainer:
         if config.mesh is not None:
             _check_mesh(config.mesh, executor)
         if executor.has_workers():
-            from .fleet import FleetTrainer
-
             return FleetTrainer.start(executor, config, media, host_processes, world_compile)
         world = None if config.mesh is None else config.mesh.world
         try:
@@ -854,8 +868,6 @@ def _broken(world: World, error: BaseException, step: int) -> MeshError:
 
 
 def _check_mesh(mesh: Any, executor: Executor) -> None:
-    from .mesh import Mesh
-
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a Mesh, got {type(mesh).__name__}")
     if mesh.closed:
@@ -998,3 +1010,301 @@ def _same_run(config: TrainerInitVramConfig, stored: TrainerInitVramConfig) -> N
 
 
 _PRIVATE = object()
+
+
+# --------------------------------------------------------------------------------------------------
+# A trainer over several devices: this process routes each step, each device's worker runs a Trainer
+
+
+class FleetTrainer(Trainer):
+    """A trainer over an executor of several devices: the same verbs, each device's replica in its worker.
+
+    Made by `Trainer.init_vram` when its executor has several devices. It lives beside `Trainer` because each
+    worker runs a `Trainer` of its own (`_worker_init`): the two are one layer, above the processes that carry
+    their commands (`uform.fleet`, whose docstring tells how a step travels).
+    """
+
+    def __init__(self, executor: Any, config: TrainerInitVramConfig, mesh: Any, owns_mesh: bool) -> None:
+        # No replica here: Trainer.__init__ (a network, threads) is not for the calling process.
+        self.executor = executor
+        self.config = config
+        self.mesh = mesh
+        self._owns_mesh = owns_mesh
+        self._fleet = executor.workers
+        self._steps = 0
+        self.closed = False
+        self._lock = threading.Lock()
+        self.notices = Notices()
+        """The run's warnings, each kind shown once here and counted over every device (the workers hold
+        theirs back and send them with each step's answer)."""
+
+    @classmethod
+    def start(
+        cls,
+        executor: Any,
+        config: TrainerInitVramConfig,
+        media: Any,
+        host_processes: int | None = None,
+        world_compile: str = "whole",
+    ) -> Any:
+        resolved, _stored = resolve_run(config)
+        mesh, owns = config.mesh, False
+        if mesh is None:  # this process alone: a world of its own devices
+            mesh, owns = Mesh.bootstrap(executor, MeshOptions(job="local")), True
+        fleet = executor.workers
+        # The callback stays here (it need not pickle); every worker reads the checkpoint with a stand-in that
+        # relays its reports, merged into one device's (see `uform.fleet`'s docstring).
+        shipped = dataclasses.replace(config, mesh=None, progress=None)
+        relayed = config.progress is not None
+        try:
+            steps = fleet.everyone(
+                _worker_init, (shipped, media, host_processes, world_compile, relayed), fleet.relay(config.progress)
+            )
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                fleet.everyone(_worker_close_trainer)
+            if owns:
+                mesh.close()
+            raise
+        trainer = cls(executor, dataclasses.replace(resolved, mesh=config.mesh), mesh, owns)
+        trainer._steps = steps[0]
+        mesh._borrow(trainer)
+        return trainer
+
+    # ---- the verbs -----------------------------------------------------------------------------------
+
+    def on(self, executor: Any) -> _FleetOn:  # type: ignore[override]
+        self._check_executor(executor)
+        return _FleetOn(self)
+
+    def deferred(self, executor: Any) -> _FleetDeferred:  # type: ignore[override]
+        self._check_executor(executor)
+        return _FleetDeferred(self)
+
+    @property
+    def steps_taken(self) -> int:
+        return self._steps
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        with contextlib.suppress(BaseException):
+            self._fleet.everyone(_worker_close_trainer)
+        self.closed = True
+        if self.mesh is not None:
+            self.mesh._release(self)
+            if self._owns_mesh:
+                self.mesh.close()
+
+    def _check_executor(self, executor: Any) -> None:
+        if executor is not self.executor:
+            raise ValueError(f"executor: this trainer runs on {self.executor}, not {executor}")
+
+    # ---- steps -----------------------------------------------------------------------------------------
+
+    def _submit(self, modalities: Any, contents: Any, config: TrainerStepConfig | None) -> Future:
+        if self.closed:
+            raise ValueError("trainer: it was closed")
+        devices = len(self._fleet.devices)
+        checked = check_step(self.config, modalities, contents, config, False, edge_factor=devices)
+        count = len(checked.modalities)
+        bags = checked.bags if checked.bags is not None else np.arange(count)
+        if self.config.objective != Objective.Masked:
+            crossing = first_crossing(checked.relations, count, bags)
+            if crossing is not None:
+                name, i, j = crossing
+                raise ValueError(
+                    f"relations.{name}: items {i} and {j} are in different bags; on an executor of several "
+                    "devices an edge joins items of one bag (a bag is what lands on one device)"
+                )
+        sizes = item_sizes(checked.modalities, checked.contents, self.config.batch.max_columns_per_row)
+        plan = route(sizes, bags, devices)
+        limit, words = edge_limit(self.config)
+        shares = [restrict(checked.relations, items, count) for items in plan]
+        if self.config.objective != Objective.Masked:
+            for d, relations in enumerate(shares):
+                for name in ("attract", "repel", "ignore"):
+                    edges = len(getattr(relations, name).ids)
+                    if edges > limit:
+                        raise ValueError(
+                            f"relations.{name}: device {d} takes {edges} edges of the step, more than {words}"
+                        )
+        segments: list[shared_memory.SharedMemory] = []
+        commands = []
+        try:
+            for items, relations in zip(plan, shares, strict=True):
+                shared = share_items(segments, checked.contents, items)
+                commands.append(
+                    (
+                        _worker_step,
+                        {
+                            **shared,
+                            "modalities": [int(checked.modalities[i]) for i in items],
+                            "bags": bags[items],
+                            "groups": None if checked.groups is None else checked.groups[items],
+                            "sides": None if checked.sides is None else [int(checked.sides[i]) for i in items],
+                            "choices": None if checked.choices is None else choice_share(checked.choices, items),
+                            "relations": relations,
+                            "items": items,
+                            "stats": checked.stats is not None,
+                            "arena": checked.arena is not None,
+                        },
+                    )
+                )
+            futures = self._fleet.call(commands)
+        except BaseException:
+            release_segments(segments)
+            raise
+        done = merge_answers(futures, plan, count, checked, self._count, self.notices)
+        done.add_done_callback(lambda _: release_segments(segments))
+        return done
+
+    def _count(self, steps: int) -> None:
+        with self._lock:
+            self._steps = steps
+
+    def _save(self, config: Any) -> Future:
+        if self.closed:
+            raise ValueError("trainer: it was closed")
+        saved = save_config(config)
+        # Only the worker of rank 0 writes, so its reports are the ones relayed (the others make none).
+        shipped = (dataclasses.replace(saved, progress=None), saved.progress is not None)
+        relay = self._fleet.relay(saved.progress)
+        futures = self._fleet.call([(_worker_save, shipped)] * len(self._fleet.devices), relay)
+        done: Future = Future()
+        done.set_running_or_notify_cancel()
+        finished = threading.Lock()
+
+        def all_done(_: Future) -> None:
+            with finished:  # the last two workers may answer at once, on their readers
+                if not all(f.done() for f in futures) or done.done():
+                    return
+                failure = first_failure(futures, relay)
+                if failure is not None:
+                    done.set_exception(failure)
+                else:
+                    done.set_result(None)
+
+        for f in futures:
+            f.add_done_callback(all_done)
+        return done
+
+
+class _FleetOn(On):
+    trainer: FleetTrainer
+
+    def step(self, modalities: Any, contents: Any, config: TrainerStepConfig | None = None) -> torch.Tensor | None:
+        return self.trainer._submit(modalities, contents, config).result()
+
+    def save(self, config: Any) -> None:
+        self.trainer._save(config).result()
+
+
+class _FleetDeferred(Deferred):
+    trainer: FleetTrainer
+
+    def step(self, modalities: Any, contents: Any, config: TrainerStepConfig | None = None) -> Future:
+        return self.trainer._submit(modalities, contents, config)
+
+    def save(self, config: Any) -> Future:
+        return self.trainer._save(config)
+
+
+def _worker_init(state: dict[str, Any], device: torch.device, argument: Any, progress: ProgressCallback) -> int:
+    """In a worker (a `uform.fleet.Verb`): this device's trainer, a rank of the mesh the worker joined."""
+    config, media, host_processes, world_compile, relayed = argument
+    mesh = state["mesh"]
+    if mesh is None:
+        raise MeshError("mesh: this device's worker belongs to no world; bootstrap a mesh over the executor first")
+    if state["trainer"] is not None:  # dropped before the new one is made: a failed init leaves none behind
+        state["trainer"].close()
+        state["trainer"] = None
+    run = dataclasses.replace(config, mesh=mesh, progress=progress if relayed else None)
+    trainer = Trainer.init_vram(
+        mesh.executor, run, media=media, host_processes=host_processes, world_compile=world_compile
+    )
+    trainer.notices = Notices(relay=True)  # the user is in the calling process: warnings go there, once
+    state["trainer"] = trainer
+    return trainer.steps_taken
+
+
+def _worker_close_trainer(state: dict[str, Any], device: torch.device, argument: Any, progress: Any) -> None:
+    """In a worker: its trainer closes (the mesh stays)."""
+    if state["trainer"] is not None:
+        state["trainer"].close()
+        state["trainer"] = None
+
+
+def _worker_save(state: dict[str, Any], device: torch.device, argument: Any, progress: ProgressCallback) -> None:
+    """In a worker: its trainer saves (only rank 0's writes)."""
+    trainer = state["trainer"]
+    if trainer is None:
+        raise ValueError("trainer: none was made on this executor")
+    config, relayed = argument
+    trainer.save(dataclasses.replace(config, progress=progress if relayed else None))
+
+
+def _worker_step(state: dict[str, Any], device: torch.device, argument: dict[str, Any], progress: Any) -> Future:
+    """In a worker: submits the step to its trainer over the shared bytes (no copy); answers a future of the
+    step's answer, resolved once the step is done (the next command need not wait for it)."""
+
+    trainer: Trainer = state["trainer"]
+    retired: list[shared_memory.SharedMemory] = state["retired"]
+    for old in list(retired):  # segments of earlier steps, closed once nothing reads them any more
+        with contextlib.suppress(BufferError):
+            old.close()
+            retired.remove(old)
+    memory = attach_segment(argument["name"])
+    offsets = argument["offsets"]
+    view = memory.buf
+    assert view is not None
+    contents = [view[offsets[k] : offsets[k + 1]] for k in range(len(offsets) - 1)]
+
+    def release() -> None:
+        contents.clear()
+        retired.append(memory)  # the calling process unlinks it; the mapping goes with its last view
+
+    try:
+        if trainer is None:
+            raise ValueError("trainer: none was made on this executor")
+        stats = TrainerStepStats() if argument["stats"] else None
+        arena = Arena() if argument["arena"] else None
+        config = TrainerStepConfig(
+            bags=argument["bags"],
+            temperature_groups=[] if argument["groups"] is None else argument["groups"],
+            sides=[] if argument["sides"] is None else argument["sides"],
+            choices=((), ()) if argument["choices"] is None else argument["choices"][:2],
+            choice_targets=((), ()) if argument["choices"] is None else argument["choices"][2:],
+            relations=argument["relations"],
+            stats=stats,
+            arena=arena,
+        )
+        checked = trainer._check_step(argument["modalities"], contents, config, copy_buffers=False)
+        checked.origin = argument["items"]  # warnings name the caller's items
+        future = trainer._submit_step(checked)
+    except BaseException:
+        release()
+        raise
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            f.result()
+            # The updates applied as far as this step (its answer resolved its skip): `steps_taken` would wait
+            # for the device work of the steps queued behind it.
+            steps = trainer._step_count
+            value: dict[str, Any] = {"stats": None, "embeddings": None, "present": None, "steps": steps}
+            value["notices"] = trainer.notices.drain()
+            if stats is not None:
+                value["stats"] = dataclasses.asdict(stats)
+            if arena is not None and arena.embeddings is not None:
+                value["embeddings"] = arena.embeddings.float().numpy()
+                value["present"] = arena.present.numpy() if arena.present is not None else None
+            release()
+            out.set_result(value)
+        except BaseException as error:
+            release()
+            out.set_exception(error)
+
+    future.add_done_callback(done)
+    return out

@@ -157,7 +157,7 @@ class Batch:
     def host_tensors(self, pin: bool, copy: bool = False) -> dict[str, torch.Tensor]:
         """The arrays as host tensors, page-locked when `pin` (so the copy to a GPU runs asynchronously);
         unpinned tensors share the arrays' memory unless `copy`."""
-        import torch
+        import torch  # local: a host process packs batches without torch; only the trainer's makes tensors
 
         out = {}
         for name, array in self.arrays().items():

@@ -4,6 +4,7 @@ Names resolve lazily (PEP 562), so that text-only use of uform never imports Pil
 soxr.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 # The light modules load eagerly (numpy and the standard library only); note that `sniff` names both a
@@ -28,9 +29,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        import importlib
-
+    if name in _WHERE:  # the package's one lazy import (PEP 562; why: the docstring)
         value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
         globals()[name] = value
         return value

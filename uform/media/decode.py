@@ -47,7 +47,8 @@ def decode_item(kind: str, data: bytes, geometry: dict[str, Any], max_units: int
     `geometry` holds the run's shape slice of that modality (patch_side, channels, tube_frames,
     frame_stride, chunk_samples, sample_rate, as the reference API's ImageShape / VideoShape / AudioShape name them).
     """
-    # The decoding libraries load here, in the worker processes, not where a trainer is merely built.
+    # Local: the decoding libraries (optional, heavy) load here, in the worker processes, not where a trainer is
+    # merely built, and text-only use never needs them installed.
     from .audio import audio_units
     from .image import image_units
     from .video import video_units

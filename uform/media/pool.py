@@ -53,6 +53,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -151,6 +152,7 @@ class DecodePool:
             raise ValueError(f"timeout_seconds: expected a positive number of seconds, got {timeout_seconds!r}")
         self.workers = workers or decode_parallelism()
         self.timeout_seconds = timeout
+        # Local: this module loads standalone, from its file, with the standard library only (no uform).
         from ..child import context as context_of
 
         self._ctx: Any = context_of(context)  # ValueError for an unknown start method
@@ -480,8 +482,6 @@ class SlabFile:
         self.fd = fd
 
     def __reduce__(self) -> tuple[Any, ...]:
-        from multiprocessing import reduction
-
         return _rebuild_slab_file, (reduction.DupFd(self.fd),)  # only while a process is being started
 
     def map(self, size: int) -> mmap.mmap:
