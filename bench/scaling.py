@@ -144,7 +144,7 @@ def with_executor(args: argparse.Namespace, devices: int) -> dict[str, Any]:
     import uform as u
 
     if args.cpu:
-        executor = u.Executor._cpu_workers(devices) if devices > 1 else u.Executor.cpu()
+        executor = u.Executor.cpu(workers=devices) if devices > 1 else u.Executor.cpu()
     else:
         executor = u.Executor.for_vram(list(range(devices)))
     trainer = u.Trainer.init_vram(executor, joint_config(args), world_compile=args.world_compile)

@@ -1,6 +1,6 @@
 """An executor of several devices: routing by bag, the worker processes, merged stats and arenas.
 
-CI has no GPUs, so the workers are CPU "devices" (`Executor._cpu_workers`); the path is the one an
+CI has no GPUs, so the workers are CPU "devices" (`Executor.cpu(workers=2)`); the path is the one an
 executor of several CUDA devices takes (one worker process per device, each a rank of a gloo world here).
 """
 
@@ -100,7 +100,7 @@ def test_relations_restrict_to_a_devices_items() -> None:
 
 @pytest.fixture(scope="module")
 def two() -> Executor:
-    executor = Executor._cpu_workers(2)
+    executor = Executor.cpu(workers=2)
     yield executor
     executor.close()
 
@@ -235,7 +235,7 @@ def test_an_edge_across_bags_is_refused_and_changes_nothing(two: Executor) -> No
 
 
 def test_a_killed_worker_fails_the_step_clearly(tmp_path: Path) -> None:
-    executor = Executor._cpu_workers(2)
+    executor = Executor.cpu(workers=2)
     try:
         with Mesh.bootstrap(executor, MeshOptions(job="doomed", timeout_seconds=20)) as mesh:
             trainer = Trainer.init_vram(executor, wc.config(*wc.CASES[0][1:], mesh=mesh))
@@ -533,3 +533,21 @@ def test_a_damaged_checkpoint_is_refused_as_on_one_device(two: Executor, saved: 
             Trainer.init_vram(executor, resuming(damaged))
         refused.append(str(error.value))
     assert refused[1] == refused[0]
+
+
+def test_the_cpu_executor_of_several_workers_is_public_and_checked() -> None:
+    assert not Executor.cpu().has_workers()
+    two = Executor.cpu(workers=2)
+    try:
+        assert two.has_workers() and len(two.devices) == 2
+    finally:
+        two.close()
+    for bad, error, field in (
+        (dict(workers=True), TypeError, "workers"),
+        (dict(workers="2"), TypeError, "workers"),
+        (dict(workers=-1), ValueError, "workers"),
+        (dict(workers=2, threads=0), ValueError, "threads"),
+        (dict(workers=2, threads=1.5), TypeError, "threads"),
+    ):
+        with pytest.raises(error, match=field):
+            Executor.cpu(**bad)

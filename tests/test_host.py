@@ -470,7 +470,7 @@ def test_a_trainer_in_a_fleet_worker_uses_host_processes() -> None:
     alone = Trainer.init_vram(Executor.cpu(), run, media=MediaPolicy(workers=1), host_processes=0)
     ours = steps(alone)
     alone.close()
-    two = Executor._cpu_workers(2)
+    two = Executor.cpu(workers=2)
     try:
         fleet = Trainer.init_vram(two, run, media=MediaPolicy(workers=1), host_processes=1)
         theirs = steps(fleet)

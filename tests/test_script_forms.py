@@ -73,7 +73,7 @@ def main():
         trainer.close()
         print(f"TRAINED hosts={{hosts}} skipped={{stats.skipped}} loss={{stats.loss!r}}", flush=True)
     if FLEET:
-        two = Executor._cpu_workers(2)
+        two = Executor.cpu(workers=2)
         trainer = Trainer.init_vram(two, config, media=strict, host_processes=0)
         stats = TrainerStepStats()
         modalities = ["image", "text", "image", "text"]

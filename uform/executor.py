@@ -36,8 +36,21 @@ class Executor:
             weakref.finalize(self, self._fleet.close)
 
     @classmethod
-    def cpu(cls) -> Executor:
-        return cls([torch.device("cpu")], _token=_PRIVATE)
+    def cpu(cls, workers: int = 0, *, threads: int = 1) -> Executor:
+        """An executor of the CPU. `workers=0` (the default): one device, driven in this process. `workers=N`:
+        N CPU "devices", each a worker process of `threads` threads and a rank of a world, the path an executor
+        of several GPUs takes (routing by bag, the world's collectives on gloo, merged stats), so multi-device
+        code can be tested on a laptop."""
+        for name, value in (("workers", workers), ("threads", threads)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+        if workers < 0:
+            raise ValueError(f"workers: must be 0 (this process) or a count of worker processes, got {workers}")
+        if threads < 1:
+            raise ValueError(f"threads: each worker needs at least one thread, got {threads}")
+        if workers == 0:
+            return cls([torch.device("cpu")], _token=_PRIVATE)
+        return cls([torch.device("cpu")] * workers, _token=_PRIVATE, _workers=True, _threads=threads)
 
     @classmethod
     def for_vram(cls, devices: Sequence[int]) -> Executor:
@@ -58,12 +71,6 @@ class Executor:
         return cls(
             [torch.device("cuda", d) for d in devices], _token=_PRIVATE, _workers=len(devices) > 1, _threads=threads
         )
-
-    @classmethod
-    def _cpu_workers(cls, count: int, threads: int = 1) -> Executor:
-        """An executor of `count` CPU "devices", each a worker process of `threads` threads: the multi-device
-        path (routing, the workers, merged stats) on a machine without GPUs, for the tests."""
-        return cls([torch.device("cpu")] * count, _token=_PRIVATE, _workers=True, _threads=threads)
 
     def has_workers(self) -> bool:
         """Whether this executor drives its devices through worker processes (several devices)."""
