@@ -240,7 +240,7 @@ def test_a_killed_worker_fails_the_step_clearly(tmp_path: Path) -> None:
         with Mesh.bootstrap(executor, MeshOptions(job="doomed", timeout_seconds=20)) as mesh:
             trainer = Trainer.init_vram(executor, wc.config(*wc.CASES[0][1:], mesh=mesh))
             wc.run_steps(trainer, list(range(wc.BAGS)), [1])
-            os.kill(executor._fleet._processes[1].pid, signal.SIGKILL)
+            os.kill(executor.workers.pids[1], signal.SIGKILL)
             start = time.monotonic()
             with pytest.raises(MeshError, match="mesh: ") as caught:
                 wc.run_steps(trainer, list(range(wc.BAGS)), [2])

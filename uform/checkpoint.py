@@ -148,7 +148,7 @@ def _combine(records: Mapping[str, bytes], metadata: Mapping[str, str]) -> str:
     return h.hexdigest()
 
 
-def _report_points(total: int, steps: int) -> set[int]:
+def report_points(total: int, steps: int) -> set[int]:
     """The `done` values at which to report: at most `steps` of them, evenly spread, always ending at `total`."""
     if total == 0:
         return {0}
@@ -329,7 +329,7 @@ def write_checkpoint(
             meta[key] = value
     plan = _plan(tensors)
     total = len(plan)
-    points = _report_points(total, progress_steps)
+    points = report_points(total, progress_steps)
 
     # The digest is a fixed 64 hex characters, so the header can be written with a placeholder and rewritten in
     # place once the data (hashed as it is written) is known.
@@ -578,7 +578,7 @@ def read_checkpoint(
     with _open_regular(target) as f:
         header = _read_header(f, shown)
         total = len(header.entries)
-        points = _report_points(total, progress_steps)
+        points = report_points(total, progress_steps)
         for done, (name, dtype, shape, begin, end) in enumerate(header.entries, start=1):
             tensor = torch.empty(shape, dtype=_DTYPES[dtype])  # [shape]: end - begin bytes
             data = tensor.reshape(-1).view(torch.uint8).numpy()  # [end - begin] uint8, the tensor's own memory

@@ -226,6 +226,11 @@ class Fleet:
             self._readers.append(reader)
         self.started = True
 
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids, one per device, in device order (empty before the first use)."""
+        return [process.pid for process in self._processes]
+
     def _read(self, index: int) -> None:
         pipe = self._pipes[index]
         while True:

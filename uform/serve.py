@@ -63,7 +63,7 @@ from torch import Tensor
 from . import vocab
 from .arena import Arena, as_scalar
 from .capacity import warn_truncated
-from .checkpoint import Stopped, _report_points
+from .checkpoint import Stopped, report_points
 from .config import TrainerInitVramConfig
 from .data.batch import MEDIA_KINDS, Batch, media_features, prepare
 from .data.items import is_tape, parse_contents, parse_modalities, parse_sides, tape_items
@@ -543,7 +543,7 @@ class Model:
     def _run(self, job: _Job, progress: ProgressCallback | None, steps: int) -> list[tuple[_Prepared, Any]]:
         """Every batch of the call through the device: answers (batch, readout) pairs once all are done."""
         total = len(job.modalities)
-        points = sorted(_report_points(total, steps))
+        points = sorted(report_points(total, steps))
         answers: list[tuple[_Prepared, Any]] = []
         skipped: list[tuple[int, str]] = []
         truncated = job.cut
