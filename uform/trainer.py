@@ -112,6 +112,11 @@ class Trainer:
         self.config = config
         self.device = executor.device
         self.network = Network(config)
+        self._parts: dict[str, list[torch.nn.Parameter]] = {}
+        """The parameters of each part only some steps reach (`optim.reach`), found once: `_unreached` runs every step."""
+        for name, p in self.network.named_parameters():
+            if (part := reach(name)) is not None:
+                self._parts.setdefault(part, []).append(p)
         self.mesh = config.mesh
         self.world: World | None = None if config.mesh is None else config.mesh.world
         self.closed = False
@@ -132,14 +137,12 @@ class Trainer:
         self._torn = ""
         """Why an update failed part-way (then every later step and save refuses)."""
         self._counting = threading.Lock()
-        self.notices = Notices()
-        """The run's warnings, each kind shown once and counted ("non-finite": steps skipped)."""
         self._dropped = 0
         self._skipped = 0
         self.media = MediaPolicy()
         self.notices = Notices()
-        """The run's warnings (skipped media, items cut or dropped for room, steps past the schedule), each
-        kind shown once and counted: `notices.counts()`."""
+        """The run's warnings (skipped media, items cut or dropped for room, steps past the schedule, steps
+        skipped as non-finite), each kind shown once and counted: `notices.counts()`."""
         self._decoders: DecodePool | None = None
         self.host_processes = host_processes
         """Host processes that prepare the steps (`uform.host`); 0: the host stage runs on this process's threads."""
@@ -273,7 +276,7 @@ class Trainer:
             raise
         self.mesh._borrow(self)
         if world.size > 1:
-            variable = [p for name, p in self.network.named_parameters() if reach(name) is not None]
+            variable = [p for params in self._parts.values() for p in params]
             self._reducer = GradientReducer([p for _, p in reduction_order(self.network)], world, variable=variable)
 
     def _resume(self, stored: StoredRun, tensors: dict[str, torch.Tensor]) -> None:
@@ -576,9 +579,7 @@ class Trainer:
             queries = (batch.late["query_slot"] < slots).any()
             if not (queries and (batch.late["document_of"] < documents).any()):
                 absent.add(LATE)
-        if not absent:
-            return []
-        return [p for name, p in self.network.named_parameters() if reach(name) in absent]
+        return [p for part in sorted(absent) for p in self._parts.get(part, ())]
 
     def _update(self, rate: float, loss: torch.Tensor, unreached: list[torch.nn.Parameter]) -> bool | torch.Tensor:
         """AdamW at `rate`, whole or not at all, then the gradients cleared whatever happened. The update is
