@@ -329,7 +329,7 @@ class Model:
             bf16=device.type == "cuda",
             compiled=False,
             trainer=trainer,
-            notices=getattr(trainer, "notices", None),
+            notices=trainer.notices,
             _token=_PRIVATE,
         )
 
