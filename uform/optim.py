@@ -14,7 +14,8 @@ for-each implementation, whose arithmetic is deterministic.
 An update happens whole or not at all (`Optimizer.step_unless`): a step whose loss or gradients hold a NaN
 or an infinity (`nonfinite`), or whose learning rate would carry the update out of float32
 (`rate_overflows`), leaves every weight, moment and step counter as it was. Parameters no gradient reached
-(`reach`: a media modality's input and head in a step without its units) are left alone as torch.optim
+(`reach`: a media modality's input and head in a step without its units, late interaction's head in a
+step without query or document tokens) are left alone as torch.optim
 leaves a parameter whose `grad` is None: no decay, no moment update.
 """
 

@@ -364,7 +364,8 @@ class GradientReducer:
     in the buckets: each `.grad` is a view of its bucket until the optimizer's `zero_grad(set_to_none=True)`
     drops it.
 
-    `variable` parameters are those whose use changes from step to step (the media modules). On a GPU their
+    `variable` parameters are those whose use changes from step to step (the `optim.reach` parts: media modules,
+    late interaction's head). On a GPU their
     flags are never held (see `_unused`): they always get their `.grad` view, and `used` answers their flag
     on the device, which the trainer hands to the fused AdamW as the skip of their parameter group, so that
     a parameter no process used is not written in the very step it was not used, without a host read.
