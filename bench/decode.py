@@ -2,7 +2,7 @@
 
 Two measurements:
 
-  decode        items per second that `uform.media.pool.DecodePool` decodes with `decode_item`, on one worker
+  decode        items per second that `uform.runtime.decoders.DecodePool` decodes with `decode_item`, on one worker
                 process and on N (default: one per core), per modality, with the per-core rate beside it; and
                 `decode_item` called in this process, the pool's baseline. Samples are built here from files
                 other people made: 256 x 256 JPEGs cut from scikit-image's photographs (patch 16, channels 4),
@@ -130,7 +130,7 @@ def recordings() -> list[tuple[str, bytes]]:
 def decode_rates(args: argparse.Namespace) -> list[dict[str, Any]]:
     from uform.media.decode import decode_item
     from uform.media.limits import MediaLimits
-    from uform.media.pool import DecodePool, decode_parallelism
+    from uform.runtime.decoders import DecodePool, decode_parallelism
 
     limits = MediaLimits()
     image = {"patch_side": 16, "channels": 4}

@@ -59,10 +59,10 @@ def jpegs(count: int, side: int, seed: int = 0) -> list[bytes]:
 
 def build_model(args: argparse.Namespace, folder: str) -> Any:
     import uform as u
-    from uform.checkpoint import write_checkpoint
     from uform.config import resolve, to_json
     from uform.media.decode import MediaPolicy
     from uform.model.network import Network
+    from uform.replica.checkpoint import write_checkpoint
 
     config = resolve(
         u.TrainerInitVramConfig(
@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         torch.backends.cuda.matmul.allow_tf32 = True
     from uform.media.decode import decode_item
     from uform.media.limits import MediaLimits
-    from uform.media.pool import DecodePool
+    from uform.runtime.decoders import DecodePool
 
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     results: dict[str, Any] = {"geometry": vars(args), "device": name, "torch": torch.__version__}

@@ -20,8 +20,8 @@ import safetensors.torch
 import torch
 from conftest import within
 
-from uform import checkpoint
-from uform.checkpoint import CheckpointError, Stopped, read_checkpoint, read_metadata, write_checkpoint
+from uform.replica import checkpoint
+from uform.replica.checkpoint import CheckpointError, Stopped, read_checkpoint, read_metadata, write_checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -556,7 +556,7 @@ def test_out_of_space_names_the_path_and_leaves_nothing(saved, monkeypatch, wher
 
 SAVER = """
 import sys, time, torch
-from uform.checkpoint import write_checkpoint
+from uform.replica.checkpoint import write_checkpoint
 
 def wait(done, total):
     print("writing", flush=True)
@@ -644,7 +644,7 @@ def test_the_next_save_removes_temporary_files_of_killed_saves_only(tmp_path):
 
 TRUNCATING_READER = """
 import os, sys
-from uform.checkpoint import CheckpointError, read_checkpoint
+from uform.replica.checkpoint import CheckpointError, read_checkpoint
 
 path = sys.argv[1]
 

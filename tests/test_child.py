@@ -1,4 +1,4 @@
-"""`uform.child.Child`: a process of ours that never imports the caller's main module (issue 10, item 4).
+"""`uform.runtime.child.Child`: a process of ours that never imports the caller's main module (issue 10, item 4).
 
 Pins: a child runs its target with the caller's ``sys.path`` and a ``__main__`` that is not the caller's, and
 receives a pipe end and a slab file by descriptor number (no copy, no name) beside arguments larger than a
@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from uform.child import Child, context
-from uform.media.pool import DecodePool, SlabFile, create_slab, release_slab
+from uform.runtime.child import Child, context
+from uform.runtime.decoders import DecodePool, SlabFile, create_slab, release_slab
 
 
 def report(conn: Connection, slab: SlabFile, blob: bytes) -> None:

@@ -157,8 +157,8 @@ def test_cuda_serving_matches_cpu_serving(tmp_path) -> None:
 
     from PIL import Image
 
-    from uform.checkpoint import write_checkpoint
     from uform.config import to_json
+    from uform.replica.checkpoint import write_checkpoint
 
     run = resolve(
         u.TrainerInitVramConfig(

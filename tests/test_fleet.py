@@ -35,11 +35,11 @@ from uform import (
     TrainerSaveConfig,
     TrainerStepStats,
 )
-from uform.checkpoint import CheckpointError, read_metadata
 from uform.enums import Modality
-from uform.fleet import ProgressRelay, item_sizes, route
 from uform.notices import CapacityWarning
 from uform.relations import first_crossing, restrict
+from uform.replica.checkpoint import CheckpointError, read_metadata
+from uform.runtime.workers import ProgressRelay, item_sizes, route
 
 # --------------------------------------------------------------------------------------------------
 # Routing

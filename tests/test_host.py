@@ -1,4 +1,4 @@
-"""Host processes (`uform.host`): a trainer's host stage (decode, pack, corrupt, pair) in processes of its own.
+"""Host processes (`uform.runtime.preparers`): a trainer's host stage (decode, pack, corrupt, pair) in processes of its own.
 
 Pins: the batches a host process answers are bitwise the in-process ones (media, text, late interaction,
 choices, groups, bags, sides, relations all cross) and hold their own memory, not the slab's; training through
@@ -29,7 +29,7 @@ from conftest import assert_same, snapshot
 from media_samples import encode_image, photo, pygame_file, video
 from PIL import Image
 
-import uform.host
+import uform.runtime.preparers
 from uform import (
     Arena,
     AudioShape,
@@ -51,10 +51,10 @@ from uform import (
     VideoShape,
 )
 from uform.config import resolve
-from uform.host import HostJob, HostProcessError, HostProcesses, host_stage
 from uform.media.decode import MediaPolicy
 from uform.media.limits import MediaError, MediaLimits
 from uform.notices import MediaWarning, Notices
+from uform.runtime.preparers import HostJob, HostProcessError, HostProcesses, host_stage
 
 SHM = Path("/dev/shm")
 
@@ -410,7 +410,7 @@ def test_the_transport_answers_the_same_whichever_way_it_goes(monkeypatch: pytes
     config = resolve(run_config(choices=Choices(), late_interaction=LateInteraction()))
     policy = MediaPolicy(workers=1)
     if how == "no shared memory":
-        monkeypatch.setattr(uform.host, "create_slab", lambda size, prefix: (None, None))
+        monkeypatch.setattr(uform.runtime.preparers, "create_slab", lambda size, prefix: (None, None))
     hosts = HostProcesses(1, config, policy, "flex", pin=False)  # "flex": the block tables cross too
     if how == "areas too small":
         hosts.input_bytes, hosts.output_bytes = 64, 4096
@@ -436,10 +436,10 @@ def test_an_exception_that_does_not_pickle_comes_back_as_a_runtime_error() -> No
     class Local(Exception):  # defined here, so it cannot be unpickled by reference
         pass
 
-    error = pickle.loads(uform.host._error_payload(Local("broken")))
+    error = pickle.loads(uform.runtime.preparers._error_payload(Local("broken")))
     assert type(error) is RuntimeError and str(error) == "Local: broken"
     assert "in the host process" in error.__notes__[0]
-    media = pickle.loads(uform.host._error_payload(MediaError("not a JPEG", item=3)))
+    media = pickle.loads(uform.runtime.preparers._error_payload(MediaError("not a JPEG", item=3)))
     assert isinstance(media, MediaError) and str(media) == "contents[3]: not a JPEG" and media.item == 3
 
 

@@ -22,7 +22,7 @@ def test_a_text_trainer_does_not_import_media_libraries() -> None:
 
 
 def test_the_decode_pool_module_does_not_import_torch() -> None:
-    assert _loaded("import uform.media.pool, uform.media.decode", ("torch",)) == []
+    assert _loaded("import uform.runtime.decoders, uform.media.decode", ("torch",)) == []
 
 
 # --------------------------------------------------------------------------------------------------
@@ -33,14 +33,17 @@ PACKAGE = Path(uform.__file__).resolve().parent
 
 ALLOWED_LOCAL_IMPORTS = {
     (
-        "uform.host",
+        "uform.runtime.preparers",
         "torch",
     ): "only the trainer's process adopts a host process's answer; host processes never load torch",
     ("uform.data.batch", "torch"): "a host process packs batches without torch; only the trainer's makes tensors",
     ("uform.media.decode", "uform.media.audio"): "optional heavy decoders load in the decode workers, on need",
     ("uform.media.decode", "uform.media.image"): "optional heavy decoders load in the decode workers, on need",
     ("uform.media.decode", "uform.media.video"): "optional heavy decoders load in the decode workers, on need",
-    ("uform.media.pool", "uform.child"): "the pool's module loads standalone from its file, stdlib only, no uform",
+    (
+        "uform.runtime.decoders",
+        "uform.runtime.child",
+    ): "the pool's module loads standalone from its file, stdlib only, no uform",
     ("uform.demo", "pydoc_data.topics"): "the demo's text (a megabyte of CPython's docs) loads when a demo runs",
 }
 """Every import inside a function of uform, with why it is there: a new one (one that dodges a loop, say) fails
@@ -135,7 +138,7 @@ def test_the_graph_check_finds_a_loop_it_is_shown() -> None:
 
 def test_no_import_loop_among_uform_modules() -> None:
     graph, _ = _imports()
-    assert "uform.trainer" in graph and "uform.fleet" in graph["uform.trainer"]  # the graph is uform's
+    assert "uform.trainer" in graph and "uform.runtime.workers" in graph["uform.trainer"]  # the graph is uform's
     assert _loops(graph) == []
 
 
@@ -148,6 +151,6 @@ def test_no_import_inside_a_function_but_the_listed_ones() -> None:
 def test_the_runtime_layers_only_point_down() -> None:
     """executor -> fleet (the worker processes) knows nothing above; the mesh nothing of the trainer."""
     graph, _ = _imports()
-    assert graph["uform.fleet"] & {"uform.executor", "uform.mesh", "uform.trainer"} == set()
-    assert graph["uform.executor"] & {"uform.mesh", "uform.trainer"} == set()
-    assert "uform.trainer" not in graph["uform.mesh"]
+    assert graph["uform.runtime.workers"] & {"uform.runtime.executor", "uform.runtime.mesh", "uform.trainer"} == set()
+    assert graph["uform.runtime.executor"] & {"uform.runtime.mesh", "uform.trainer"} == set()
+    assert "uform.trainer" not in graph["uform.runtime.mesh"]

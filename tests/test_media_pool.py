@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from uform.media.pool import DecodePool, Outcome, decode_parallelism
+from uform.runtime.decoders import DecodePool, Outcome, decode_parallelism
 
-POOL_SOURCE = Path(__file__).resolve().parent.parent / "uform" / "media" / "pool.py"
+POOL_SOURCE = Path(__file__).resolve().parent.parent / "uform" / "runtime" / "decoders.py"
 
 
 # -- jobs (module level, so they pickle) ------------------------------------------------------------------------------

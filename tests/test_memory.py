@@ -1,4 +1,4 @@
-"""`uform.memory`: a run's memory estimate against measured memory, and `init_vram`'s check against the device."""
+"""`uform.replica.memory`: a run's memory estimate against measured memory, and `init_vram`'s check against the device."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import uform
-import uform.memory as memory
+import uform.replica.memory as memory
 from uform import (
     BatchShape,
     Edges,

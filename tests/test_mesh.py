@@ -18,7 +18,7 @@ from conftest import assert_same, make_config, snapshot, step_with
 
 import uform
 from uform import Executor, GPUClass, Mesh, MeshError, MeshOptions, MultimemTier, Trainer
-from uform.mesh import _resolve, check_job, effective_tier, rendezvous
+from uform.runtime.mesh import _resolve, check_job, effective_tier, rendezvous
 
 FACTS = {"devices": 1, "kind": "cpu", "capabilities": [], "multimem": 0, "nvls": "", "hostname": "h", "pid": 1}
 
@@ -273,7 +273,7 @@ def test_one_mesh_per_process(lone_mesh: Mesh, executor: Executor) -> None:
 def test_a_rank_that_never_joins_the_store_is_named(tmp_path: Path) -> None:
     """Past the rendezvous, every rank announces itself in the run's store before the process group forms:
     one that never does is named with its host at the deadline (here rank 1 of host 1 never comes)."""
-    from uform.mesh import join
+    from uform.runtime.mesh import join
 
     (tmp_path / "run-1").mkdir()
     world = {"run": "run-1", "root": str(tmp_path), "store": {"kind": "file"}}
@@ -287,7 +287,7 @@ def test_a_rank_that_never_joins_the_store_is_named(tmp_path: Path) -> None:
 def test_the_gradient_reducer_keeps_unused_parameters_gradless(lone_mesh: Mesh) -> None:
     """Buckets of one parameter each, backward reaching two of three: the sums land in .grad (a world of one
     sums to the gradient itself) and the parameter no process used keeps grad None, step after step."""
-    from uform.world import GradientReducer
+    from uform.runtime.world import GradientReducer
 
     world = lone_mesh.world
     assert world is not None

@@ -17,10 +17,10 @@ import pytest
 import torch
 from conftest import make_config, step_with
 
-import uform.world
+import uform.runtime.world
 from uform import Executor, Mesh, MeshError, MeshOptions, MultimemTier, Trainer
-from uform.mesh import ASYNC_ERROR_HANDLING, GROUP_SLACK, group_timeout, nccl_defaults
-from uform.world import World, WorldAborted, wait_event
+from uform.runtime.mesh import ASYNC_ERROR_HANDLING, GROUP_SLACK, group_timeout, nccl_defaults
+from uform.runtime.world import World, WorldAborted, wait_event
 
 
 class Event:
@@ -146,7 +146,7 @@ def until_aborted(world: World, seconds: float = 5.0) -> None:
 
 
 def test_the_watch_aborts_the_world_when_torch_reports_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(uform.world, "WATCH_SECONDS", 0.02)
+    monkeypatch.setattr(uform.runtime.world, "WATCH_SECONDS", 0.02)
     step, gradients = Group(), Group()
     world = nccl_world(step, gradients, timeout=30.0)
     world.watch()
@@ -161,7 +161,7 @@ def test_the_watch_aborts_the_world_when_torch_reports_an_error(monkeypatch: pyt
 
 def test_the_watch_aborts_the_world_when_a_collective_is_past_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     """A mark (a collective's event and its launch time) still unfinished a deadline after its launch."""
-    monkeypatch.setattr(uform.world, "WATCH_SECONDS", 0.02)
+    monkeypatch.setattr(uform.runtime.world, "WATCH_SECONDS", 0.02)
     step, gradients = Group(), Group()
     world = nccl_world(step, gradients, timeout=0.3)
     world.watch()

@@ -37,7 +37,7 @@ from uform import (
 )
 from uform.losses.contrastive import pair_loss
 from uform.media.decode import MediaPolicy
-from uform.optim import BETAS, EPSILON
+from uform.replica.optim import BETAS, EPSILON
 
 SIDES = ["query", "query", "query", "document", "document", "document"]
 """Items 0-2 ask, 3-5 answer: pair_relations(3)'s pairs are (query, document) pairs."""
@@ -316,7 +316,7 @@ def image_steps(trainer: uform.Trainer) -> None:
 def fused(trainer: uform.Trainer) -> None:
     """Gives `trainer` the fused AdamW (CUDA's; torch has it on the CPU too), so that its step takes the path
     where the device decides the skip: the flag goes to the kernel as `found_inf` and is read afterwards."""
-    from uform.optim import Optimizer
+    from uform.replica.optim import Optimizer
 
     groups = [{k: g[k] for k in ("params", "weight_decay", "reach")} for g in trainer.optimizer.param_groups]
     trainer.optimizer = Optimizer(groups, lr=0.0, betas=BETAS, eps=EPSILON, fused=True)
@@ -325,7 +325,7 @@ def fused(trainer: uform.Trainer) -> None:
 def test_step_unless_skips_each_group_on_its_own_flag() -> None:
     """A group whose flag is 1 is not written (weights, moments, step counter bitwise); a group whose flag is 0
     steps exactly as a plain fused step does."""
-    from uform.optim import Optimizer
+    from uform.replica.optim import Optimizer
 
     generator = torch.Generator().manual_seed(0)
     ours = [torch.nn.Parameter(torch.randn(4, 4, generator=generator)) for _ in range(2)]

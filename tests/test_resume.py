@@ -33,7 +33,7 @@ from uform import (
     TrainerInitVramConfig,
     TrainerSaveConfig,
 )
-from uform.checkpoint import CheckpointError, read_checkpoint, read_metadata, write_checkpoint
+from uform.replica.checkpoint import CheckpointError, read_checkpoint, read_metadata, write_checkpoint
 
 OVERFULL = overfull_texts(12)
 
@@ -152,7 +152,9 @@ def test_resume_may_lengthen_the_schedule(make_trainer, tmp_path) -> None:
     resumed = make_trainer(make_config(resume=path, schedule=longer))
     stats, _ = step_with(resumed)
     assert stats.step == 2
-    assert stats.learning_rate == uform.optim.learning_rate(uform.resolve(make_config(schedule=longer)).schedule, 2)
+    assert stats.learning_rate == uform.replica.optim.learning_rate(
+        uform.resolve(make_config(schedule=longer)).schedule, 2
+    )
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from torch import nn
 
 from uform import Schedule, resolve
 from uform.model.heads import Temperatures
-from uform.optim import decays, learning_rate
+from uform.replica.optim import decays, learning_rate
 
 PEAK, FLOOR = 1e-3, 1e-5
 

@@ -39,7 +39,7 @@ from uform import (
 )
 from uform.media import image_units
 from uform.media.decode import MediaPolicy
-from uform.media.pool import DecodePool
+from uform.runtime.decoders import DecodePool
 
 print("{marker}", flush=True)
 FLEET = {fleet}

@@ -44,12 +44,12 @@ from uform import (
     TrainerStepConfig,
     vocab,
 )
-from uform.checkpoint import write_checkpoint
 from uform.config import resolve, to_json
 from uform.evaluate import encode_texts, evaluate_retrieval, ranking_metrics, retrieval_metrics
 from uform.model.attention import document_mask
 from uform.model.network import Network
 from uform.notices import CapacityWarning, Notices
+from uform.replica.checkpoint import write_checkpoint
 from uform.serve import Model, load, plan_batches
 
 torch.set_num_threads(2)

@@ -37,13 +37,13 @@ from uform import (
     TrainerInitVramConfig,
     TrainerStepConfig,
 )
-from uform.checkpoint import write_checkpoint
 from uform.config import resolve, to_json
 from uform.evaluate import evaluate_retrieval
 from uform.media.decode import MediaPolicy, decode_item
 from uform.media.limits import MediaError, MediaLimits
 from uform.model.network import Network
 from uform.notices import MediaWarning, Notices
+from uform.replica.checkpoint import write_checkpoint
 from uform.serve import load
 
 torch.set_num_threads(2)

@@ -323,7 +323,7 @@ def test_steps_and_saves_apply_in_call_order(make_trainer, tmp_path) -> None:
     futures.append(verbs.save(tmp_path / "two.safetensors"))
     for f in futures:
         f.result(timeout=60)
-    from uform.checkpoint import read_metadata
+    from uform.replica.checkpoint import read_metadata
 
     assert read_metadata(tmp_path / "one.safetensors")["uform.step"] == "1"
     assert read_metadata(tmp_path / "two.safetensors")["uform.step"] == "2"

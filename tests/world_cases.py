@@ -177,9 +177,9 @@ def cases(args: argparse.Namespace) -> list[tuple[str, Objective, PairLossForm, 
 
 def invariance(args: argparse.Namespace, reports: Path) -> None:
     """Every case: two steps of this process's share; then a save that only process zero writes."""
-    import uform.world
+    import uform.runtime.world
 
-    uform.world.BUCKET_BYTES = 64 << 10  # several buckets even for the tiny tower
+    uform.runtime.world.BUCKET_BYTES = 64 << 10  # several buckets even for the tiny tower
     mesh = mesh_of(args, Executor.for_vram([args.host]) if args.cuda and not args.torchrun else None)
     description = mesh.describe()
     rank, size = description.ranks[0], description.world_size
@@ -357,9 +357,9 @@ def nonfinite(args: argparse.Namespace, reports: Path) -> None:
     """Two processes. A text run: step 1; step 2 with a NaN put into one gradient on process 1 alone (its
     loss finite); step 3. Then a run with images: step 1 with images on process 0 alone, step 2 text only on
     both. Each process reports its stats and `steps_taken`, and its state after every step."""
-    import uform.world
+    import uform.runtime.world
 
-    uform.world.BUCKET_BYTES = 64 << 10  # several buckets even for the tiny tower
+    uform.runtime.world.BUCKET_BYTES = 64 << 10  # several buckets even for the tiny tower
     mesh = mesh_of(args, Executor.for_vram([args.host]) if args.cuda else None)
     rank, size = mesh.describe().ranks[0], mesh.describe().world_size
     bags = share(rank, size)

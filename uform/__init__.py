@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 # `uform.media`, does not pay for importing torch.
 _WHERE = {
     "Arena": "arena",
-    "CheckpointError": "checkpoint",
-    "Stopped": "checkpoint",
+    "CheckpointError": "replica.checkpoint",
+    "Stopped": "replica.checkpoint",
     "AudioShape": "config",
     "BatchShape": "config",
     "Choices": "config",
@@ -37,11 +37,11 @@ _WHERE = {
     "PairLossForm": "enums",
     "Scalar": "enums",
     "evaluate_retrieval": "evaluate",
-    "Executor": "executor",
-    "Mesh": "mesh",
-    "MeshDescription": "mesh",
-    "MeshError": "mesh",
-    "MeshOptions": "mesh",
+    "Executor": "runtime.executor",
+    "Mesh": "runtime.mesh",
+    "MeshDescription": "runtime.mesh",
+    "MeshError": "runtime.mesh",
+    "MeshOptions": "runtime.mesh",
     "Edges": "relations",
     "Relations": "relations",
     "Model": "serve",
@@ -70,7 +70,6 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .arena import Arena
-    from .checkpoint import CheckpointError, Stopped
     from .config import (
         AudioShape,
         BatchShape,
@@ -89,10 +88,11 @@ if TYPE_CHECKING:
     )
     from .enums import GPUClass, LateInteractionSide, Modality, MultimemTier, Negatives, Objective, PairLossForm, Scalar
     from .evaluate import evaluate_retrieval
-    from .executor import Executor
-    from .mesh import Mesh, MeshDescription, MeshError, MeshOptions
     from .notices import CapacityWarning, MediaWarning, MemoryWarning, NonFiniteWarning, ScheduleWarning, UformWarning
     from .relations import Edges, Relations
+    from .replica.checkpoint import CheckpointError, Stopped
+    from .runtime.executor import Executor
+    from .runtime.mesh import Mesh, MeshDescription, MeshError, MeshOptions
     from .serve import Model, load
     from .trainer import Trainer
 

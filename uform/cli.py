@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from . import __version__
 from .demo import DEFAULTS, run_demo
-from .executor import Executor
+from .runtime.executor import Executor
 
 __all__ = ["build_parser", "main"]
 

@@ -52,8 +52,8 @@ import torch
 from .config import BatchShape, Contrastive, Schedule, TrainerInitVramConfig, TrainerStepConfig, TrainerStepStats
 from .enums import Modality, Objective, PairLossForm
 from .evaluate import evaluate_retrieval
-from .executor import Executor
 from .relations import Edges, Relations
+from .runtime.executor import Executor
 from .serve import Model, load
 from .trainer import Trainer
 from .vocab import prefix

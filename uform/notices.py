@@ -36,7 +36,7 @@ class ScheduleWarning(UformWarning):
 
 
 class MemoryWarning(UformWarning):
-    """A run's estimated memory exceeds what the machine has available (`uform.memory`)."""
+    """A run's estimated memory exceeds what the machine has available (`uform.replica.memory`)."""
 
 
 class Notices:

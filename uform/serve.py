@@ -62,21 +62,21 @@ from torch import Tensor
 
 from . import vocab
 from .arena import Arena, as_scalar
-from .capacity import warn_truncated
-from .checkpoint import Stopped, report_points
 from .config import TrainerInitVramConfig
 from .data.batch import MEDIA_KINDS, Batch, media_features, prepare
 from .data.items import is_tape, parse_contents, parse_modalities, parse_sides, tape_items
 from .enums import LateInteractionSide, Modality, Objective, Scalar
-from .executor import Executor
 from .media.decode import MediaPolicy, decode_items, warn_skipped
 from .media.limits import MediaError
-from .media.pool import DecodePool
 from .media.units import Units
 from .model.attention import block_tables, compiled_flex_available, document_mask
 from .model.network import Network
 from .notices import Notices
-from .stored_run import read_run_tensors, read_stored_run
+from .replica.capacity import warn_truncated
+from .replica.checkpoint import Stopped, report_points
+from .replica.stored_run import read_run_tensors, read_stored_run
+from .runtime.decoders import DecodePool
+from .runtime.executor import Executor
 
 __all__ = ["Model", "load"]
 

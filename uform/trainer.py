@@ -9,7 +9,7 @@ every process and counted) -> stats and the arena. The blocking and the deferred
 worker thread per trainer, so steps and saves apply in the order they were called.
 
 On an executor of several devices `Trainer.init_vram` answers a `FleetTrainer` (at the end of this file): this
-process routes each step to the devices' worker processes (`uform.fleet`), each of which runs a `Trainer` of its
+process routes each step to the devices' worker processes (`uform.runtime.workers`), each of which runs a `Trainer` of its
 own device as one rank of the mesh.
 """
 
@@ -33,8 +33,6 @@ import numpy as np
 import torch
 
 from .arena import Arena
-from .capacity import warn_step_capacity
-from .checkpoint import ProgressCallback, write_checkpoint
 from .config import (
     TrainerInitVramConfig,
     TrainerSaveConfig,
@@ -47,8 +45,23 @@ from .config import (
 from .data.batch import MEDIA_KINDS, Batch, media_features
 from .data.items import ChoiceTapes, parse_choices, parse_contents, parse_modalities, parse_sides, per_item_integers
 from .enums import LateInteractionSide, Modality, Objective, Scalar
-from .executor import Executor
-from .fleet import (
+from .media.decode import MediaPolicy, warn_skipped
+from .media.units import Units
+from .model.attention import compiled_flex_available, document_mask
+from .model.network import Network
+from .notices import MediaWarning as MediaWarning  # re-exported: where callers met it first
+from .notices import NonFiniteWarning, Notices, ScheduleWarning
+from .relations import check_relations, edge_limit, first_crossing, restrict
+from .replica.capacity import warn_step_capacity
+from .replica.checkpoint import ProgressCallback, write_checkpoint
+from .replica.memory import check_memory
+from .replica.optim import LATE, Optimizer, build_optimizer, learning_rate, nonfinite, rate_overflows, reach
+from .replica.stored_run import FORMAT, RNG_DRAWS, StoredRun, read_run_tensors, read_stored_run
+from .runtime.decoders import DecodePool
+from .runtime.executor import Executor
+from .runtime.mesh import Mesh, MeshOptions
+from .runtime.preparers import HostJob, HostProcesses, decode_media, host_stage
+from .runtime.workers import (
     attach_segment,
     choice_share,
     first_failure,
@@ -58,20 +71,7 @@ from .fleet import (
     route,
     share_items,
 )
-from .host import HostJob, HostProcesses, decode_media, host_stage
-from .media.decode import MediaPolicy, warn_skipped
-from .media.pool import DecodePool
-from .media.units import Units
-from .memory import check_memory
-from .mesh import Mesh, MeshOptions
-from .model.attention import compiled_flex_available, document_mask
-from .model.network import Network
-from .notices import MediaWarning as MediaWarning  # re-exported: where callers met it first
-from .notices import NonFiniteWarning, Notices, ScheduleWarning
-from .optim import LATE, Optimizer, build_optimizer, learning_rate, nonfinite, rate_overflows, reach
-from .relations import check_relations, edge_limit, first_crossing, restrict
-from .stored_run import FORMAT, RNG_DRAWS, StoredRun, read_run_tensors, read_stored_run
-from .world import GradientReducer, MeshError, World, WorldAborted, reduction_order, wait_event
+from .runtime.world import GradientReducer, MeshError, World, WorldAborted, reduction_order, wait_event
 
 WORLD_COMPILES = ("whole", "blocks")
 """How a world's step may compile on CUDA (`Trainer.init_vram`'s `world_compile`)."""
@@ -145,7 +145,7 @@ class Trainer:
         skipped as non-finite), each kind shown once and counted: `notices.counts()`."""
         self._decoders: DecodePool | None = None
         self.host_processes = host_processes
-        """Host processes that prepare the steps (`uform.host`); 0: the host stage runs on this process's threads."""
+        """Host processes that prepare the steps (`uform.runtime.preparers`); 0: the host stage runs on this process's threads."""
         self._hosts: HostProcesses | None = None
         # Two stages: the host stage packs and corrupts step n + 1 while the device stage runs step n, so the
         # GPU never waits on Python (the draws are keyed by the step number, which is fixed when the step is
@@ -202,7 +202,7 @@ class Trainer:
         `media` bounds and reports the media items of every step (limits, strictness, decoding workers);
         the default skips a broken item with a warning and counts it in `TrainerStepStats.skipped`.
 
-        `host_processes` says where each step's host stage runs (decode, pack, corrupt, pair; `uform.host`):
+        `host_processes` says where each step's host stage runs (decode, pack, corrupt, pair; `uform.runtime.preparers`):
         0 on two threads of this process, N >= 1 in N processes of its own (started on the first step, each
         with its share of `media.workers` decoders), which leave this process only the device stage, so its
         interpreter lock is the device thread's. None (the default) is 1 on CUDA and 0 on the CPU (see
@@ -1022,7 +1022,7 @@ class FleetTrainer(Trainer):
 
     Made by `Trainer.init_vram` when its executor has several devices. It lives beside `Trainer` because each
     worker runs a `Trainer` of its own (`_worker_init`): the two are one layer, above the processes that carry
-    their commands (`uform.fleet`, whose docstring tells how a step travels).
+    their commands (`uform.runtime.workers`, whose docstring tells how a step travels).
     """
 
     def __init__(self, executor: Any, config: TrainerInitVramConfig, mesh: Any, owns_mesh: bool) -> None:
@@ -1054,7 +1054,7 @@ class FleetTrainer(Trainer):
             mesh, owns = Mesh.bootstrap(executor, MeshOptions(job="local")), True
         fleet = executor.workers
         # The callback stays here (it need not pickle); every worker reads the checkpoint with a stand-in that
-        # relays its reports, merged into one device's (see `uform.fleet`'s docstring).
+        # relays its reports, merged into one device's (see `uform.runtime.workers`'s docstring).
         shipped = dataclasses.replace(config, mesh=None, progress=None)
         relayed = config.progress is not None
         try:
@@ -1212,7 +1212,7 @@ class _FleetDeferred(Deferred):
 
 
 def _worker_init(state: dict[str, Any], device: torch.device, argument: Any, progress: ProgressCallback) -> int:
-    """In a worker (a `uform.fleet.Verb`): this device's trainer, a rank of the mesh the worker joined."""
+    """In a worker (a `uform.runtime.workers.Verb`): this device's trainer, a rank of the mesh the worker joined."""
     config, media, host_processes, world_compile, relayed = argument
     mesh = state["mesh"]
     if mesh is None:

@@ -24,7 +24,7 @@ from ..losses.choices import choices_sum
 from ..losses.contrastive import contrastive_term
 from ..losses.late import late_interaction_term
 from ..losses.masked import masked_text_sum, masked_units_sum
-from ..world import World, gather, gather_with_grad, world_pairs
+from ..runtime.world import World, gather, gather_with_grad, world_pairs
 from .attention import DocumentMask
 from .embed import TokenEmbedding
 from .heads import MaskedTextHead, PooledHead, Temperatures, TokenHead

@@ -10,7 +10,7 @@ multiple of its element size, exactly as the reference writer does.
 
 The digest stored in the `"uform.digest"` metadata key is the hex SHA-256 of::
 
-    b"uform.checkpoint.v1\\0" || u64(tensor count)
+    b"uform.replica.checkpoint.v1\\0" || u64(tensor count)
       || for each tensor, in name order: SHA-256(field(name) || field(dtype string) || u64(ndim) || u64(dim)...
                                                  || u64(byte count) || raw bytes)
       || u64(metadata count) || for each metadata key other than "uform.digest", in key order: field(key) || field(value)
@@ -74,7 +74,7 @@ MAX_DIMS = 64
 MAX_ELEMENTS = 2**62
 """Most elements a tensor may count, every dimension taken as at least one (well inside torch's int64)."""
 
-_DIGEST_DOMAIN = b"uform.checkpoint.v1\0"
+_DIGEST_DOMAIN = b"uform.replica.checkpoint.v1\0"
 _METADATA_KEY = "__metadata__"
 _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 

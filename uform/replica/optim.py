@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from .config import Schedule
+from ..config import Schedule
 
 BETAS = (0.9, 0.98)
 EPSILON = 1e-6

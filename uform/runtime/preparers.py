@@ -19,7 +19,7 @@ The processes (``host_processes=N``, started on the first step that needs one):
 - Each host process is started with the run's config, its `MediaPolicy` and the attention path, owns a
   `DecodePool` of its own (``media.workers`` split over the N processes; started lazily, so a text-only process
   never starts decoders) and prepares up to `HOST_SLOTS` steps at once on two threads of its own: while one waits
-  for its step's media, the other packs. It is a `uform.child.Child` (a fresh interpreter on a module of uform's,
+  for its step's media, the other packs. It is a `uform.runtime.child.Child` (a fresh interpreter on a module of uform's,
   which never imports the trainer's main module, so a training script needs no main guard), and its decoders
   come from a fork server of its own that preloads the decoding libraries. It ignores SIGINT (the trainer's
   process handles Ctrl-C), exits when its pipe to the trainer reports end of file (the trainer's process died),
@@ -69,16 +69,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..config import TrainerInitVramConfig
+from ..data.batch import Batch, prepare
+from ..data.blocks import block_tables
+from ..data.items import ChoiceTapes
+from ..enums import LateInteractionSide, Modality
+from ..media.decode import MediaPolicy, decode_items
+from ..media.limits import MediaError
+from ..media.units import Units
+from ..relations import Edges, Relations
 from .child import START_METHOD
 from .child import context as context_of
-from .config import TrainerInitVramConfig
-from .data.batch import Batch, prepare
-from .data.blocks import block_tables
-from .data.items import ChoiceTapes
-from .enums import LateInteractionSide, Modality
-from .media.decode import MediaPolicy, decode_items
-from .media.limits import MediaError
-from .media.pool import (
+from .decoders import (
     DecodePool,
     SlabFile,
     create_slab,
@@ -90,8 +92,6 @@ from .media.pool import (
     reserve_area,
     slab_payload,
 )
-from .media.units import Units
-from .relations import Edges, Relations
 
 if TYPE_CHECKING:
     import torch
@@ -115,7 +115,7 @@ _CLOSE_GRACE_SECONDS = 10.0
 _REAP_SECONDS = 5.0
 
 _DEFAULT_CONTEXT = START_METHOD
-# A host process's main module is uform.child's boot, so multiprocessing's fork server may start its decoders:
+# A host process's main module is uform.runtime.child's boot, so multiprocessing's fork server may start its decoders:
 # it re-imports nothing of the user's, and preloads the decoding libraries once for all of them.
 _DECODER_CONTEXT = "forkserver" if sys.platform.startswith("linux") else START_METHOD
 _DECODER_PRELOAD = ["uform.media.decode", "uform.media.image", "uform.media.video", "uform.media.audio"]
@@ -613,7 +613,7 @@ def _host_main(
     """A host process's whole life: map the slab, say ready, then prepare each step it is sent on a thread of
     its own until an empty message (exit) or end of file (the trainer's process died)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's process's to handle
-    # This process's main module is uform.child's boot (no file, no module name), so the decoders' fork server
+    # This process's main module is uform.runtime.child's boot (no file, no module name), so the decoders' fork server
     # imports nothing of the trainer's script: it preloads the decoding libraries instead, once.
     if _DECODER_CONTEXT == "forkserver":
         multiprocessing.get_context("forkserver").set_forkserver_preload(_DECODER_PRELOAD)

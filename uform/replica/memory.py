@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import TrainerInitVramConfig
-from .data.batch import media_features
-from .losses.late import chunk_elements
-from .model.network import Network
-from .notices import MemoryWarning, Notices
+from ..config import TrainerInitVramConfig
+from ..data.batch import media_features
+from ..losses.late import chunk_elements
+from ..model.network import Network
+from ..notices import MemoryWarning, Notices
 
 # ---- measured constants: bytes per (position x hidden) ---------------------------------------------
 # CPU (float32, eager, dense attention): counted with `torch.autograd.graph.saved_tensors_hooks` over one

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import TrainerInitVramConfig, from_dict, resolve
+from ..model.network import Network
 from .checkpoint import CheckpointError, Layout, ProgressCallback, read_checkpoint, read_layout
-from .config import TrainerInitVramConfig, from_dict, resolve
-from .model.network import Network
 
 __all__ = ["FORMAT", "RNG_DRAWS", "StoredRun", "read_run_tensors", "read_stored_run"]
 

@@ -1,9 +1,9 @@
 """Executors: where a trainer's replicas live.
 
 `Executor.for_vram([i])` names CUDA device i, in this process; `Executor.for_vram([0, 1, ...])` names
-several, each driven by a worker process of its own that is a rank of the run's world (`uform.fleet`).
+several, each driven by a worker process of its own that is a rank of the run's world (`uform.runtime.workers`).
 An executor only names its devices and owns those processes: what they run is sent to them by the layers
-above (`uform.mesh`, `uform.trainer`), which this module never imports.
+above (`uform.runtime.mesh`, `uform.trainer`), which this module never imports.
 `Executor.cpu()` is the development executor the tests and CI use (UForm 4's trainer API trains on GPUs
 only, docs/design.md §1; the CPU path computes the same function in fp32 with the dense reference attention).
 """
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .fleet import Fleet
+from .workers import Fleet
 
 
 class Executor:
@@ -30,7 +30,7 @@ class Executor:
         self.devices = tuple(devices)
         self._fleet: Fleet | None = None
         self.joined = False
-        """Whether this executor's workers belong to a world now (one mesh at a time; `uform.mesh` sets it)."""
+        """Whether this executor's workers belong to a world now (one mesh at a time; `uform.runtime.mesh` sets it)."""
         if _workers:
             self._fleet = Fleet(self.devices, _threads)
             weakref.finalize(self, self._fleet.close)

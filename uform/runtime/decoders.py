@@ -11,7 +11,7 @@ and answers one `Outcome` per job, in job order. No item can hang or crash the c
 
 A job is sent to one worker once and never run twice, not even after its worker died.
 
-Protocol. Each worker is a process (a `uform.child.Child` by default, which never imports the caller's main
+Protocol. Each worker is a process (a `uform.runtime.child.Child` by default, which never imports the caller's main
 module, so a script without a main guard can decode; or a `multiprocessing` process) with a pipe of its own, and
 (where /dev/shm exists) a slab of shared memory of its own, `_SLAB_BYTES` long. It sends ``("ready",)`` once it has
 started, then for each job it receives (pickled ``(function, args, kwargs)``) it sends ``("ok", value)`` or
@@ -29,10 +29,10 @@ a memcpy. The parent reads a worker's slab before giving it another job, so one 
 larger than the slab goes through the pipe. The slab's file is unlinked as soon as it is made: the worker maps it
 through a duplicate of its descriptor passed when the worker starts, so no name under /dev/shm outlives a process
 killed at any moment. The slab helpers (`create_slab`, `SlabFile`, `reserve_slab`, `slab_payload`, `load_message`, `release_slab`) also carry a trainer's
-steps to and from its host processes (`uform.host`).
+steps to and from its host processes (`uform.runtime.preparers`).
 
 This module imports only the standard library at top level, so the worker entry stays light. (Importing it as
-``uform.media.pool`` still runs the package's ``__init__``; a job function that lives in a module importing torch
+``uform.runtime.decoders`` still runs the package's ``__init__``; a job function that lives in a module importing torch
 brings torch into the worker when its first job arrives.)
 """
 
@@ -58,7 +58,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
-    from ..child import Process
+    from .child import Process
 
 __all__ = ["DecodePool", "Outcome", "decode_parallelism"]
 
@@ -86,7 +86,9 @@ _SLOW_LOAD_SECONDS = 0.05
 # Worker states.
 _BOOTING, _IDLE, _LOADING, _RUNNING = "booting", "idle", "loading", "running"
 
-_DEFAULT_CONTEXT = "uform"  # uform.child.START_METHOD (imported when a pool is made: this module loads standalone)
+_DEFAULT_CONTEXT = (
+    "uform"  # uform.runtime.child.START_METHOD (imported when a pool is made: this module loads standalone)
+)
 
 
 def decode_parallelism() -> int:
@@ -130,7 +132,7 @@ class DecodePool:
     """Runs picklable decode jobs in worker processes, in parallel, each under a time limit.
 
     ``workers`` 0 means `decode_parallelism()`. Processes start lazily, on the first `map` that needs them, and
-    are reused across maps. ``context`` is how workers start: "uform" (the default) as `uform.child.Child`, a
+    are reused across maps. ``context`` is how workers start: "uform" (the default) as `uform.runtime.child.Child`, a
     fresh interpreter on a module of uform's that never imports the caller's main module (so the caller's script
     needs no main guard, and may come from stdin, ``-c`` or a notebook); or a `multiprocessing` start method
     ("forkserver", "spawn"), which imports the main module again in every worker: only for a process whose main
@@ -153,7 +155,7 @@ class DecodePool:
         self.workers = workers or decode_parallelism()
         self.timeout_seconds = timeout
         # Local: this module loads standalone, from its file, with the standard library only (no uform).
-        from ..child import context as context_of
+        from .child import context as context_of
 
         self._ctx: Any = context_of(context)  # ValueError for an unknown start method
         self.context = context
@@ -473,10 +475,10 @@ def create_slab(size: int, prefix: str = "uform-decoder-") -> tuple[mmap.mmap | 
 
 class SlabFile:
     """A slab's descriptor as an argument of a worker process, so the slab needs no name on the file system: a
-    `uform.child.Child` inherits it under the same number (``inherited_fd``), and for a process that
+    `uform.runtime.child.Child` inherits it under the same number (``inherited_fd``), and for a process that
     `multiprocessing` starts it pickles as a duplicate sent to the child (as a `Connection` does)."""
 
-    inherited_fd = True  # uform.child's mark: crosses to a Child as `fd`, rebuilt there as SlabFile(fd)
+    inherited_fd = True  # uform.runtime.child's mark: crosses to a Child as `fd`, rebuilt there as SlabFile(fd)
 
     def __init__(self, fd: int) -> None:
         self.fd = fd

@@ -53,7 +53,7 @@ START_METHOD = "uform"
 # The child's whole command line after the interpreter: standard library only until sys.path is the caller's.
 _BOOT = (
     "import sys, json; sys.path[:] = json.loads(sys.argv[3]); "
-    "from uform.child import main; main(int(sys.argv[1]), int(sys.argv[2]))"
+    "from uform.runtime.child import main; main(int(sys.argv[1]), int(sys.argv[2]))"
 )
 
 

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .enums import GPUClass, MultimemTier
+from ..enums import GPUClass, MultimemTier
 from .executor import Executor
 from .world import MeshError, World
 
@@ -773,7 +773,7 @@ def _join_workers(executor: Executor, world: tuple[Any, ...]) -> None:
 
 
 def _join_worker(state: dict[str, Any], device: torch.device, argument: Any, progress: Any) -> None:
-    """In a worker (a `uform.fleet.Verb`): forms its rank of the world, its mesh an executor of its one device."""
+    """In a worker (a `uform.runtime.workers.Verb`): forms its rank of the world, its mesh an executor of its one device."""
     world_spec, rank, size, timeout, hosts_of, description, tier = argument
     if device.type == "cuda":
         nccl_defaults(tier)
@@ -785,7 +785,7 @@ def _join_worker(state: dict[str, Any], device: torch.device, argument: Any, pro
 
 
 def _leave_worker(state: dict[str, Any], device: torch.device, argument: Any, progress: Any) -> None:
-    """In a worker (a `uform.fleet.Verb`): its trainer closes (it borrows the mesh), then it leaves the world."""
+    """In a worker (a `uform.runtime.workers.Verb`): its trainer closes (it borrows the mesh), then it leaves the world."""
     if state["trainer"] is not None:
         state["trainer"].close()
         state["trainer"] = None

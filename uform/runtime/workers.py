@@ -4,7 +4,7 @@ how a step travels to them and back.
 Shape legend: N items of a step, D the devices of the executor (its workers), H hidden.
 
 This module is the runtime beneath the executor: it knows nothing of meshes or trainers. Each command names
-its `Verb`, owned by the module that sends it (`uform.mesh` joins and leaves the world, `uform.trainer`'s
+its `Verb`, owned by the module that sends it (`uform.runtime.mesh` joins and leaves the world, `uform.trainer`'s
 fleet trainer builds, steps and saves), so the layers only point down: trainer -> mesh -> executor -> fleet.
 
 The calling process keeps no replica. A step's items are checked here, routed to the devices by bag (a bag
@@ -51,15 +51,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import vocab
-from .checkpoint import CheckpointError, ProgressCallback, Stopped
+from .. import vocab
+from ..config import TrainerStepStats
+from ..data.items import ChoiceTapes
+from ..enums import Modality
+from ..media.limits import MediaError
+from ..notices import Notices
+from ..replica.checkpoint import CheckpointError, ProgressCallback, Stopped
 from .child import Child
-from .config import TrainerStepStats
-from .data.items import ChoiceTapes
-from .enums import Modality
-from .host import HostProcessError
-from .media.limits import MediaError
-from .notices import Notices
+from .preparers import HostProcessError
 from .world import MeshError
 
 _ERRORS: dict[str, type[BaseException]] = {

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .notices import CapacityWarning, Notices
+from ..notices import CapacityWarning, Notices
 
 TRUNCATED = "capacity.truncated"
 DROPPED = "capacity.dropped"
