@@ -8,7 +8,6 @@ seconds on a couple of CPU cores. Comparisons are bitwise: `torch.equal` on weig
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -169,11 +168,11 @@ def assert_refusal_changes_nothing(
 def direct_terms(trainer: Trainer, texts: list[str], relations: Relations | None, step: int = 1) -> tuple[Any, dict]:
     """The batch and `network.losses` of a step, computed directly (outside the trainer's verbs).
 
-    Prepares the host arrays as the trainer's host stage does, and adds the rotary code where the network
-    takes it in the batch; answers (batch, terms).
+    Prepares the host arrays as the trainer's host stage does and puts them on the device as its step does
+    (`model.inputs.to_device`); answers (batch, `Network.losses`'s answer: terms and embeddings).
     """
     from uform.data.batch import prepare
-    from uform.model.attention import document_mask
+    from uform.model.inputs import to_device
 
     network = trainer.network
     batch = prepare(
@@ -186,14 +185,10 @@ def direct_terms(trainer: Trainer, texts: list[str], relations: Relations | None
         relations=relations,
         step=step,
     )
-    tensors = batch.host_tensors(False)
-    mask = document_mask(tensors["segments"], "dense")
-    if hasattr(network, "rotary"):
-        tensors["cos"], tensors["sin"] = network.rotary(tensors["positions"], torch.float32)
-    arguments: list[Any] = [tensors, mask]
-    if "positives" in inspect.signature(network.losses).parameters:
-        arguments.append(getattr(batch, "positives", None))
-    return batch, network.losses(*arguments)
+    inputs = to_device(
+        batch.host_tensors(False), trainer.device, network.rotary, attention="dense", dtype=torch.float32, dynamic=False
+    )
+    return batch, network.losses(inputs, None, batch.positives)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,8 @@ import torch
 import uform as u
 from uform.config import resolve
 from uform.data.batch import prepare
-from uform.model.attention import block_tables, document_mask
+from uform.model.attention import block_tables
+from uform.model.inputs import to_device
 from uform.model.network import Network
 
 pytestmark = [
@@ -70,17 +71,18 @@ def test_flex_equals_dense_on_cuda() -> None:
         relations=relations,
         step=1,
     )
-    tensors = {k: v.cuda() for k, v in batch.host_tensors(pin=False).items()}
-    tensors["cos"], tensors["sin"] = network.rotary(tensors["positions"], torch.float32)
-    tables = {k: torch.from_numpy(v).cuda() for k, v in block_tables(batch.segments).items()}
     results = []
     for kind in ("flex", "dense"):
+        host = batch.host_tensors(pin=False, tables=block_tables(batch.segments) if kind == "flex" else None)
+        inputs = to_device(
+            host, torch.device("cuda"), network.rotary, attention=kind, dtype=torch.float32, dynamic=False
+        )
         network.zero_grad()
-        terms = network.losses(tensors, document_mask(tensors["segments"], kind, tables if kind == "flex" else None))
+        terms, embeddings = network.losses(inputs)
         total = network.total(terms)["loss"]
         total.backward()
         grads = {n: p.grad.detach().clone() for n, p in network.named_parameters() if p.grad is not None}
-        results.append((total.detach(), terms["embeddings"], grads))
+        results.append((total.detach(), embeddings, grads))
     (flex_loss, flex_embeddings, flex_grads), (dense_loss, dense_embeddings, dense_grads) = results
     torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(flex_embeddings, dense_embeddings, rtol=1e-3, atol=1e-3)

@@ -32,10 +32,6 @@ def test_the_decode_pool_module_does_not_import_torch() -> None:
 PACKAGE = Path(uform.__file__).resolve().parent
 
 ALLOWED_LOCAL_IMPORTS = {
-    (
-        "uform.runtime.preparers",
-        "torch",
-    ): "only the trainer's process adopts a host process's answer; host processes never load torch",
     ("uform.data.batch", "torch"): "a host process packs batches without torch; only the trainer's makes tensors",
     ("uform.media.decode", "uform.media.audio"): "optional heavy decoders load in the decode workers, on need",
     ("uform.media.decode", "uform.media.image"): "optional heavy decoders load in the decode workers, on need",

@@ -39,7 +39,7 @@ from uform.losses.late import (
     maxsim_row,
     scatter_rows,
 )
-from uform.model.attention import document_mask
+from uform.model.inputs import to_device
 from uform.serve import Model
 
 FORMS = [PairLossForm.Sigmoid, PairLossForm.Balanced, PairLossForm.Ranked]
@@ -580,10 +580,15 @@ def test_capacity_overflow_is_dropped_whole_and_counted(make_trainer, limits, te
 
 def _network_terms(trainer, texts, sides, relations):
     batch = _prepare(trainer.config, texts, sides, relations)  # the config is resolved already: resolving is a no-op
-    tensors = batch.host_tensors(False)
-    mask = document_mask(tensors["segments"], "dense")
-    tensors["cos"], tensors["sin"] = trainer.network.rotary(tensors["positions"], torch.float32)
-    return batch, tensors, mask
+    inputs = to_device(
+        batch.host_tensors(False),
+        torch.device("cpu"),
+        trainer.network.rotary,
+        attention="dense",
+        dtype=torch.float32,
+        dynamic=False,
+    )
+    return batch, inputs
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -594,12 +599,12 @@ def test_the_network_term_equals_the_reference_over_its_own_token_vectors(make_t
     relations = pair_relations(3, 7)
     sides = [Q, Q, QD, D, D, D, N]
     texts = [*CAPTIONS, "no"]
-    batch, tensors, mask = _network_terms(trainer, texts, sides, relations)
+    batch, inputs = _network_terms(trainer, texts, sides, relations)
     assert batch.dropped == 0
     network = trainer.network
-    terms = network.losses(tensors, mask, batch.positives, batch.late_positives)
+    terms, _ = network.losses(inputs, None, batch.positives, batch.late_positives)
     with torch.no_grad():
-        states = network.states(tensors, mask)
+        states = network.states(inputs)
         vectors = network.token_head(states)  # [R, C, W]
     layout = batch.layout
     prefix = 2
@@ -632,8 +637,8 @@ def test_the_network_term_equals_the_reference_over_its_own_token_vectors(make_t
         batch.late["w"],
         form,
     )
-    assert int(terms["late_interaction_anchors"]) == anchors == 3
-    torch.testing.assert_close(terms["late_interaction_sum"].detach(), expected, rtol=1e-5, atol=1e-6)
+    assert int(terms["late_interaction"].count) == anchors == 3
+    torch.testing.assert_close(terms["late_interaction"].sum.detach(), expected, rtol=1e-5, atol=1e-6)
     totals = network.total(terms)
     assert float(totals["late_interaction_loss"].detach()) == pytest.approx(float(expected) / anchors, rel=1e-5)
 
@@ -714,13 +719,18 @@ def test_media_units_are_token_vectors(make_trainer) -> None:
     image_column = 0 if batch.layout.slot[1] < batch.layout.slot[2] else 1
     mine = late["document_index"][late["document_of"] == image_column]
     assert np.array_equal(np.sort(mine), np.sort(batch.media["image"]["index"][:6]))
-    tensors = batch.host_tensors(False)
-    mask = document_mask(tensors["segments"], "dense")
-    tensors["cos"], tensors["sin"] = trainer.network.rotary(tensors["positions"], torch.float32)
-    terms = trainer.network.losses(tensors, mask, batch.positives, batch.late_positives)
-    assert int(terms["late_interaction_anchors"]) == 1
+    inputs = to_device(
+        batch.host_tensors(False),
+        torch.device("cpu"),
+        trainer.network.rotary,
+        attention="dense",
+        dtype=torch.float32,
+        dynamic=False,
+    )
+    terms, _ = trainer.network.losses(inputs, None, batch.positives, batch.late_positives)
+    assert int(terms["late_interaction"].count) == 1
     trainer.network.zero_grad(set_to_none=True)
-    terms["late_interaction_sum"].backward()
+    terms["late_interaction"].sum.backward()
     grads = [p.grad for p in trainer.network.media["image"].parameters()]
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
 

@@ -67,10 +67,11 @@ from uform.config import resolve
 from uform.data.batch import MEDIA_KINDS, prepare
 from uform.data.items import parse_modalities
 from uform.losses.masked import masked_units_sum, normalised_targets
+from uform.losses.term import Term
 from uform.media.decode import MediaPolicy, decode_item
 from uform.media.limits import MediaError, MediaLimits
 from uform.media.units import Units
-from uform.model.attention import document_mask
+from uform.model.inputs import to_device
 from uform.model.network import Network
 from uform.notices import MediaWarning, Notices
 
@@ -252,12 +253,17 @@ def prepared(
 
 def forward(
     network: Network, config: TrainerInitVramConfig, batch: Any
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+) -> tuple[dict[str, Term], dict[str, torch.Tensor]]:
     """`network.losses` and `network.total` of a prepared batch, as the trainer's CPU step computes them."""
-    tensors = batch.host_tensors(False)
-    mask = document_mask(tensors["segments"], "dense")
-    tensors["cos"], tensors["sin"] = network.rotary(tensors["positions"], torch.float32)
-    terms = network.losses(tensors, mask, batch.positives)
+    inputs = to_device(
+        batch.host_tensors(False),
+        torch.device("cpu"),
+        network.rotary,
+        attention="dense",
+        dtype=torch.float32,
+        dynamic=False,
+    )
+    terms, _ = network.losses(inputs, None, batch.positives)
     return terms, network.total(terms)
 
 
@@ -458,7 +464,7 @@ def test_no_masking_under_contrastive() -> None:
     with torch.no_grad():
         terms, totals = forward(network, config, batch)
     for kind in ("image", "video", "audio"):
-        assert terms[f"masked_{kind}_count"] == 0 and totals[f"masked_{kind}_loss"] == 0
+        assert terms[f"masked_{kind}"].count == 0 and totals[f"masked_{kind}_loss"] == 0
 
 
 # ---- 4. targets and the masked sum --------------------------------------------------------------------

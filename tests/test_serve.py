@@ -47,6 +47,7 @@ from uform import (
 from uform.config import resolve, to_json
 from uform.evaluate import encode_texts, evaluate_retrieval, ranking_metrics, retrieval_metrics
 from uform.model.attention import document_mask
+from uform.model.inputs import DeviceBatch
 from uform.model.network import Network
 from uform.notices import CapacityWarning, Notices
 from uform.replica.checkpoint import write_checkpoint
@@ -80,14 +81,29 @@ def direct_states(network: Network, prefix: list[int], content: bytes | list[int
     """Final-norm states [L, D] of one text segment alone in one row, built by hand (no packer)."""
     ids = torch.tensor([[*prefix, *content]])
     length = ids.shape[1]
-    batch = {
-        "tokens": ids,
-        "positions": torch.arange(length)[None, :, None].expand(1, length, 3),
-        "segments": torch.zeros(1, length, dtype=torch.long),
-        "counts": torch.tensor([length]),
-    }
+    positions = torch.arange(length)[None, :, None].expand(1, length, 3)
+    segments = torch.zeros(1, length, dtype=torch.long)
+    cos, sin = network.rotary(positions, torch.float32)
+    nothing = torch.zeros(1)  # what the states do not read: the objective's targets and pairs
+    batch = DeviceBatch(
+        tokens=ids,
+        positions=positions,
+        segments=segments,
+        counts=torch.tensor([length]),
+        target_index=nothing.long(),
+        targets=nothing.long(),
+        target_weight=nothing,
+        slot_valid=nothing.bool(),
+        slot_group=nothing.long(),
+        z=nothing[None],
+        w=nothing[None],
+        mask=document_mask(segments, "dense"),
+        cos=cos,
+        sin=sin,
+        media={},
+    )
     with torch.no_grad():
-        return network.states(batch, document_mask(batch["segments"], "dense"))[0]
+        return network.states(batch)[0]
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,7 @@ def test_every_parameter_gets_a_finite_nonzero_gradient(make_trainer) -> None:
     )
     network = trainer.network
     network.zero_grad(set_to_none=True)
-    batch, terms = direct_terms(trainer, TEXTS, pair_relations(3))
+    batch, (terms, _) = direct_terms(trainer, TEXTS, pair_relations(3))
     assert batch.dropped == 0
     totals = network.total(terms)
     assert totals["masked_text_loss"] > 0 and totals["contrastive_loss"] > 0
@@ -595,8 +595,8 @@ def test_arena_rows_are_unit_float32_and_zero_for_dropped_items(make_trainer) ->
     assert torch.equal(out[~present], torch.zeros(int((~present).sum()), 128))
 
     # The rows are the pooled embeddings the loss scored, before the update, item by item.
-    batch, terms = direct_terms(twin, texts, None)
-    expected = torch.nn.functional.normalize(terms["embeddings"].float(), dim=-1)
+    batch, (_, embeddings) = direct_terms(twin, texts, None)
+    expected = torch.nn.functional.normalize(embeddings.float(), dim=-1)
     slots = torch.from_numpy(batch.layout.slot)
     assert torch.equal(slots >= 0, present)
     assert torch.allclose(out[present], expected[slots[present]], atol=1e-6)

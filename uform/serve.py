@@ -63,13 +63,14 @@ from torch import Tensor
 from . import vocab
 from .arena import Arena, as_scalar
 from .config import TrainerInitVramConfig
-from .data.batch import MEDIA_KINDS, Batch, media_features, prepare
+from .data.batch import MEDIA_KINDS, media_features, prepare
 from .data.items import is_tape, parse_contents, parse_modalities, parse_sides, tape_items
 from .enums import LateInteractionSide, Modality, Objective, Scalar
 from .media.decode import MediaPolicy, decode_items, warn_skipped
 from .media.limits import MediaError
 from .media.units import Units
-from .model.attention import block_tables, compiled_flex_available, document_mask
+from .model.attention import block_tables, compiled_flex_available
+from .model.inputs import DeviceBatch, to_device
 from .model.network import Network
 from .notices import Notices
 from .replica.capacity import warn_truncated
@@ -683,46 +684,26 @@ class Model:
             batch.tokens.reshape(-1)[gather] = vocab.MASK
         return _Prepared(
             members=np.asarray(members, dtype=np.int64),
-            tensors=self._host_tensors(batch),
+            tensors=batch.host_tensors(
+                self.device.type == "cuda", tables=block_tables(batch.segments) if self.attention == "flex" else None
+            ),
             slots=layout.slot.copy(),
             gather=gather,
             counts=counts,
             truncated=batch.truncated,
         )
 
-    def _host_tensors(self, batch: Batch) -> dict[str, Tensor]:
-        arrays = {name: getattr(batch, name) for name in ("tokens", "positions", "segments", "counts")}
-        for kind, parts in batch.media.items():
-            arrays.update({f"{kind}.{part}": array for part, array in parts.items()})
-        if self.attention == "flex":
-            arrays.update({f"block.{k}": v for k, v in block_tables(batch.segments).items()})
-        pin = self.device.type == "cuda"
-        out = {}
-        for name, array in arrays.items():
-            t = torch.from_numpy(np.ascontiguousarray(array))
-            out[name] = t.pin_memory() if pin else t
-        return out
-
     def _device(self, job: _Job, prepared: _Prepared) -> Tensor:
         """One batch's forward and readout, answered on the host."""
         device = self.device
-        tensors = {k: v.to(device, non_blocking=True) for k, v in prepared.tensors.items()}
-        if self.compiled:  # media unit counts vary: one dynamic-size graph
-            for name in tensors:
-                if name.split(".")[0] in MEDIA_KINDS.values():
-                    torch._dynamo.mark_dynamic(tensors[name], 0)
-        tables = {k.removeprefix("block."): v for k, v in tensors.items() if k.startswith("block.")}
-        mask = document_mask(tensors["segments"], self.attention, tables or None)
         network = self.network
-        tensors["cos"], tensors["sin"] = network.rotary(
-            tensors["positions"], torch.bfloat16 if self.bf16 else torch.float32
-        )
+        inputs = self._inputs(prepared)
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
             if job.verb == "encode":
-                pooled = self._pooled_fn(tensors, mask)  # [S, D] f32
+                pooled = self._pooled_fn(inputs)  # [S, D] f32
                 slots = torch.from_numpy(prepared.slots).to(device)
                 return F.normalize(pooled[slots, : job.width].float(), dim=-1).cpu()
-            states = self._states_fn(tensors, mask)  # [R, C, D]
+            states = self._states_fn(inputs)  # [R, C, D]
             flat = states.reshape(-1, states.shape[-1])
             at = flat[torch.from_numpy(prepared.gather).to(device)]
             if job.verb == "tokens":
@@ -730,12 +711,21 @@ class Model:
                 return network.token_head(at).float().cpu()  # [T, W]
             return network.text_head(at).float().cpu()  # [n, 256]
 
-    def _pooled_forward(self, tensors: dict[str, Tensor], mask: Any) -> Tensor:
-        states = self.network.states(tensors, mask)
-        return self.network.pooled(states, tensors["segments"], tensors["counts"]).float()
+    def _inputs(self, prepared: _Prepared) -> DeviceBatch:
+        """A prepared batch's host tensors on the device (`model.inputs.to_device`, as the trainer's step);
+        the media units' counts dynamic where the forward is compiled."""
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        rotary = self.network.rotary
+        return to_device(
+            prepared.tensors, self.device, rotary, attention=self.attention, dtype=dtype, dynamic=self.compiled
+        )
 
-    def _states_forward(self, tensors: dict[str, Tensor], mask: Any) -> Tensor:
-        return self.network.states(tensors, mask)
+    def _pooled_forward(self, batch: DeviceBatch) -> Tensor:
+        states = self.network.states(batch)
+        return self.network.pooled(states, batch.segments, batch.counts).float()
+
+    def _states_forward(self, batch: DeviceBatch) -> Tensor:
+        return self.network.states(batch)
 
 
 _VERB_NAMES = {"encode": "encode", "tokens": "tokens", "choose": "text_choose"}

@@ -45,10 +45,13 @@ from .config import (
 from .data.batch import MEDIA_KINDS, Batch, media_features
 from .data.items import ChoiceTapes, parse_choices, parse_contents, parse_modalities, parse_sides, per_item_integers
 from .enums import LateInteractionSide, Modality, Objective, Scalar
+from .losses.peers import Peers
+from .losses.term import Term, world_counts
 from .media.decode import MediaPolicy, warn_skipped
 from .media.units import Units
-from .model.attention import compiled_flex_available, document_mask
-from .model.network import Network
+from .model.attention import compiled_flex_available
+from .model.inputs import DeviceBatch, to_device
+from .model.network import Losses, Network
 from .notices import MediaWarning as MediaWarning  # re-exported: where callers met it first
 from .notices import NonFiniteWarning, Notices, ScheduleWarning
 from .relations import check_relations, edge_limit, first_crossing, restrict
@@ -121,8 +124,6 @@ class Trainer:
         self.world: World | None = None if config.mesh is None else config.mesh.world
         self.closed = False
         self._reducer: GradientReducer | None = None
-        if self.world is not None and self.world.size > 1:
-            self.network.world = self.world
         self.optimizer: Optimizer
         self._step_count = 0
         """Updates applied, across resumes (`steps_taken`); where the device decides a skip, as far as read."""
@@ -169,7 +170,7 @@ class Trainer:
         self._resolving = threading.Lock()
         cuda = self.device.type == "cuda"
         self.attention = "flex" if compiled_flex_available(self.device) else "dense"
-        self._losses: Callable[..., dict[str, torch.Tensor]] = self.network.losses
+        self._losses: Callable[..., Losses] = self.network.losses
         self.world_compile = world_compile
         """How a world's step compiles on CUDA (`Trainer.init_vram`)."""
         if cuda and self.world is not None and self.world.size > 1 and world_compile == "blocks":
@@ -416,10 +417,7 @@ class Trainer:
         else:
             answer = host_stage(self.config, self.media, self.attention, self._decode_pool, job, step)
             batch, failed = answer.batch, answer.failed
-            host = batch.host_tensors(pin)
-            for name, table in answer.tables.items():
-                t = torch.from_numpy(table)
-                host[f"block.{name}"] = t.pin_memory() if pin else t
+            host = batch.host_tensors(pin, tables=answer.tables)
         if notify:  # once per step: not again where a renumbered step is prepared anew (`_apply_step`)
             warn_skipped(self.notices, failed, checked.modalities, "TrainerStepStats.skipped", checked.origin)
             warn_step_capacity(self.notices, batch, len(checked.modalities), self.config.batch.max_columns_per_row)
@@ -462,15 +460,9 @@ class Trainer:
         else:
             batch, tensors = host.result()
         cuda = self.device.type == "cuda"
-        tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
-        if cuda:  # media unit counts vary by step: one dynamic-size graph instead of one per count
-            for name in tensors:
-                if name.split(".")[0] in MEDIA_KINDS.values():
-                    torch._dynamo.mark_dynamic(tensors[name], 0)
-        tables = {k.removeprefix("block."): v for k, v in tensors.items() if k.startswith("block.")}
-        mask = document_mask(tensors["segments"], self.attention, tables or None)
-        tensors["cos"], tensors["sin"] = self.network.rotary(
-            tensors["positions"], torch.bfloat16 if cuda else torch.float32
+        dtype = torch.bfloat16 if cuda else torch.float32
+        inputs = to_device(
+            tensors, self.device, self.network.rotary, attention=self.attention, dtype=dtype, dynamic=cuda
         )
         rate = learning_rate(r.schedule, step)
         for group in self.optimizer.param_groups:
@@ -481,7 +473,7 @@ class Trainer:
             raise MeshError(world.failed[0])
         try:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
-                terms = self._losses(tensors, mask, batch.positives, batch.late_positives)
+                terms, embeddings = self._losses(inputs, world, batch.positives, batch.late_positives)
             if world is not None:  # every process divides its sums by the world's counts
                 terms = _world_counts(terms, world)
             totals = self.network.total(terms)
@@ -526,7 +518,7 @@ class Trainer:
         if checked.arena is not None:
             slot = torch.from_numpy(batch.layout.slot).to(self.device, non_blocking=True)
             present = slot >= 0
-            readback["arena"] = terms["embeddings"].float()[slot.clamp_min(0)] * present.unsqueeze(1)
+            readback["arena"] = embeddings.float()[slot.clamp_min(0)] * present.unsqueeze(1)
         host_copies = {k: _to_host(v) for k, v in readback.items()}
         event = None
         if cuda:
@@ -829,31 +821,22 @@ def _bind_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
-def _split_step(
-    network: Network, heads: Callable[..., dict[str, torch.Tensor]]
-) -> Callable[..., dict[str, torch.Tensor]]:
+def _split_step(network: Network, heads: Callable[..., Losses]) -> Callable[..., Losses]:
     """`network.losses` with the heads' part run by `heads` (a world's step: the tower eager around its
     separately compiled blocks)."""
 
     def losses(
-        batch: dict[str, torch.Tensor], mask: Any, positives: int | None = None, late_positives: int | None = None
-    ) -> dict[str, torch.Tensor]:
-        return heads(network.states(batch, mask), batch, positives, late_positives)
+        batch: DeviceBatch, world: Peers | None = None, positives: int | None = None, late_positives: int | None = None
+    ) -> Losses:
+        return heads(network.states(batch), batch, world, positives, late_positives)
 
     return losses
 
 
-def _world_counts(terms: dict[str, torch.Tensor], world: World) -> dict[str, torch.Tensor]:
-    """The terms with every count summed over the world (one all-reduce, no gradient), so that each
-    process's sums divided by them add up, over the processes, to the world's means. A count is every
-    scalar term but the sums (`*_sum`): whatever (sum, count) pairs the network answers, they slot in."""
-    names = sorted(k for k, v in terms.items() if v.dim() == 0 and not k.endswith("_sum"))
-    if not names:
-        return terms
-    counts = world.all_reduce(torch.stack([terms[k].detach().float() for k in names]))
-    out = dict(terms)
-    out.update({k: counts[i].to(terms[k].dtype) for i, k in enumerate(names)})
-    return out
+def _world_counts(terms: dict[str, Term], world: World) -> dict[str, Term]:
+    """The terms with every count summed over the world (`losses.term.world_counts`: the counts told by
+    their type, `Term.count`, never by a name)."""
+    return world_counts(terms, world)
 
 
 def _broken(world: World, error: BaseException, step: int) -> MeshError:

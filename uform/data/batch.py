@@ -154,13 +154,19 @@ class Batch:
         arrays.update({f"choice.{part}": array for part, array in self.choice.items()})
         return arrays
 
-    def host_tensors(self, pin: bool, copy: bool = False) -> dict[str, torch.Tensor]:
-        """The arrays as host tensors, page-locked when `pin` (so the copy to a GPU runs asynchronously);
-        unpinned tensors share the arrays' memory unless `copy`."""
+    def host_tensors(
+        self, pin: bool, copy: bool = False, tables: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The arrays as host tensors (the one batch -> host tensor conversion, of training and serving; the
+        device's is `model.inputs.to_device`), page-locked when `pin` (so the copy to a GPU runs
+        asynchronously); unpinned tensors share the arrays' memory unless `copy`. `tables`, FlexAttention's
+        block tables (`data.blocks.block_tables`) where the step takes that path, join as "block.<name>"."""
         import torch  # local: a host process packs batches without torch; only the trainer's makes tensors
 
+        arrays = self.arrays()
+        arrays.update({f"block.{name}": table for name, table in (tables or {}).items()})
         out = {}
-        for name, array in self.arrays().items():
+        for name, array in arrays.items():
             if copy and not pin:  # numpy's copy: about three times torch's clone into fresh memory, measured
                 array = np.array(array, order="C", copy=True)
             t = torch.from_numpy(np.ascontiguousarray(array))

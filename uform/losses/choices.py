@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .term import Term
+
 
 def choice_log_probabilities(logits: Tensor, legal_bytes: Tensor, legal: Tensor) -> Tensor:
     """log p [S, K] over each slot's legal bytes (-inf where not legal, a finite 0 row where none is).
@@ -36,9 +38,7 @@ def choice_probabilities(logits: Tensor, legal_bytes: Tensor, legal: Tensor) -> 
     return torch.where(legal, choice_log_probabilities(logits, legal_bytes, legal).exp(), 0.0)
 
 
-def choices_sum(
-    logits: Tensor, legal_bytes: Tensor, legal: Tensor, targets: Tensor, valid: Tensor
-) -> tuple[Tensor, Tensor]:
+def choices_sum(logits: Tensor, legal_bytes: Tensor, legal: Tensor, targets: Tensor, valid: Tensor) -> Term:
     """(sum over the slots that made a choice of KL(q || p), their count).
 
     logits [S, V]; legal_bytes, legal as in `choice_log_probabilities`; targets [S, K] the target
@@ -51,4 +51,4 @@ def choices_sum(
     safe_q = torch.where(scored, q, 1.0)
     per_choice = torch.where(scored, q * (safe_q.log() - torch.where(scored, log_p, 0.0)), 0.0)  # [S, K]
     weight = valid.float()
-    return (per_choice.sum(dim=1) * weight).sum(), weight.sum()
+    return Term((per_choice.sum(dim=1) * weight).sum(), weight.sum())

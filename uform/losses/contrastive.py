@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..enums import PairLossForm
+from .term import Term
 
 _RANKED_CHUNK_ELEMENTS = 1 << 24
 """The most (row, positive, column) triples one chunk of the ranked form materialises."""
@@ -76,9 +77,7 @@ def _form(form: PairLossForm | int, name: str) -> PairLossForm:
     return form
 
 
-def pair_loss(
-    logits: Tensor, z: Tensor, w: Tensor, form: PairLossForm, positives: int | None = None
-) -> tuple[Tensor, Tensor]:
+def pair_loss(logits: Tensor, z: Tensor, w: Tensor, form: PairLossForm, positives: int | None = None) -> Term:
     """logits, z, w: [N, M] (z float or int: +1 positive, -1 negative, 0 unscored; w: weight, 0 where unscored).
     Answers (total, anchors): `total` the SUM over anchor rows of each anchor's term (a 0-d float tensor,
     differentiable w.r.t. logits), `anchors` the number of anchor rows (0-d tensor, float). The caller divides
@@ -111,7 +110,7 @@ def pair_loss(
         sign = torch.where(positive, 1.0, -1.0).to(dtype)  # [N, M]
         total = (w * softplus(-sign * logits)).sum()
         anchors = scored.any(dim=1).sum().to(dtype)
-        return total, anchors
+        return Term(total, anchors)
 
     # Both forms are ratios of weight sums, invariant to a row's scale per half: each half's weights are
     # divided by their largest, so no sum, product or reciprocal of them leaves the float range.
@@ -121,7 +120,7 @@ def pair_loss(
         attract = _ratio((w_pos * softplus(-logits)).sum(dim=1), w_pos.sum(dim=1))  # [N]
         repel = _ratio((w_neg * softplus(logits)).sum(dim=1), w_neg.sum(dim=1))  # [N]
         anchors = scored.any(dim=1).sum().to(dtype)
-        return (attract + repel).sum(), anchors
+        return Term((attract + repel).sum(), anchors)
 
     # Ranked: every (positive, negative) pair of a row. Each row's positives are gathered into K slots
     # (K the most positives any row holds, padding slots weighing zero), so a chunk of C rows holds
@@ -144,7 +143,7 @@ def pair_loss(
     numerator = torch.cat(numerators) if numerators else logits.new_zeros(0)  # [N]
     denominator = w_pos.sum(dim=1) * w_neg.sum(dim=1)  # [N]
     total = torch.where(is_anchor, _ratio(numerator, denominator), 0.0).sum()
-    return total, anchors
+    return Term(total, anchors)
 
 
 def contrastive_term(
@@ -160,7 +159,7 @@ def contrastive_term(
     columns: Tensor | None = None,
     column_valid: Tensor | None = None,
     positives: int | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> Term:
     """The pooled contrastive term: (Matryoshka mean over `widths` of the summed anchor terms, anchors).
 
     embeddings [N, D] raw pooled embeddings of the rows; valid [N] bool, the slots holding an item; groups
@@ -216,7 +215,27 @@ def contrastive_term(
         logits = inverse_temperature[:, None] * (e @ c.T) + row_bias[:, None]  # [N, M]
         term, anchors = pair_loss(logits, z, w, form, positives)
         total = total + term
-    return total / len(widths), anchors
+    return Term(total / len(widths), anchors)
+
+
+def world_pairs(
+    z: Tensor, w: Tensor, rank: int, size: int, ambient: bool, ambient_weight: float
+) -> tuple[Tensor, Tensor]:
+    """A process's pair targets z, w [S, S] over its own slots widened to [S, size * S] over the world's
+    (`size` processes): its own block at columns rank * S, every other column a pair across processes,
+    which no edge names, so an ambient negative (-1 at `ambient_weight`) under `Negatives.Ambient` and
+    unscored under `Named`. Empty slots (rows or columns) are masked by the loss."""
+    slots = z.shape[0]
+    if ambient:
+        wide_z = z.new_full((slots, size * slots), -1.0)
+        wide_w = w.new_full((slots, size * slots), float(ambient_weight))
+    else:
+        wide_z = z.new_zeros((slots, size * slots))
+        wide_w = w.new_zeros((slots, size * slots))
+    columns = slice(rank * slots, (rank + 1) * slots)
+    wide_z[:, columns] = z
+    wide_w[:, columns] = w
+    return wide_z, wide_w
 
 
 def contrastive_loss(

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ..enums import PairLossForm
 from .contrastive import pair_loss
+from .term import Term
 
 CHUNK_ELEMENTS = 1 << 25
 """The most elements one chunk of MaxSim holds in any [chunk, ...] intermediate (128 MiB in float32): the
@@ -342,7 +343,7 @@ def late_interaction_term(
     positives: int | None = None,
     chunk: int | None = None,
     longest: int | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> Term:
     """The late-interaction pair loss as (sum of the anchor terms, anchors), before its weight.
 
     queries, query_slot, documents, document_of as in `late_scores`; groups [S] each row's temperature

@@ -10,15 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .term import Term
 
-def masked_text_sum(logits: Tensor, targets: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+
+def masked_text_sum(logits: Tensor, targets: Tensor, weight: Tensor) -> Term:
     """Cross-entropy over the byte values at every covered position.
 
     logits [P, V]; targets [P] byte values; weight [P] 1 for a covered position, 0 for capacity padding.
     Answers (sum of the cross-entropies, number of covered positions).
     """
     losses = F.cross_entropy(logits.float(), targets, reduction="none")  # [P]
-    return (losses * weight).sum(), weight.sum()
+    return Term((losses * weight).sum(), weight.sum())
 
 
 def normalised_targets(values: Tensor, eps: float = 1e-6) -> Tensor:
@@ -30,7 +32,7 @@ def normalised_targets(values: Tensor, eps: float = 1e-6) -> Tensor:
     return (x - mean) / torch.sqrt(variance + eps)
 
 
-def masked_units_sum(predictions: Tensor, values: Tensor, masked: Tensor) -> tuple[Tensor, Tensor]:
+def masked_units_sum(predictions: Tensor, values: Tensor, masked: Tensor) -> Term:
     """Mean squared error over the masked units' values.
 
     predictions [U, F] the head's output; values [U, F] the units as decoded; masked [U] bool.
@@ -39,4 +41,4 @@ def masked_units_sum(predictions: Tensor, values: Tensor, masked: Tensor) -> tup
     """
     per_unit = (predictions.float() - normalised_targets(values)).pow(2).mean(dim=1)  # [U]
     weight = masked.float()
-    return (per_unit * weight).sum(), weight.sum()
+    return Term((per_unit * weight).sum(), weight.sum())

@@ -4,14 +4,16 @@ Shape legend: R rows, C columns, S segment slots, D hidden, P covered positions,
 Qt query token rows, Dt document token rows, Dd document columns, W token width, K legal bytes per choice.
 
 `Network.losses` is the function one device's step differentiates: from one forward of the (corrupted)
-rows it reads both the masked text head and the pooled embeddings off the same final-norm states, which
-is what `Objective.Joint` means. It answers every term as a sum with its count, so the caller (or, on
-several devices, the world) divides once by global counts.
+rows (a `model.inputs.DeviceBatch`) it reads both the masked text head and the pooled embeddings off the
+same final-norm states, which is what `Objective.Joint` means. It answers every term as a `losses.term.Term`
+(sum, count), so the caller (or, on several devices, the world: `losses.term.world_counts`) divides once by
+global counts. The world is an argument (`losses.peers.Peers`, or None), never the network's own.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -21,23 +23,32 @@ from ..config import TrainerInitVramConfig
 from ..data.batch import media_features
 from ..enums import Negatives, Objective, PairLossForm
 from ..losses.choices import choices_sum
-from ..losses.contrastive import contrastive_term
+from ..losses.contrastive import contrastive_term, world_pairs
 from ..losses.late import late_interaction_term
 from ..losses.masked import masked_text_sum, masked_units_sum
-from ..runtime.world import World, gather, gather_with_grad, world_pairs
-from .attention import DocumentMask
+from ..losses.peers import Peers
+from ..losses.term import Term, check_term
 from .embed import TokenEmbedding
 from .heads import MaskedTextHead, PooledHead, Temperatures, TokenHead
+from .inputs import DeviceBatch
 from .media import MediaInput
 from .tower import Tower
+
+
+class Losses(NamedTuple):
+    """What `Network.losses` answers: every term of the objective by name, and the scored embeddings."""
+
+    terms: dict[str, Term]
+    """"masked_text", "masked_<kind>" per live media modality, "contrastive", and where on
+    "late_interaction", "choices"."""
+    embeddings: Tensor
+    """[S, D] the pooled embeddings, L2-normalised and detached (the arena's)."""
 
 
 class Network(nn.Module):
     def __init__(self, config: TrainerInitVramConfig) -> None:
         super().__init__()
         self.config = config
-        self.world: World | None = None
-        """The world whose items every contrastive anchor is scored against (None: this process alone)."""
         hidden = config.hidden
         self.embed = TokenEmbedding(hidden)
         self.tower = Tower(config.depth, hidden)
@@ -91,87 +102,75 @@ class Network(nn.Module):
         cos, sin = self.tower.rotary(positions)
         return cos.to(dtype), sin.to(dtype)
 
-    def states(self, batch: dict[str, Tensor], mask: DocumentMask) -> Tensor:
+    def states(self, batch: DeviceBatch) -> Tensor:
         """Final-norm states [R, C, D] of a prepared batch: token embeddings, each media unit's embedding
-        added at its position, the rotary code from `batch["cos"]` / `batch["sin"]` (derived from the
-        positions, in the autocast dtype, when the caller did not compute it ahead)."""
-        x = self.embed(batch["tokens"])  # [R, C, D]
+        added at its position, the rotary code `batch.cos` / `batch.sin`, the attention of `batch.mask`."""
+        x = self.embed(batch.tokens)  # [R, C, D]
         rows, columns, hidden = x.shape
         for kind, media in self.media.items():
-            units = media(batch[f"{kind}.values"], batch[f"{kind}.masked"])  # [U, D]
-            units = units * batch[f"{kind}.valid"].unsqueeze(1).to(units.dtype)  # inert padding units add 0
-            x = (
-                x.reshape(-1, hidden)
-                .index_add(0, batch[f"{kind}.index"], units.to(x.dtype))
-                .view(rows, columns, hidden)
-            )
-        if "cos" in batch:
-            cos, sin = batch["cos"], batch["sin"]
-        else:
-            device = batch["tokens"].device.type
-            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
-            cos, sin = self.rotary(batch["positions"], dtype)
-        return self.tower(x, cos, sin, mask)
+            parts = batch.media[kind]
+            units = media(parts.values, parts.masked)  # [U, D]
+            units = units * parts.valid.unsqueeze(1).to(units.dtype)  # inert padding units add 0
+            x = x.reshape(-1, hidden).index_add(0, parts.index, units.to(x.dtype)).view(rows, columns, hidden)
+        return self.tower(x, batch.cos, batch.sin, batch.mask)
 
     def losses(
         self,
-        batch: dict[str, Tensor],
-        mask: DocumentMask,
+        batch: DeviceBatch,
+        world: Peers | None = None,
         positives: int | None = None,
         late_positives: int | None = None,
-    ) -> dict[str, Tensor]:
-        """Every term of the objective, as (sum, count) pairs, plus the scored embeddings [S, D].
+    ) -> Losses:
+        """Every term of the objective, as `Term`s (sum, count), plus the scored embeddings [S, D].
 
-        `batch` holds the prepared tensors and the rotary code ("cos", "sin"); `positives` and
-        `late_positives` bound the positives per row of the pooled and the late-interaction terms for
-        the ranked form (see `losses.contrastive.pair_loss`).
+        `world` is the world every contrastive anchor is scored against (None: this process alone);
+        `positives` and `late_positives` bound the positives per row of the pooled and the late-interaction
+        terms for the ranked form (see `losses.contrastive.pair_loss`).
         """
-        return self.heads(self.states(batch, mask), batch, positives, late_positives)
+        return self.heads(self.states(batch), batch, world, positives, late_positives)
 
     def heads(
         self,
         states: Tensor,
-        batch: dict[str, Tensor],
+        batch: DeviceBatch,
+        world: Peers | None = None,
         positives: int | None = None,
         late_positives: int | None = None,
-    ) -> dict[str, Tensor]:
+    ) -> Losses:
         """`losses` from the final-norm states [R, C, D] on: every head and loss term (a step of a world
-        compiles this part on its own, apart from the tower's blocks)."""
+        compiles this part on its own, apart from the tower's blocks). A term that is not a `Term` is
+        refused (TypeError): the world reduction tells the counts by their type."""
         config = self.config
         hidden = states.shape[-1]
         zero = states.new_zeros((), dtype=torch.float32)
-        out: dict[str, Tensor] = {}
+        out: dict[str, Term] = {}
         for kind, head in self.reconstruct.items():
             if config.objective == Objective.Contrastive:
-                out[f"masked_{kind}_sum"], out[f"masked_{kind}_count"] = zero, zero
+                out[f"masked_{kind}"] = Term(zero, zero)
                 continue
-            at = states.reshape(-1, hidden)[batch[f"{kind}.index"]]  # [U, D]
-            out[f"masked_{kind}_sum"], out[f"masked_{kind}_count"] = masked_units_sum(
-                head(at), batch[f"{kind}.values"], batch[f"{kind}.masked"]
-            )
+            parts = batch.media[kind]
+            at = states.reshape(-1, hidden)[parts.index]  # [U, D]
+            out[f"masked_{kind}"] = masked_units_sum(head(at), parts.values, parts.masked)
         if config.objective != Objective.Contrastive:
             flat = states.reshape(-1, states.shape[-1])  # [R*C, D]
-            logits = self.text_head(flat[batch["target_index"]])  # [P, 256]
-            out["masked_text_sum"], out["masked_text_count"] = masked_text_sum(
-                logits, batch["targets"], batch["target_weight"]
-            )
+            logits = self.text_head(flat[batch.target_index])  # [P, 256]
+            out["masked_text"] = masked_text_sum(logits, batch.targets, batch.target_weight)
         else:
-            out["masked_text_sum"], out["masked_text_count"] = zero, zero
-        pooled = self.pooled(states, batch["segments"], batch["counts"]).float()  # [S, D]
+            out["masked_text"] = Term(zero, zero)
+        pooled = self.pooled(states, batch.segments, batch.counts).float()  # [S, D]
         if config.objective != Objective.Masked:
             c = config.contrastive
-            z, w, columns, column_valid = batch["z"], batch["w"], None, None
-            world = self.world
+            z, w, columns, column_valid = batch.z, batch.w, None, None
             if world is not None and world.size > 1:
                 # This process's rows against every process's columns: [S, W * S] scores, never [W S, W S].
-                columns = gather_with_grad(pooled, world)  # [W * S, D]
-                column_valid = gather(batch["slot_valid"].to(torch.uint8), world).bool()  # [W * S]
+                columns = world.gather_with_grad(pooled)  # [W * S, D]
+                column_valid = world.gather(batch.slot_valid.to(torch.uint8)).bool()  # [W * S]
                 ambient = c.negatives == Negatives.Ambient
                 z, w = world_pairs(z, w, world.rank, world.size, ambient, c.ambient_repulsion_weight)
-            out["contrastive_sum"], out["contrastive_anchors"] = contrastive_term(
+            out["contrastive"] = contrastive_term(
                 pooled,
-                batch["slot_valid"],
-                batch["slot_group"],
+                batch.slot_valid,
+                batch.slot_group,
                 self.temperatures.log_inverse_temperature,
                 self.temperatures.bias,
                 z,
@@ -183,63 +182,74 @@ class Network(nn.Module):
                 positives=positives if c.pair_loss == PairLossForm.Ranked else None,
             )
         else:
-            out["contrastive_sum"], out["contrastive_anchors"] = zero, zero
+            out["contrastive"] = Term(zero, zero)
         if self.token_head is not None and self.late_temperatures is not None:
-            out["late_interaction_sum"], out["late_interaction_anchors"] = self._late(states, batch, late_positives)
+            out["late_interaction"] = self._late(states, batch, late_positives)
         if config.choices.weight > 0:
+            if batch.choice is None:
+                raise ValueError("Network.losses: batch.choice is None, but the run trains choices")
             flat = states.reshape(-1, hidden)
-            logits = self.text_head(flat[batch["choice.index"]])  # [S, 256]
-            out["choices_sum"], out["choices_count"] = choices_sum(
-                logits, batch["choice.bytes"], batch["choice.legal"], batch["choice.targets"], batch["choice.valid"]
-            )
-        out["embeddings"] = F.normalize(pooled.detach(), dim=-1)
-        return out
+            choice = batch.choice
+            logits = self.text_head(flat[choice.index])  # [S, 256]
+            out["choices"] = choices_sum(logits, choice.bytes, choice.legal, choice.targets, choice.valid)
+        for name, term in out.items():
+            check_term(name, term)
+        return Losses(out, F.normalize(pooled.detach(), dim=-1))
 
-    def _late(self, states: Tensor, batch: dict[str, Tensor], positives: int | None) -> tuple[Tensor, Tensor]:
+    def _late(self, states: Tensor, batch: DeviceBatch, positives: int | None) -> Term:
         """The late-interaction term (sum, anchors) off the final-norm states [R, C, D]."""
         assert self.token_head is not None and self.late_temperatures is not None
+        if batch.late is None:
+            raise ValueError("Network.losses: batch.late is None, but the run trains late interaction")
+        late = batch.late
         li = self.config.late_interaction
         flat = states.reshape(-1, states.shape[-1])  # [R*C, D]
-        slots = batch["late.z"].shape[0]
-        columns = batch["late.z"].shape[1]
-        query_slot, document_of = batch["late.query_slot"], batch["late.document_of"]
+        slots = late.z.shape[0]
+        columns = late.z.shape[1]
+        query_slot, document_of = late.query_slot, late.document_of
         # Capacity padding reads position 0 and is zeroed; it belongs to no slot and no column.
-        queries = self.token_head(flat[batch["late.query_index"]])  # [Qt, W]
+        queries = self.token_head(flat[late.query_index])  # [Qt, W]
         queries = queries * (query_slot < slots).unsqueeze(1).to(queries.dtype)
-        documents = self.token_head(flat[batch["late.document_index"]])  # [Dt, W]
+        documents = self.token_head(flat[late.document_index])  # [Dt, W]
         documents = documents * (document_of < columns).unsqueeze(1).to(documents.dtype)
         return late_interaction_term(
             queries,
             query_slot,
             documents,
             document_of,
-            batch["slot_group"],
+            batch.slot_group,
             self.late_temperatures.log_inverse_temperature,
             self.late_temperatures.bias,
-            batch["late.z"],
-            batch["late.w"],
+            late.z,
+            late.w,
             li.pair_loss,
             positives=positives if li.pair_loss == PairLossForm.Ranked else None,
             longest=self.config.batch.max_columns_per_row - 1,  # a document is at most one row past its prefix
         )
 
-    def total(self, terms: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The per-term means and the weighted total the step minimises (docs/design.md §5)."""
+    def total(self, terms: dict[str, Term]) -> dict[str, Tensor]:
+        """The per-term means (each sum over its count, clamped at 1: the world's where the counts were
+        reduced) and the weighted total the step minimises (docs/design.md §5)."""
         masking = self.config.masking
-        text = terms["masked_text_sum"] / terms["masked_text_count"].clamp_min(1)
-        contrastive = terms["contrastive_sum"] / terms["contrastive_anchors"].clamp_min(1)
+
+        def mean(name: str) -> Tensor:
+            term = check_term(name, terms[name])
+            return term.sum / term.count.clamp_min(1)
+
+        text = mean("masked_text")
+        contrastive = mean("contrastive")
         out = {"masked_text_loss": text, "contrastive_loss": contrastive}
         loss = contrastive + masking.text_weight * text
         for kind in self.reconstruct:
-            term = terms[f"masked_{kind}_sum"] / terms[f"masked_{kind}_count"].clamp_min(1)
+            term = mean(f"masked_{kind}")
             out[f"masked_{kind}_loss"] = term
             loss = loss + getattr(masking, f"{kind}_weight") * term
-        if "late_interaction_sum" in terms:  # reported weighted, as UForm 4's trainer API reports it
-            late = terms["late_interaction_sum"] / terms["late_interaction_anchors"].clamp_min(1)
+        if "late_interaction" in terms:  # reported weighted, as UForm 4's trainer API reports it
+            late = mean("late_interaction")
             out["late_interaction_loss"] = self.config.late_interaction.weight * late
             loss = loss + out["late_interaction_loss"]
-        if "choices_sum" in terms:  # reported before its weight
-            out["choices_loss"] = terms["choices_sum"] / terms["choices_count"].clamp_min(1)
+        if "choices" in terms:  # reported before its weight
+            out["choices_loss"] = mean("choices")
             loss = loss + self.config.choices.weight * out["choices_loss"]
         out["loss"] = loss
         return out

@@ -203,12 +203,7 @@ def host_stage(
 def adopt(answer: HostAnswer, pin: bool) -> dict[str, torch.Tensor]:
     """The host tensors of an answer whose arrays may be views of a slab: each array copied once (into
     page-locked memory when `pin`), and the batch made to hold those copies (`Batch.adopt`)."""
-    import torch  # local: only the trainer's process adopts answers; a host process never loads torch
-
-    host = answer.batch.host_tensors(pin, copy=True)
-    for name, table in answer.tables.items():
-        t = torch.from_numpy(table) if pin else torch.from_numpy(np.array(table, order="C", copy=True))
-        host[f"block.{name}"] = t.pin_memory() if pin else t
+    host = answer.batch.host_tensors(pin, copy=True, tables=answer.tables)
     answer.batch.adopt(host)
     answer.tables = {}
     return host

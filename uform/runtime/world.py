@@ -115,6 +115,14 @@ class World:
         self.mark("an all-gather of the step")
         return out
 
+    def gather(self, x: Tensor) -> Tensor:
+        """x [S, ...] -> [W * S, ...] (rank-major), without gradient (`losses.peers.Peers`)."""
+        return gather(x, self)
+
+    def gather_with_grad(self, x: Tensor) -> Tensor:
+        """x [S, ...] -> [W * S, ...] (rank-major), differentiable (`losses.peers.Peers`, `gather_with_grad`)."""
+        return gather_with_grad(x, self)
+
     # ---- NCCL faults -------------------------------------------------------------------------------
 
     def check(self) -> None:
@@ -288,26 +296,6 @@ def gather_with_grad(x: Tensor, world: World) -> Tensor:
 def gather(x: Tensor, world: World) -> Tensor:
     """x [S, ...] -> [W * S, ...] (rank-major), without gradient."""
     return world.all_gather(x.detach())
-
-
-def world_pairs(
-    z: Tensor, w: Tensor, rank: int, size: int, ambient: bool, ambient_weight: float
-) -> tuple[Tensor, Tensor]:
-    """A process's pair targets z, w [S, S] over its own slots widened to [S, W * S] over the world's:
-    its own block at columns rank * S, every other column a pair across processes, which no edge names,
-    so an ambient negative (-1 at `ambient_weight`) under `Negatives.Ambient` and unscored under `Named`.
-    Empty slots (rows or columns) are masked by the loss."""
-    slots = z.shape[0]
-    if ambient:
-        wide_z = z.new_full((slots, size * slots), -1.0)
-        wide_w = w.new_full((slots, size * slots), float(ambient_weight))
-    else:
-        wide_z = z.new_zeros((slots, size * slots))
-        wide_w = w.new_zeros((slots, size * slots))
-    columns = slice(rank * slots, (rank + 1) * slots)
-    wide_z[:, columns] = z
-    wide_w[:, columns] = w
-    return wide_z, wide_w
 
 
 # --------------------------------------------------------------------------------------------------

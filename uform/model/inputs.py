@@ -1,0 +1,137 @@
+"""One device's prepared step as the network reads it: `DeviceBatch`, and `to_device`, the one copy of a
+batch's host tensors to the device that training and serving both make.
+
+Shape legend: R rows, C columns, S segment slots, P covered-position capacity, U units of one media
+modality, F values per unit, K/2 rotary frequencies; late interaction's Qt query token rows, Dt document
+token rows, Dd document columns; Kc legal bytes per choice.
+
+The host side is `data.batch.Batch.host_tensors`: every array of the batch as a host tensor, named as
+`Batch.arrays` names them ("tokens", "image.values", "late.z", "choice.bytes"...), plus FlexAttention's
+block tables as "block.<table>". `to_device` reads those names once; from there on the step sees typed
+fields. Every field is a tensor (or a small dataclass / dict of tensors), so a compiled step traces it
+like positional tensors, with no Python branch on tensor values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..data.batch import MEDIA_KINDS, Batch
+from .attention import DocumentMask, document_mask
+
+Rotary = Callable[[Tensor, torch.dtype], tuple[Tensor, Tensor]]
+"""positions [R, C, 3] and a dtype -> the rotary code (cos, sin) [R, 1, C, K/2] (`Network.rotary`)."""
+
+
+@dataclass
+class MediaUnits:
+    """One live media modality's units of the step (U varies by step: a dynamic size when compiled)."""
+
+    values: Tensor  # [U, F] uint8 (image, video) or float32 (audio), as decoded
+    index: Tensor  # [U] int64 flat positions (row * C + column) of the units
+    masked: Tensor  # [U] bool, the units the masked objective reconstructs
+    valid: Tensor  # [U] float32, 1 a real unit / 0 inert padding
+
+
+@dataclass
+class LateParts:
+    """Late interaction's index arrays (where it is on; see `Batch.late`)."""
+
+    query_index: Tensor  # [Qt] int64 flat positions of the query tokens
+    query_slot: Tensor  # [Qt] int64 their slot, S for padding
+    document_index: Tensor  # [Dt] int64 flat positions of the document tokens
+    document_of: Tensor  # [Dt] int64 their document column, Dd for padding
+    z: Tensor  # [S, Dd] float32 pair targets of (query slot, document column)
+    w: Tensor  # [S, Dd] float32 their weights
+
+
+@dataclass
+class ChoiceParts:
+    """The calibrated choices' arrays (where they are trained; see `Batch.choice`)."""
+
+    index: Tensor  # [S] int64 flat position of each slot's appended MASK
+    bytes: Tensor  # [S, Kc] int64 its legal bytes
+    legal: Tensor  # [S, Kc] bool
+    targets: Tensor  # [S, Kc] float32 target probabilities
+    valid: Tensor  # [S] float32, 1 a slot that made a choice
+
+
+@dataclass
+class DeviceBatch:
+    """Every tensor one device's step reads, on the device (`to_device`)."""
+
+    tokens: Tensor  # [R, C] int64, corrupted where the objective masks
+    positions: Tensor  # [R, C, 3] int64 axial positions
+    segments: Tensor  # [R, C] int64 slot ids, padding = S
+    counts: Tensor  # [S] int64 positions per slot
+    target_index: Tensor  # [P] int64 flat covered positions
+    targets: Tensor  # [P] int64 original bytes there
+    target_weight: Tensor  # [P] float32, 1 covered / 0 capacity padding
+    slot_valid: Tensor  # [S] bool
+    slot_group: Tensor  # [S] int64 temperature group
+    z: Tensor  # [S, S] float32 +1 / -1 / 0 pair targets
+    w: Tensor  # [S, S] float32 pair weights
+    mask: DocumentMask  # which keys each query sees, in the attention path's form
+    cos: Tensor  # [R, 1, C, K/2] rotary code, in the step's compute dtype
+    sin: Tensor  # [R, 1, C, K/2]
+    media: dict[str, MediaUnits]  # per live media modality ("image", "video", "audio")
+    late: LateParts | None = None
+    choice: ChoiceParts | None = None
+
+
+_PARTS = {"late": LateParts, "choice": ChoiceParts, **{kind: MediaUnits for kind in MEDIA_KINDS.values()}}
+"""The part classes of the dotted host names, by prefix; "block." names FlexAttention's tables."""
+
+
+def to_device(
+    host: Mapping[str, Tensor],
+    device: torch.device,
+    rotary: Rotary,
+    *,
+    attention: str,
+    dtype: torch.dtype,
+    dynamic: bool,
+) -> DeviceBatch:
+    """The step's host tensors (`Batch.host_tensors`, page-locked where the caller asked) on `device`.
+
+    Every tensor is copied with `non_blocking` (asynchronous from page-locked memory); where `dynamic` (a
+    compiled step) the media units' first axis U is marked dynamic, so the step compiles one graph for every
+    unit count; the document mask is built for the `attention` path ("flex": from the block tables when the
+    host made them); the rotary code is `rotary(positions, dtype)`. Raises ValueError on a name that is not
+    a batch array's.
+    """
+    tensors = {name: t.to(device, non_blocking=True) for name, t in host.items()}
+    plain: dict[str, Tensor] = {}
+    parts: dict[str, dict[str, Tensor]] = {}
+    tables: dict[str, Tensor] = {}
+    for name, t in tensors.items():
+        prefix, dot, part = name.partition(".")
+        if prefix == "block" and dot:
+            tables[part] = t
+        elif dot and prefix in _PARTS:
+            parts.setdefault(prefix, {})[part] = t
+        elif not dot and name in Batch.TENSORS:
+            plain[name] = t
+        else:
+            raise ValueError(f"to_device: {name!r} is not a batch tensor's name (Batch.arrays, or block.<table>)")
+    if dynamic:  # media unit counts vary by step: one dynamic-size graph instead of one per count
+        for kind in MEDIA_KINDS.values():
+            for t in parts.get(kind, {}).values():
+                torch._dynamo.mark_dynamic(t, 0)
+    mask = document_mask(plain["segments"], attention, tables or None)
+    cos, sin = rotary(plain["positions"], dtype)
+    late = parts.pop("late", None)
+    choice = parts.pop("choice", None)
+    return DeviceBatch(
+        **plain,
+        mask=mask,
+        cos=cos,
+        sin=sin,
+        media={kind: MediaUnits(**arrays) for kind, arrays in parts.items()},
+        late=None if late is None else LateParts(**late),
+        choice=None if choice is None else ChoiceParts(**choice),
+    )
