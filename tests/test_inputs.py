@@ -55,7 +55,7 @@ def test_training_and_serving_put_the_same_batch_on_the_device(executor) -> None
 
     try:
         trainer.network.states = recording  # type: ignore[method-assign]
-        trainer.step(["text"], ["a small cat sleeps"], TrainerStepConfig())
+        trainer.on(executor).step(["text"], ["a small cat sleeps"], TrainerStepConfig())  # blocking
         Model.from_trainer(trainer).encode(["text"], ["a small cat sleeps"])
     finally:
         trainer.close()
