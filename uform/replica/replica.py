@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import threading
@@ -27,7 +26,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from ..config import TrainerInitVramConfig, TrainerSaveConfig, TrainerStepConfig, TrainerStepStats, to_dict
@@ -38,6 +36,7 @@ from ..model.attention import compiled_flex_available, document_mask
 from ..model.network import Network
 from ..notices import NonFiniteWarning, Notices, ScheduleWarning
 from ..runtime.world import GradientReducer, MeshError, World, WorldAborted, reduction_order, wait_event
+from .agreement import compare_runs
 from .capacity import warn_step_capacity
 from .checked_step import CheckedStep, check_step
 from .checkpoint import restore_moments, run_metadata, run_tensors, stored_weights, write_checkpoint
@@ -223,7 +222,7 @@ class Replica:
         except BaseException:
             if world is not None:  # the others wait to compare runs: tell them this process has none
                 with contextlib.suppress(Exception):
-                    _compare_runs(world, None, 0)
+                    compare_runs(world, None, 0)
             raise
         if world is not None:
             replica._join_world()
@@ -237,7 +236,7 @@ class Replica:
         record = to_dict(self.config)
         record.pop("progress_steps", None)  # how often this process reports is its own business
         try:
-            _compare_runs(world, json.dumps(record, sort_keys=True), self._step_count)
+            compare_runs(world, json.dumps(record, sort_keys=True), self._step_count)
         except BaseException:
             self.close()
             raise
@@ -640,46 +639,6 @@ class Replica:
         write_checkpoint(config.path, tensors, metadata, config.progress, config.progress_steps or 10)
 
 
-def _compare_runs(world: World, text: str | None, step: int) -> None:
-    """Every process of a world calls this in init_vram with its resolved run as JSON (None: this process
-    could not build one) and the step it starts from; raises on every process when they differ."""
-    digest = np.zeros(2, dtype=np.int64)
-    if text is not None:
-        digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], dtype=np.int64)
-    mine = torch.tensor([int(text is not None), *digest.tolist(), step], dtype=torch.int64, device=world.device)
-    try:
-        every = world.all_gather(mine[None]).cpu().tolist()  # [W, 4]
-        world.check()  # an NCCL world aborted while this process waited: `every` is not the others' rows
-        texts: list[Any] = [None] * world.size
-        if all(row[0] for row in every) and any(row[1:3] != every[0][1:3] for row in every):
-            torch.distributed.all_gather_object(texts, text, group=world.group)
-            world.check()
-    except Exception as error:
-        raise MeshError(f"mesh: the processes of the run could not compare their runs ({error})") from error
-    if text is None:
-        return
-    failed = [rank for rank, row in enumerate(every) if not row[0]]
-    if failed:
-        raise MeshError(
-            f"mesh: processes {failed} could not build the run (their init_vram raised; see their errors); "
-            "every process of a run builds it, or none does"
-        )
-    for rank, row in enumerate(every):
-        if row[1:3] != every[0][1:3]:
-            field, ours, theirs = _first_difference(json.loads(texts[0]), json.loads(texts[rank]))
-            raise ValueError(
-                f"config: process {rank} builds another run than process 0: its {field} is {theirs!r}, "
-                f"process 0's {ours!r}; every process of a run calls init_vram with the same geometry, "
-                "objective, seed and schedule"
-            )
-    for rank, row in enumerate(every):
-        if row[3] != every[0][3]:
-            raise ValueError(
-                f"resume: process {rank} starts at step {row[3]}, process 0 at step {every[0][3]}; every "
-                "process of a run resumes the same checkpoint"
-            )
-
-
 def _bind_device(device: torch.device) -> None:
     """A thread's initializer: its CUDA current device becomes `device` (nothing to do off CUDA)."""
     if device.type == "cuda":
@@ -723,15 +682,6 @@ def _broken(world: World, error: BaseException, step: int) -> MeshError:
     )
     world.failed.append(message)
     return MeshError(message)
-
-
-def _first_difference(ours: Any, theirs: Any, name: str = "") -> tuple[str, Any, Any]:
-    """The first field (dotted) where two config records differ, with both values."""
-    if isinstance(ours, dict) and isinstance(theirs, dict):
-        for key in sorted(set(ours) | set(theirs)):
-            if ours.get(key) != theirs.get(key):
-                return _first_difference(ours.get(key), theirs.get(key), f"{name}.{key}" if name else key)
-    return name or "config", ours, theirs
 
 
 _STAT_TERMS = (
