@@ -191,16 +191,32 @@ def timed_steps(trainer: Any, modalities: list[Any], contents: list[bytes], rela
 
 
 def host_stage(trainer: Any, checked: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """`Trainer._prepare` of `args.host_steps` numbered steps, two at a time, after two untimed ones."""
+    """`Replica.prepare` of `args.host_steps` numbered steps, two at a time, after two untimed ones."""
     with ThreadPoolExecutor(2, thread_name_prefix="bench-host") as pool:
-        list(pool.map(lambda step: trainer._prepare(checked, step), range(20_000, 20_006)))
+        list(pool.map(lambda step: trainer.replica.prepare(checked, step), range(20_000, 20_006)))
         first = 20_006
         with Pressure(args.host_steps, probe=False) as quiet:
-            list(pool.map(lambda step: trainer._prepare(checked, step), range(first, first + args.host_steps)))
+            list(pool.map(lambda step: trainer.replica.prepare(checked, step), range(first, first + args.host_steps)))
         first += args.host_steps
         with Pressure(args.host_steps) as probed:
-            list(pool.map(lambda step: trainer._prepare(checked, step), range(first, first + args.host_steps)))
+            list(pool.map(lambda step: trainer.replica.prepare(checked, step), range(first, first + args.host_steps)))
     return {**probed.result, "without_probe": quiet.result}
+
+
+class Fed:
+    """A replica's `Stage` that answers one prepared step for every step (the host stage taken away)."""
+
+    def __init__(self, batch: Any, tensors: Any) -> None:
+        self.answer = (batch, tensors, [])
+
+    def prepare(self, checked: Any, step: int) -> Any:
+        return self.answer
+
+    def decode(self, checked: Any) -> Any:
+        return {}, []
+
+    def close(self) -> None:
+        pass
 
 
 def idle_probe() -> dict[str, float]:
@@ -257,23 +273,22 @@ def main() -> None:
     trainer = u.Trainer.init_vram(executor, config, media=media, host_processes=args.host_processes)
     pressure: dict[str, Any] = {"idle": idle_probe()}
     try:
-        checked = trainer._check_step(modalities, contents, u.TrainerStepConfig(relations=relations), False)
+        replica = trainer.replica  # one device's pipeline, in this process
+        checked = replica.check_step(modalities, contents, u.TrainerStepConfig(relations=relations), False)
         pressure["host"] = host_stage(trainer, checked, args)
         if not args.host_only:
             pipeline, stats, pressure["pipeline"] = timed_steps(trainer, modalities, contents, relations, args)
         prepare = []
         for step in range(3):
             started = time.perf_counter()
-            prepared = trainer._prepare(checked, 10_000 + step)
+            prepared = replica.prepare(checked, 10_000 + step)
             prepare.append(time.perf_counter() - started)
         if not args.host_only:
-            real_prepare = trainer._prepare
-            trainer._prepare = lambda checked, step: prepared  # type: ignore[method-assign]
+            real_stage = replica.stage
+            replica.stage = Fed(*prepared)  # the device stage fed instantly: every step the same prepared one
             fed, _, pressure["fed"] = timed_steps(trainer, modalities, contents, relations, args)
-            trainer._prepare = real_prepare  # type: ignore[method-assign]
-        workers = trainer._decoders.workers if trainer._decoders is not None else args.workers
-        if trainer._hosts is not None:
-            workers = trainer._hosts.decoders * trainer.host_processes
+            replica.stage = real_stage
+        workers = replica.stage.decode_workers or args.workers
     finally:
         trainer.close()
     batch = prepared[0]

@@ -210,16 +210,17 @@ def host_prepare_seconds(args: argparse.Namespace) -> dict[str, Any]:
     ids += [[i] if i < pairs else [] for i in range(args.texts)]
     offsets = np.cumsum([0] + [len(x) for x in ids]).tolist()
     relations = u.Relations(attract=u.Edges(offsets=offsets, ids=[j for x in ids for j in x]))
-    checked = trainer._check_step(modalities, contents, u.TrainerStepConfig(relations=relations), copy_buffers=False)
+    replica = trainer.replica  # one device's pipeline, in this process
+    checked = replica.check_step(modalities, contents, u.TrainerStepConfig(relations=relations), copy_buffers=False)
     try:
-        batch, _ = trainer._prepare(checked, 1)  # starts the decode pool
+        batch, _ = replica.prepare(checked, 1)  # starts the decode pool
         prepare, decode = [], []
         for step in range(2, args.steps + 2):
             started = time.perf_counter()
-            trainer._decode(checked)
+            replica.decode(checked)
             decode.append(time.perf_counter() - started)
             started = time.perf_counter()
-            batch, _ = trainer._prepare(checked, step)
+            batch, _ = replica.prepare(checked, step)
             prepare.append(time.perf_counter() - started)
     finally:
         trainer.close()
@@ -228,7 +229,7 @@ def host_prepare_seconds(args: argparse.Namespace) -> dict[str, Any]:
         "attention": trainer.attention,
         "geometry": {"rows": args.rows, "columns": args.columns, "segments": args.segments},
         "items": {"images": args.images, "texts": args.texts, "text_bytes": args.text_bytes},
-        "decode_workers": trainer._decoders.workers if trainer._decoders is not None else 0,
+        "decode_workers": replica.stage.decode_workers,
         "placed": int(batch.layout.placed.sum()),
         "dropped": batch.dropped,
         "image_units": int(batch.media["image"]["valid"].sum()),

@@ -165,9 +165,9 @@ def test_a_renumbered_step_is_counted_once(make_trainer: Any) -> None:
     number (`_apply_step`); its losses are still counted once."""
     trainer = make_trainer()
     texts = ["v" * 200, "short"]
-    checked = trainer._check_step(["text"] * 2, texts, TrainerStepConfig(), copy_buffers=True)
+    checked = trainer.replica.check_step(["text"] * 2, texts, TrainerStepConfig(), copy_buffers=True)
     host: Future = Future()
-    capacity_warnings(lambda: host.set_result(trainer._prepare(checked, 2)))  # as if queued behind step 1
+    capacity_warnings(lambda: host.set_result(trainer.replica.prepare(checked, 2)))  # as if queued behind step 1
     assert trainer.notices.count("capacity.truncated") == 1
-    capacity_warnings(lambda: trainer._apply_step(checked, host, 2)())  # step 1 failed: this one becomes step 1
+    capacity_warnings(lambda: trainer.replica._apply_step(checked, host, 2)())  # step 1 failed: this one becomes step 1
     assert trainer.steps_taken == 1 and trainer.notices.count("capacity.truncated") == 1

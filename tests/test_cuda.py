@@ -337,7 +337,7 @@ def test_a_trainer_on_the_second_device_runs_every_thread_there() -> None:
     for index in (0, 1):
         executor = u.Executor.for_vram([index])
         trainer = u.Trainer.init_vram(executor, config())
-        for pool in (trainer._queue, trainer._host, trainer._completion):
+        for pool in (trainer.replica._queue, trainer.replica._host, trainer.replica._completion):
             assert pool.submit(torch.cuda.current_device).result() == index
         losses = []
         for _ in range(4):

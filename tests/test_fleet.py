@@ -551,3 +551,90 @@ def test_the_cpu_executor_of_several_workers_is_public_and_checked() -> None:
     ):
         with pytest.raises(error, match=field):
             Executor.cpu(**bad)
+
+
+# --------------------------------------------------------------------------------------------------
+# Serving and evaluating a trainer of two devices
+
+
+def test_a_two_device_trainer_serves_and_evaluates_as_one_device_model(two: Executor, tmp_path: Path) -> None:
+    """`Model.from_trainer` on a trainer whose networks live in its workers serves a copy of rank 0's weights:
+    it encodes bitwise as the one-device model `uform.load` builds from the same weights (the trainer's
+    checkpoint), and `evaluate_retrieval` and `encode_texts` give the same figures."""
+    from uform import Model, evaluate_retrieval, load
+    from uform.evaluate import encode_texts
+
+    trainer = Trainer.init_vram(two, wc.config(*wc.CASES[0][1:]))
+    try:
+        wc.run_steps(trainer, list(range(wc.BAGS)), [1, 2])
+        with pytest.raises(ValueError, match="worker processes"):
+            trainer.network  # noqa: B018 - the property refuses: this process holds no network
+        weights = trainer.weights()
+        assert weights.step == 2 == trainer.steps_taken
+        served = Model.from_trainer(trainer)
+        assert served.step == 2 and served.path is None
+        trainer.save(tmp_path / "run.safetensors")
+        texts = [f"a {w} by the {v}" for w, v in zip(wc.WORDS, reversed(wc.WORDS), strict=True)]
+        with load(tmp_path / "run.safetensors", Executor.cpu(), compiled=False) as alone:
+            saved = alone.network.state_dict()
+            assert sorted(saved) == sorted(weights.tensors)
+            assert all(torch.equal(saved[k], weights.tensors[k]) for k in saved)
+            assert torch.equal(served.encode(["text"] * len(texts), texts), alone.encode(["text"] * len(texts), texts))
+            queries, documents, relevant = texts[:6], texts[6:] + texts[:6], [[6 + i] for i in range(6)]
+            ours = evaluate_retrieval(served, queries, documents, relevant)
+            assert ours == evaluate_retrieval(alone, queries, documents, relevant)
+            assert set(ours) == {"recall@1", "recall@10", "mrr"}
+            assert torch.equal(encode_texts(trainer, texts), alone.encode(["text"] * len(texts), texts))
+        served.close()
+    finally:
+        trainer.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# A step is checked once, in the calling process
+
+
+def _refuse_step_checks(state: dict[str, Any], device: torch.device, argument: Any, progress: Any) -> int:
+    """In a worker: every uform module's `parse_modalities` (the first check of a step's arguments) raises, or,
+    with `argument` "restore", is the real one again. Answers how many modules it replaced."""
+    import sys
+
+    from uform.data import items
+
+    real = items.parse_modalities
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a step's arguments were checked again in the worker")
+
+    refuse.real = real  # type: ignore[attr-defined]
+    replaced = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("uform.") or name == "uform.data.items" or module is None:
+            continue
+        found = getattr(module, "parse_modalities", None)
+        if found is None:
+            continue
+        original = getattr(found, "real", found)
+        if original is real:
+            module.parse_modalities = real if argument == "restore" else refuse
+            replaced += 1
+    return replaced
+
+
+def test_a_workers_share_of_a_step_is_not_checked_again(two: Executor) -> None:
+    """The calling process checks the step; each worker takes its share as checked (no `TrainerStepConfig`
+    rebuilt, no check run again): with the workers' step checks made to raise, the step still runs."""
+    trainer = Trainer.init_vram(two, wc.config(*wc.CASES[0][1:]))
+    try:
+        wc.run_steps(trainer, list(range(wc.BAGS)), [1])  # every module a step uses is loaded in the workers
+        assert all(n >= 1 for n in two.workers.everyone(_refuse_step_checks, "refuse"))
+        try:
+            theirs = wc.run_steps(trainer, list(range(wc.BAGS)), [2])
+        finally:
+            two.workers.everyone(_refuse_step_checks, "restore")
+        with pytest.raises(ValueError, match="modalities"):  # the caller's check still runs
+            trainer.step(["not a modality"], ["x"])
+    finally:
+        trainer.close()
+    ours, _ = reference(0, [1, 2])
+    assert theirs[0]["step"] == 2 and abs(theirs[0]["loss"] - ours[1]["loss"]) <= 1e-5 * abs(ours[1]["loss"])

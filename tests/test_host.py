@@ -199,10 +199,10 @@ def test_host_batches_are_bitwise_the_in_process_ones(twins: tuple[Trainer, Trai
         answers = []
         for trainer in (here, away):
             trainer.notices = Notices()  # each step's media warning is its trainer's first
-            checked = trainer._check_step(modalities, contents, config, copy_buffers=False)
+            checked = trainer.replica.check_step(modalities, contents, config, copy_buffers=False)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                batch, tensors = trainer._prepare(checked, step)
+                batch, tensors = trainer.replica.prepare(checked, step)
             answers.append((batch, tensors, media_warnings(caught)))
         (a, ta, wa), (b, tb, wb) = answers
         assert wa == wb and len(wa) == 1 and "contents[7]" in wa[0]
@@ -219,7 +219,7 @@ def test_host_batches_are_bitwise_the_in_process_ones(twins: tuple[Trainer, Trai
             assert getattr(a, field) == getattr(b, field), field
         assert b.skipped == 1 and b.late and b.choice and b.media["video"]["valid"].any()
         # The host batch holds its own memory: nothing of it is a view of a host process's slab.
-        host = next(h for h in away._hosts._hosts if h is not None and h.slab is not None)  # type: ignore[union-attr]
+        host = next(h for h in away.replica.stage.hosts._hosts if h is not None and h.slab is not None)  # type: ignore[union-attr]
         slab = np.frombuffer(host.slab, dtype=np.uint8)
         owned = [*arrays.values(), *(t.numpy() for t in tb.values()), *vars(b.layout).values()]
         assert not any(isinstance(x, np.ndarray) and np.shares_memory(x, slab) for x in owned)
@@ -251,13 +251,13 @@ def test_training_through_host_processes_is_bitwise_in_process_training(twins: t
     assert_same(our_weights, their_weights)
     # How many of the two processes a run starts is timing: a step the first finishes before the next is asked
     # for needs no second (seen on the H200 machine's 16 cores). The answers never depend on it (above).
-    assert 1 <= len(away._hosts.processes) <= 2  # type: ignore[union-attr]
+    assert 1 <= len(away.replica.stage.hosts.processes) <= 2  # type: ignore[union-attr]
 
 
 def test_host_processes_never_load_torch(twins: tuple[Trainer, Trainer]) -> None:
     _, away = twins
-    assert away._hosts is not None
-    for process in away._hosts.processes:
+    assert away.replica.stage.hosts is not None
+    for process in away.replica.stage.hosts.processes:
         for pid in {process.pid, *descendants(process.pid)}:  # the host process, its fork server, its decoders
             with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it ended meanwhile
                 maps = (Path("/proc") / str(pid) / "maps").read_text()
@@ -277,10 +277,10 @@ def test_on_cuda_the_host_tensors_are_pinned_and_bitwise_the_in_process_ones() -
         modalities, contents, config = step_arguments(1)
         answers = []
         for trainer in (here, away):
-            checked = trainer._check_step(modalities, contents, config, copy_buffers=False)
+            checked = trainer.replica.check_step(modalities, contents, config, copy_buffers=False)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                answers.append(trainer._prepare(checked, 1)[1])
+                answers.append(trainer.replica.prepare(checked, 1)[1])
         ours, theirs = answers
         assert sorted(ours) == sorted(theirs) and any(k.startswith("block.") for k in theirs)
         for name, tensor in theirs.items():
@@ -346,15 +346,18 @@ def test_a_killed_host_process_fails_its_step_and_the_next_step_starts_a_new_one
         first = (["image", "text"], [jpeg(), "a photo"])
         for t in (trainer, twin):
             t.step(*first)
-        assert trainer._hosts is not None
-        (process,) = trainer._hosts.processes
+        assert trainer.replica.stage.hosts is not None
+        (process,) = trainer.replica.stage.hosts.processes
         family = {process.pid, *descendants(process.pid)}
         assert len(family) >= 3  # the host process, its decoders' fork server, a decoder
         # Stopped, it cannot answer; the step waits in its pipe, and the kill fails it.
         os.kill(process.pid, signal.SIGSTOP)
         future = trainer.deferred(executor).step(*first)
         deadline = time.monotonic() + 10
-        while not any(h is not None and h.pending for h in trainer._hosts._hosts) and time.monotonic() < deadline:
+        while (
+            not any(h is not None and h.pending for h in trainer.replica.stage.hosts._hosts)
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
         time.sleep(0.2)  # registered, then sent: let the send land in the stopped process's pipe
         os.kill(process.pid, signal.SIGKILL)
@@ -368,7 +371,7 @@ def test_a_killed_host_process_fails_its_step_and_the_next_step_starts_a_new_one
         twin.step(*second, TrainerStepConfig(stats=b))
         assert a == b and a.step == 2
         assert_same(snapshot(trainer), snapshot(twin))
-        (again,) = trainer._hosts.processes
+        (again,) = trainer.replica.stage.hosts.processes
         assert again.pid != process.pid
     finally:
         trainer.close()
@@ -382,13 +385,13 @@ def test_close_leaves_nothing_behind(executor: Executor) -> None:
     futures = [verbs.step(["image", "image", "text"], [jpeg(), jpeg("coffee.png"), f"item {i}"]) for i in range(4)]
     for f in futures:
         f.result()
-    assert trainer._hosts is not None
+    assert trainer.replica.stage.hosts is not None
     family = set()
-    for process in trainer._hosts.processes:
+    for process in trainer.replica.stage.hosts.processes:
         family |= {process.pid, *descendants(process.pid)}
     assert len(family) >= 4
-    threads = [trainer._queue, trainer._host, trainer._completion]
-    readers = [h.reader for h in trainer._hosts._hosts if h is not None]
+    threads = [trainer.replica._queue, trainer.replica._host, trainer.replica._completion]
+    readers = [h.reader for h in trainer.replica.stage.hosts._hosts if h is not None]
     assert host_files() == before  # the slabs never keep a name
     trainer.close()
     assert not wait_gone(family), "close() left processes running"

@@ -134,7 +134,7 @@ def test_the_graph_check_finds_a_loop_it_is_shown() -> None:
 
 def test_no_import_loop_among_uform_modules() -> None:
     graph, _ = _imports()
-    assert "uform.trainer" in graph and "uform.runtime.workers" in graph["uform.trainer"]  # the graph is uform's
+    assert "uform.trainer" in graph and "uform.runtime.replicas" in graph["uform.trainer"]  # the graph is uform's
     assert _loops(graph) == []
 
 
@@ -150,3 +150,18 @@ def test_the_runtime_layers_only_point_down() -> None:
     assert graph["uform.runtime.workers"] & {"uform.runtime.executor", "uform.runtime.mesh", "uform.trainer"} == set()
     assert graph["uform.runtime.executor"] & {"uform.runtime.mesh", "uform.trainer"} == set()
     assert "uform.trainer" not in graph["uform.runtime.mesh"]
+
+
+def test_the_replica_uses_only_the_world_of_the_runtime_and_the_runtime_no_face() -> None:
+    """face -> runtime -> replica -> pure: a replica is handed its world and its host stage, so of the runtime it
+    imports the world's collectives alone; the runtime imports nothing of the face."""
+    graph, _ = _imports()
+    face = {"uform", "uform.trainer", "uform.serve", "uform.evaluate", "uform.cli", "uform.demo", "uform.__main__"}
+    for name, targets in graph.items():
+        if name.startswith("uform.replica."):
+            runtime = {t for t in targets if t.startswith("uform.runtime.")}
+            assert runtime <= {"uform.runtime.world"}, (name, runtime)
+            assert not targets & face, name
+        if name.startswith("uform.runtime."):
+            assert not targets & face, (name, targets & face)
+    assert "uform.runtime.world" in graph["uform.replica.replica"]  # the check sees the arrow that exists

@@ -15,6 +15,7 @@ import torch
 
 import uform
 import uform.replica.memory as memory
+import uform.replica.replica
 from uform import (
     BatchShape,
     Edges,
@@ -99,13 +100,13 @@ def test_cpu_activations_hold_what_autograd_saves() -> None:
                 saved[storage.data_ptr()] = storage.nbytes()
             return x
 
-        losses = trainer._losses
+        losses = trainer.replica._losses
 
         def counted(*args, **kwargs):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
                 return losses(*args, **kwargs)
 
-        trainer._losses = counted
+        trainer.replica._losses = counted
         trainer.on(executor).step(*full_step(segments, columns, rows))
     finally:
         trainer.close()
@@ -185,7 +186,7 @@ def test_a_fake_cuda_budget_refuses_before_anything_is_built(monkeypatch: pytest
     def built(*args, **kwargs):
         raise AssertionError("the network was built before the memory check refused")
 
-    monkeypatch.setattr(uform.trainer, "Network", built)
+    monkeypatch.setattr(uform.replica.replica, "Network", built)
     with pytest.raises(ValueError, match=r"^memory: .* on cuda:0 .* 8\.0 GiB available; shrink batch\.max_rows"):
         Trainer.init_vram(executor, REFERENCE)
     # Weights dominate a deep, wide run with a small batch: depth and hidden come first.

@@ -319,7 +319,7 @@ def fused(trainer: uform.Trainer) -> None:
     from uform.replica.optim import Optimizer
 
     groups = [{k: g[k] for k in ("params", "weight_decay", "reach")} for g in trainer.optimizer.param_groups]
-    trainer.optimizer = Optimizer(groups, lr=0.0, betas=BETAS, eps=EPSILON, fused=True)
+    trainer.replica.optimizer = Optimizer(groups, lr=0.0, betas=BETAS, eps=EPSILON, fused=True)
 
 
 def test_step_unless_skips_each_group_on_its_own_flag() -> None:

@@ -22,8 +22,8 @@ from conftest import (
 from safetensors import safe_open
 
 import uform
+import uform.replica.replica
 import uform.serve
-import uform.trainer
 from uform import (
     BatchShape,
     Objective,
@@ -353,7 +353,7 @@ def no_network_built(monkeypatch):
     def forbidden(config):
         raise AssertionError(f"a network of hidden {config.hidden}, depth {config.depth} was built before the checks")
 
-    monkeypatch.setattr(uform.trainer, "Network", forbidden)
+    monkeypatch.setattr(uform.replica.replica, "Network", forbidden)
     monkeypatch.setattr(uform.serve, "Network", forbidden)
 
 

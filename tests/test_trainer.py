@@ -718,3 +718,22 @@ def test_a_short_run_decreases_the_loss(make_trainer) -> None:
         losses.append(stats.loss)
     assert np.isfinite(losses).all()
     assert np.mean(losses[-5:]) < losses[0], losses
+
+
+def test_weights_are_a_copy_after_every_step_called(make_trainer) -> None:
+    """`Trainer.weights()` on one device: the network's state after the steps called before it (deferred ones
+    included), a copy that later steps leave alone, and the network it builds serves those weights."""
+    trainer = make_trainer()
+    futures = [trainer.deferred(trainer.executor).step(["text"] * 2, ["a deferred", "pair"]) for _ in range(2)]
+    weights = trainer.weights()
+    assert all(f.done() for f in futures) and weights.step == 2 == trainer.steps_taken
+    live = trainer.network.state_dict()
+    assert sorted(weights.tensors) == sorted(live)
+    assert all(torch.equal(weights.tensors[k], live[k]) and weights.tensors[k].device.type == "cpu" for k in live)
+    step_with(trainer)
+    assert any(not torch.equal(weights.tensors[k], trainer.network.state_dict()[k]) for k in live)
+    rebuilt = weights.network(torch.device("cpu")).state_dict()
+    assert all(torch.equal(rebuilt[k], weights.tensors[k]) for k in live)
+    trainer.close()
+    with pytest.raises(ValueError, match="closed"):
+        trainer.weights()

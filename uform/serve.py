@@ -74,7 +74,7 @@ from .model.inputs import DeviceBatch, to_device
 from .model.network import Network
 from .notices import Notices
 from .replica.capacity import warn_truncated
-from .replica.checkpoint import Stopped, report_points
+from .replica.checkpoint import Stopped, report_points, stored_weights
 from .replica.stored_run import read_run_tensors, read_stored_run
 from .runtime.decoders import DecodePool
 from .runtime.executor import Executor
@@ -151,7 +151,7 @@ def load(
     tensors = read_run_tensors(stored, progress, steps, "cpu")
     config, step = stored.config, stored.step
     network = Network(config)
-    weights = {k.removeprefix("weights."): v for k, v in tensors.items() if k.startswith("weights.")}
+    weights = stored_weights(tensors)
     del tensors
     network.load_state_dict(weights, strict=True)
     network.requires_grad_(False)
@@ -315,21 +315,31 @@ class Model:
 
     @classmethod
     def from_trainer(cls, trainer: Any, *, segments: int = 0) -> Model:
-        """A model over a trainer's live network (weights shared, never copied or changed), for evaluation
-        during training: each call reads the weights as they are, in eval mode, and puts the network back in
-        the mode it was in. Runs eagerly with the dense attention path (bf16 autocast on CUDA, as training).
+        """A model over a trainer's network, for evaluation during training, on a trainer of any number of
+        devices. On one device it serves the live network (weights shared, never copied or changed): each call
+        reads the weights as they are, in eval mode, and puts the network back in the mode it was in. Over
+        several devices, whose networks live in the workers, it serves a copy of the weights as they stand after
+        every step called so far (`Trainer.weights`), on the executor's first device; make a new model to see
+        later steps. Runs eagerly with the dense attention path (bf16 autocast on CUDA, as training).
         Its warnings are the trainer's (`Trainer.notices`): evaluating every few steps warns once per run."""
         device = trainer.device
+        config = trainer.config
+        if trainer.executor.has_workers():
+            weights = trainer.weights()
+            network, live, step = weights.network(device), None, weights.step
+        else:
+            network, live, step = trainer.network, trainer, 0
         return cls(
-            trainer.network,
-            trainer.config,
+            network,
+            config,
             device,
             rows=0,
-            segments=min(_natural(segments, "segments") or 1 << 62, trainer.config.batch.max_segments_per_device),
+            segments=min(_natural(segments, "segments") or 1 << 62, config.batch.max_segments_per_device),
             media=trainer.media,
             bf16=device.type == "cuda",
             compiled=False,
-            trainer=trainer,
+            step=step,
+            trainer=live,
             notices=trainer.notices,
             _token=_PRIVATE,
         )

@@ -1,1 +1,1 @@
-"""One device's replica: the optimizer, the memory estimate, the capacity notices and the checkpoint files."""
+"""One device's replica: its step pipeline, the optimizer, the memory estimate, the capacity notices and the checkpoint files."""

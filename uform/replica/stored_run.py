@@ -32,19 +32,28 @@ import torch
 
 from ..config import TrainerInitVramConfig, from_dict, resolve
 from ..model.network import Network
-from .checkpoint import CheckpointError, Layout, ProgressCallback, read_checkpoint, read_layout
+from .checkpoint import (
+    CONFIG_KEY,
+    COUNTER_KEYS,
+    FORMAT,
+    FORMAT_KEY,
+    MOMENT_KINDS,
+    MOMENTS,
+    RNG_DRAWS,
+    RNG_KEY,
+    WEIGHTS,
+    CheckpointError,
+    Layout,
+    ProgressCallback,
+    over_stored,
+    read_checkpoint,
+    read_layout,
+    same_run,
+)
 
-__all__ = ["FORMAT", "RNG_DRAWS", "StoredRun", "read_run_tensors", "read_stored_run"]
+__all__ = ["StoredRun", "read_run_tensors", "read_stored_run", "resolve_run"]
 
-FORMAT = "uform.trainer.1"
-"""The `uform.format` of a trainer checkpoint."""
-
-RNG_DRAWS = "pcg64 keyed by (seed, step, stream)"
-"""The `draws` of a checkpoint's `uform.rng`: how this library keys every random draw of a run."""
-
-_COUNTERS = ("uform.step", "uform.dropped", "uform.skipped", "uform.nonfinite")
 _DECIMAL = re.compile(r"0|[1-9][0-9]{0,18}")
-_MOMENTS = ("step", "exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -76,19 +85,34 @@ def read_stored_run(path: str | bytes | os.PathLike) -> StoredRun:
     target = os.fspath(path)
     shown = os.fsdecode(target)
     metadata, layout = read_layout(target)
-    found = metadata.get("uform.format")
+    found = metadata.get(FORMAT_KEY)
     if found != FORMAT:
         raise CheckpointError(
-            f"{shown}: not a uform trainer checkpoint (its uform.format is {found!r}, expected {FORMAT!r})"
+            f"{shown}: not a uform trainer checkpoint (its {FORMAT_KEY} is {found!r}, expected {FORMAT!r})"
         )
     try:
-        config = resolve(from_dict(json.loads(metadata["uform.config"])))
+        config = resolve(from_dict(json.loads(metadata[CONFIG_KEY])))
     except (KeyError, ValueError, TypeError, RecursionError) as error:
         raise CheckpointError(f"{shown}: its stored config is not a valid run ({error})") from None
-    counts = [_counter(metadata, key, shown) for key in _COUNTERS]
+    counts = [_counter(metadata, key, shown) for key in COUNTER_KEYS]
     _check_rng(metadata, config, shown)
     _check_layout(config, layout, shown)
     return StoredRun(target, metadata, config, *counts)
+
+
+def resolve_run(config: TrainerInitVramConfig) -> tuple[TrainerInitVramConfig, StoredRun | None]:
+    """The resolved run of an init config (the stored run's, with what the caller set, on a resume alone),
+    checked against the checkpoint it resumes, whose header is checked whole (`read_stored_run`); answers it
+    and the stored run."""
+    stored = None
+    if config.resume is not None:
+        stored = read_stored_run(config.resume)
+        if config.depth == 0 and config.hidden == 0:  # resume alone: the stored run's config,
+            config = over_stored(config, stored.config)  # and what was set
+    resolved = resolve(config)
+    if stored is not None:
+        same_run(resolved, stored.config)
+    return resolved, stored
 
 
 def read_run_tensors(
@@ -105,7 +129,7 @@ def read_run_tensors(
         raise CheckpointError(f"{shown}: the file changed between its header's checks and its reading")
     ceiling = torch.tensor(float(run.step), dtype=torch.float32).item()  # the step as a save stores it
     for name, value in tensors.items():
-        if name.startswith("moments.step."):
+        if name.startswith(f"{MOMENTS}step."):
             count = value.item()
             if not (math.isfinite(count) and count == int(count) and 0 <= count <= ceiling):
                 raise CheckpointError(
@@ -114,9 +138,9 @@ def read_run_tensors(
     # A trainer refuses to save non-finite weights; a file that holds them anyway (forged, or written before that
     # rule) would serve NaN vectors that look like an answer, and resume a run that can never recover.
     broken = [
-        name.removeprefix("weights.")
+        name.removeprefix(WEIGHTS)
         for name, value in tensors.items()
-        if name.startswith("weights.") and value.is_floating_point() and not bool(torch.isfinite(value).all())
+        if name.startswith(WEIGHTS) and value.is_floating_point() and not bool(torch.isfinite(value).all())
     ]
     if broken:
         raise CheckpointError(f"{shown}: the weights {broken[:4]} hold NaN or infinite values; not a usable run")
@@ -133,7 +157,7 @@ def _counter(metadata: dict[str, str], key: str, shown: str) -> int:
 
 
 def _check_rng(metadata: dict[str, str], config: TrainerInitVramConfig, shown: str) -> None:
-    text = metadata.get("uform.rng")
+    text = metadata.get(RNG_KEY)
     if text is None:
         return  # a label, not read: absent is fine, present it must say what this library draws
     expected = {"draws": RNG_DRAWS, "seed": config.seed}
@@ -142,7 +166,7 @@ def _check_rng(metadata: dict[str, str], config: TrainerInitVramConfig, shown: s
     except (ValueError, RecursionError):
         value = text
     if value != expected:
-        raise CheckpointError(f"{shown}: uform.rng must be {json.dumps(expected)}, got {_short(text)}")
+        raise CheckpointError(f"{shown}: {RNG_KEY} must be {json.dumps(expected)}, got {_short(text)}")
 
 
 def _short(text: str) -> str:
@@ -169,7 +193,7 @@ def _shapes(network: Network) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
 
 
 def _check_layout(config: TrainerInitVramConfig, layout: Layout, shown: str) -> None:
-    weights = {k.removeprefix("weights."): v for k, v in layout.items() if k.startswith("weights.")}
+    weights = {k.removeprefix(WEIGHTS): v for k, v in layout.items() if k.startswith(WEIGHTS)}
     held_elements = sum(math.prod(shape) for _, shape in weights.values())
 
     # The meta build allocates nothing, but two of its loops run as long as a size says: bound those by the file
@@ -200,15 +224,17 @@ def _check_layout(config: TrainerInitVramConfig, layout: Layout, shown: str) -> 
     parameters = {k: (p.dtype, tuple(p.shape)) for k, p in network.named_parameters()}
     moments: dict[str, set[str]] = {}
     for name, (dtype, shape) in layout.items():
-        if name.startswith("weights."):
+        if name.startswith(WEIGHTS):
             continue
-        kind, _, parameter = name.removeprefix("moments.").partition(".")
-        if not name.startswith("moments.") or kind not in _MOMENTS or parameter not in parameters:
+        kind, _, parameter = name.removeprefix(MOMENTS).partition(".")
+        if not name.startswith(MOMENTS) or kind not in MOMENT_KINDS or parameter not in parameters:
             raise _mismatch(shown, f"unexpected tensor {name!r}")
         want = (torch.float32, ()) if kind == "step" else parameters[parameter]
         if (dtype, shape) != want:
             raise _mismatch(shown, f"{name!r} is {dtype} {list(shape)}, the run needs {want[0]} {list(want[1])}")
         moments.setdefault(parameter, set()).add(kind)
     for parameter, kinds in sorted(moments.items()):
-        if len(kinds) != len(_MOMENTS):
-            raise _mismatch(shown, f"parameter {parameter!r} has moments {sorted(kinds)}, not all of {list(_MOMENTS)}")
+        if len(kinds) != len(MOMENT_KINDS):
+            raise _mismatch(
+                shown, f"parameter {parameter!r} has moments {sorted(kinds)}, not all of {list(MOMENT_KINDS)}"
+            )

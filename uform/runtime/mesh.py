@@ -679,11 +679,14 @@ class Mesh:
 
     # ---- borrowing -------------------------------------------------------------------------------------
 
-    def _borrow(self, trainer: Any) -> None:
+    def borrow(self, trainer: Any) -> None:
+        """Marks `trainer` (anything with a `closed` attribute: a trainer, or a worker's replica) as made over
+        this mesh: `close` is refused while it is open. Refused on a closed mesh."""
         self._check_open()
         self._borrowers.add(trainer)
 
-    def _release(self, trainer: Any) -> None:
+    def release(self, trainer: Any) -> None:
+        """Forgets a borrower (its close); releasing one never borrowed does nothing."""
         self._borrowers.discard(trainer)
 
     def _check_open(self) -> None:

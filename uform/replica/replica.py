@@ -1,0 +1,701 @@
+"""One device's replica of a run: its network, optimizer and step counter, and the pipeline of its steps.
+
+A step goes: prepare the host arrays (the replica's `Stage`, given by the runtime: decode the media, then
+`data/batch.py`: pack, corrupt, pair; on the replica's host threads or in host processes) -> copy them to the
+device -> forward and losses (compiled on CUDA, with FlexAttention document masks and bf16 autocast) ->
+backward -> AdamW at the scheduled rate, whole or not at all (`_update`: a step whose loss or gradients are not
+finite anywhere in the world is skipped on every process and counted) -> stats and the arena. Steps and saves
+queue onto one device thread per replica, so they apply in the order they were called.
+
+A replica takes its steps already checked (`checked_step.check_step`, by whoever called: `check_step` here
+for a trainer of one device, the calling process for a worker's share of a step over several devices). In a
+world of several processes it is one rank: its world (`uform.runtime.world.World`, passed in, the one thing of the
+runtime a replica uses) sums its gradients, counts and stats with the others'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ..config import TrainerInitVramConfig, TrainerSaveConfig, TrainerStepConfig, TrainerStepStats, to_dict
+from ..data.batch import Batch
+from ..losses.peers import Peers
+from ..losses.term import Term, world_counts
+from ..media.decode import warn_skipped
+from ..media.units import Units
+from ..model.attention import compiled_flex_available
+from ..model.inputs import DeviceBatch, to_device
+from ..model.network import Losses, Network
+from ..notices import NonFiniteWarning, Notices, ScheduleWarning
+from ..runtime.world import GradientReducer, MeshError, World, WorldAborted, reduction_order, wait_event
+from .agreement import compare_runs
+from .capacity import warn_step_capacity
+from .checked_step import CheckedStep, check_step
+from .checkpoint import restore_moments, run_metadata, run_tensors, stored_weights, write_checkpoint
+from .memory import check_memory
+from .optim import LATE, Optimizer, build_optimizer, learning_rate, nonfinite, rate_overflows, reach
+from .stored_run import StoredRun, read_run_tensors, resolve_run
+
+__all__ = ["WORLD_COMPILES", "Replica", "Stage", "Weights"]
+
+WORLD_COMPILES = ("whole", "blocks")
+"""How a world's step may compile on CUDA (`Trainer.init_vram`'s `world_compile`)."""
+
+
+class Stage(Protocol):
+    """Where a replica's host stage runs (the runtime gives one: `uform.runtime.preparation.Preparation`)."""
+
+    def prepare(self, checked: CheckedStep, step: int) -> tuple[Batch, dict[str, torch.Tensor], list[tuple[int, str]]]:
+        """Step `step`'s batch, its host tensors (page-locked on CUDA) and the media items that did not decode."""
+        ...
+
+    def decode(self, checked: CheckedStep) -> tuple[dict[int, Units], list[tuple[int, str]]]:
+        """The step's media items decoded: the units of those that did, (index, reason) of those that did not."""
+        ...
+
+    def close(self) -> None:
+        """Stops whatever processes it started."""
+        ...
+
+
+StageFactory = Callable[[TrainerInitVramConfig, str], Stage]
+"""Makes a replica's stage from the resolved run and the attention path ("flex" or "dense") its batches need."""
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A copy of a replica's network as it stood after every step called before it (rank 0's, in a world)."""
+
+    config: TrainerInitVramConfig
+    """The resolved run (the network it builds is `Network(config)`)."""
+    step: int
+    """Optimizer steps applied by then."""
+    tensors: dict[str, torch.Tensor]
+    """The network's state dict, on the CPU."""
+
+    def network(self, device: torch.device) -> Network:
+        """A network of these weights on `device`, in eval mode, no gradients (for serving)."""
+        network = Network(self.config)
+        network.load_state_dict(self.tensors, strict=True)
+        network.requires_grad_(False)
+        network.eval()
+        return network.to(device)
+
+
+class Replica:
+    """One device's replica of a run; make one with `Replica.build` (a trainer does, or a device's worker)."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        config: TrainerInitVramConfig,
+        world: World | None,
+        stage: StageFactory,
+        *,
+        host_processes: int = 0,
+        world_compile: str = "whole",
+        _token: object = None,
+    ) -> None:
+        if _token is not _PRIVATE:
+            raise TypeError("Replica: make one with Replica.build(device, config, world, stage)")
+        self.device = device
+        self.config = config
+        self.network = Network(config)
+        self._parts: dict[str, list[torch.nn.Parameter]] = {}
+        """The parameters of each part only some steps reach (`optim.reach`), found once: `_unreached` runs every step."""
+        for name, p in self.network.named_parameters():
+            if (part := reach(name)) is not None:
+                self._parts.setdefault(part, []).append(p)
+        self.world = world
+        """This replica's world (None: it runs alone); its collectives sum what every rank's step adds up."""
+        self.closed = False
+        self._reducer: GradientReducer | None = None
+        self.optimizer: Optimizer
+        self._step_count = 0
+        """Updates applied, across resumes (`steps_taken`); where the device decides a skip, as far as read."""
+        self._calls = 0
+        """The number of the last step whose device stage ran, applied or skipped (the draws' key)."""
+        self._nonfinite_total = 0
+        """Steps skipped as non-finite, across resumes (as far as read)."""
+        self._skips: list[int] = []
+        """The numbers of the skipped steps no step's stats have reported yet."""
+        self._pending: deque[tuple[int, torch.Tensor, Any]] = deque()
+        """CUDA: (step, host flag, event) of the steps whose skip only the device knows yet, oldest first."""
+        self._torn = ""
+        """Why an update failed part-way (then every later step and save refuses)."""
+        self._counting = threading.Lock()
+        self._dropped = 0
+        self._skipped = 0
+        self.notices = Notices()
+        """The run's warnings (skipped media, items cut or dropped for room, steps past the schedule, steps
+        skipped as non-finite), each kind shown once and counted: `notices.counts()`."""
+        self.host_processes = host_processes
+        """Host processes that prepare the steps (`uform.runtime.preparers`); 0: the host stage runs on this process's threads."""
+        # Two stages: the host stage packs and corrupts step n + 1 while the device stage runs step n, so the
+        # GPU never waits on Python (the draws are keyed by the step number, which is fixed when the step is
+        # called, so preparing ahead changes nothing). The host stage has two threads: while one waits for its
+        # step's media in the decode pool, the other packs the step before (with 128 JPEGs beside text at the
+        # reference geometry each half is about as long as the other; bench/data_wait.py). With host processes the
+        # threads only send each step to a host process and copy its answer (each process prepares two at once).
+        # Every thread of the replica starts on the replica's device: CUDA's current device is per thread
+        # and a new thread's is device 0, so on any other device an event recorded or a stream read there
+        # would be device 0's (2-GPU profile: rank 1's completion events and gradient flags were read off
+        # device 0, the flags "changed" and every step synchronised, 67% weak scaling).
+        bound = (self.device,)
+        self._queue = ThreadPoolExecutor(1, "uform-device", initializer=_bind_device, initargs=bound)
+        self._host = ThreadPoolExecutor(
+            max(2, 2 * host_processes), "uform-host", initializer=_bind_device, initargs=bound
+        )
+        self._completion = ThreadPoolExecutor(1, "uform-completion", initializer=_bind_device, initargs=bound)
+        self._lock = threading.Lock()
+        self._next_step = 1
+        self._reported = 0  # the last step whose stats were read (the skips reported are those after it)
+        self._resolving = threading.Lock()
+        cuda = self.device.type == "cuda"
+        self.attention = "flex" if compiled_flex_available(self.device) else "dense"
+        self.stage = stage(config, self.attention)
+        """Where this replica's host stage runs (`Stage`)."""
+        self._losses: Callable[..., Losses] = self.network.losses
+        self.world_compile = world_compile
+        """How a world's step compiles on CUDA (`Trainer.init_vram`)."""
+        if cuda and self.world is not None and self.world.size > 1 and world_compile == "blocks":
+            # 'blocks': each block compiled on its own (one graph, reused by every block), so backward
+            # finishes the blocks' gradients one block at a time and the gradient buckets reduce while earlier
+            # blocks still differentiate; the heads and losses compile as a graph of their own (broken around
+            # the embedding gather); the embedding lookup and the loop over the blocks run eagerly. Not the
+            # default: on one host's NVLink the whole step's all-reduce takes ~1 ms, less than what the eager
+            # loop costs the host (2 x H200, reference geometry: 89.1% weak scaling against 95.9% for 'whole').
+            for block in self.network.tower.blocks:
+                block.compile(dynamic=False)
+            self._losses = _split_step(self.network, torch.compile(self.network.heads, dynamic=False))
+        elif cuda:
+            self._losses = torch.compile(self.network.losses, dynamic=False)
+
+    # ---- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def build(
+        cls,
+        device: torch.device,
+        config: TrainerInitVramConfig,
+        world: World | None,
+        stage: StageFactory,
+        *,
+        host_processes: int = 0,
+        world_compile: str = "whole",
+    ) -> Replica:
+        """The replica of `config` on `device`, from `config.seed` or resumed from `config.resume` (every check
+        of the checkpoint and of the memory it needs before anything is allocated); in a world, every rank
+        checks that it builds the same run as the others (raising on every rank when one differs or fails).
+        Its arguments are taken as checked (`Trainer.init_vram` checks them)."""
+        try:
+            resolved, stored = resolve_run(config)
+            check_memory(resolved, device)  # before any allocation: refuses on CUDA, warns on the CPU
+            # Digest verified, every tensor read (at most the file's own length) before anything is built.
+            loaded = (
+                None if stored is None else read_run_tensors(stored, resolved.progress, resolved.progress_steps, device)
+            )
+            replica = cls(
+                device,
+                resolved,
+                world,
+                stage,
+                host_processes=host_processes,
+                world_compile=world_compile,
+                _token=_PRIVATE,
+            )
+            replica.network.initialize(resolved.seed)
+            replica.network.to(device)
+            replica.optimizer = build_optimizer(replica.network, device)
+            if stored is not None and loaded is not None:
+                replica._resume(stored, loaded)
+        except BaseException:
+            if world is not None:  # the others wait to compare runs: tell them this process has none
+                with contextlib.suppress(Exception):
+                    compare_runs(world, None, 0)
+            raise
+        if world is not None:
+            replica._join_world()
+        return replica
+
+    def _join_world(self) -> None:
+        """Every process of the run checks that it builds the same run (a digest of the resolved config and
+        the step it starts from, all-gathered), then arms the gradient reduction."""
+        world = self.world
+        assert world is not None
+        record = to_dict(self.config)
+        record.pop("progress_steps", None)  # how often this process reports is its own business
+        try:
+            compare_runs(world, json.dumps(record, sort_keys=True), self._step_count)
+        except BaseException:
+            self.close()
+            raise
+        if world.size > 1:
+            variable = [p for params in self._parts.values() for p in params]
+            self._reducer = GradientReducer([p for _, p in reduction_order(self.network)], world, variable=variable)
+
+    def _resume(self, stored: StoredRun, tensors: dict[str, torch.Tensor]) -> None:
+        # read_stored_run checked the names, dtypes and shapes against this network, read_run_tensors the digest.
+        self.network.load_state_dict(stored_weights(tensors), strict=True)
+        restore_moments(self.network, self.optimizer, tensors, fused=self.device.type == "cuda")
+        self._step_count = stored.step
+        self._nonfinite_total = stored.nonfinite
+        self._calls = self._reported = self._step_count + self._nonfinite_total
+        self._next_step = self._calls + 1
+        self._dropped = stored.dropped
+        self._skipped = stored.skipped
+
+    # ---- the verbs ---------------------------------------------------------------------------------
+
+    def check_step(
+        self, modalities: Any, contents: Any, config: TrainerStepConfig | None, copy_buffers: bool
+    ) -> CheckedStep:
+        """Every check of a step's arguments (`checked_step.check_step`) against this replica's run; refused on a
+        closed replica. Answers them owned by the replica when `copy_buffers`."""
+        self.check_open()
+        # In a world a process may have no items this step; it still takes its part in the collectives.
+        alone = self.world is None or self.world.size == 1
+        return check_step(self.config, modalities, contents, config, copy_buffers, allow_empty=not alone)
+
+    def submit(
+        self,
+        modalities: Any,
+        contents: Any,
+        config: TrainerStepConfig | None,
+        copy_buffers: bool,
+        *,
+        caller_depth: int = 1,
+    ) -> Future:
+        """Checks a step (`check_step`) and queues it (`submit_checked`); `caller_depth` as there."""
+        checked = self.check_step(modalities, contents, config, copy_buffers)
+        return self.submit_checked(checked, caller_depth=caller_depth + 1)
+
+    def submit_checked(self, checked: CheckedStep, *, caller_depth: int = 1) -> Future:
+        """Queues a step whose arguments passed `check_step` already (they are not checked again: a device's
+        worker takes its share of a step checked in the calling process this way); answers a `Future` of its
+        arena's rows (None without an arena), resolved once its device work is done. `caller_depth`: the frames
+        between this call and the user's, so that a warning names the user's line."""
+        if self.world is not None and self.world.failed:
+            # A broken world refuses at once, here rather than behind the device thread, which may still be
+            # held by the failed step's device work while an NCCL abort lets go of it.
+            refused: Future = Future()
+            refused.set_running_or_notify_cancel()
+            refused.set_exception(MeshError(self.world.failed[0]))
+            return refused
+        with self._lock:
+            step = self._next_step
+            self._next_step += 1
+            host = self._host.submit(self.prepare, checked, step)
+            done: Future = Future()
+            done.set_running_or_notify_cancel()  # a queued step is not cancelled: its draws are numbered
+            self._queue.submit(self._device_stage, checked, host, step, done)
+        self._warn_past_schedule(step, 3 + caller_depth)  # in the caller's thread, where its warning filters apply
+        return done
+
+    def save(self, config: TrainerSaveConfig) -> Future:
+        """Queues a checkpoint of the run after every step called before it (only rank 0 writes, in a world);
+        `config` is taken as checked (`trainer.save_config`)."""
+        self.check_open()
+        return self._queue.submit(self._run_save, config)
+
+    def weights(self) -> Future:
+        """A `Future` of the network's `Weights` after every step called before it."""
+        self.check_open()
+
+        def copy() -> Weights:
+            self._resolve(None)
+            tensors = {k: v.detach().to("cpu", copy=True) for k, v in self.network.state_dict().items()}
+            return Weights(self.config, self._step_count, tensors)
+
+        return self._queue.submit(copy)
+
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps applied so far, across resumes (a step skipped as non-finite is not one)."""
+        self._resolve(None)
+        return self._step_count
+
+    @property
+    def steps_read(self) -> int:
+        """Optimizer steps applied as far as read, without waiting for the device work of queued steps."""
+        return self._step_count
+
+    def close(self) -> None:
+        """Waits for queued calls and stops the replica's threads and processes. Later steps and saves are
+        refused."""
+        self.closed = True  # first, so that a call racing the shutdown is refused by name, not by the pool
+        self._queue.shutdown(wait=True)
+        self._host.shutdown(wait=True)
+        self._completion.shutdown(wait=True)
+        self.stage.close()
+        if self._reducer is not None:
+            self._reducer.close()
+
+    def check_open(self) -> None:
+        """Refuses a call on a closed replica."""
+        if self.closed:
+            raise ValueError(
+                "trainer: this trainer was closed; make a new one with Trainer.init_vram (its resume goes on "
+                "from a checkpoint)"
+            )
+
+    def _warn_past_schedule(self, step: int, stacklevel: int) -> None:
+        """A step past schedule.steps runs at the floor rate: said once, every such step counted."""
+        steps = self.config.schedule.steps
+        if step > steps:
+            self.notices.warn(
+                "schedule",
+                f"uform: step {step} is past schedule.steps ({steps}): it and every later step run at the floor "
+                f"learning rate schedule.min_learning_rate ({self.config.schedule.min_learning_rate:g}); to go "
+                "on along a cosine, resume with a larger schedule.steps",
+                ScheduleWarning,
+                stacklevel=stacklevel,
+            )
+
+    # ---- the work ----------------------------------------------------------------------------------
+
+    def prepare(self, checked: CheckedStep, step: int, notify: bool = True) -> tuple[Batch, dict[str, torch.Tensor]]:
+        """Step `step`'s host stage (the replica's `stage`: decode, pack, corrupt and pair, block tables): its
+        batch and host tensors (page-locked on CUDA, ready for the copy). With `notify`, a media item that did
+        not decode and an item cut or dropped for room are warned about here (once per kind)."""
+        batch, host, failed = self.stage.prepare(checked, step)
+        if notify:  # once per step: not again where a renumbered step is prepared anew (`_apply_step`)
+            warn_skipped(self.notices, failed, checked.modalities, "TrainerStepStats.skipped", checked.origin)
+            warn_step_capacity(self.notices, batch, len(checked.modalities), self.config.batch.max_columns_per_row)
+        return batch, host
+
+    def decode(self, checked: CheckedStep) -> tuple[dict[int, Units], list[tuple[int, str]]]:
+        """Decodes the step's media items (the host stage's first half, for the benches); answers the units of
+        those that decoded and (index, reason) of those that did not."""
+        return self.stage.decode(checked)
+
+    def _device_stage(self, checked: CheckedStep, host: Future, step: int, done: Future) -> None:
+        """Copy, forward, backward, update; the readback is left to the completion thread, so this
+        thread goes on to launch the next step while the device still runs this one."""
+        try:
+            finish = self._apply_step(checked, host, step)
+        except BaseException as error:
+            with self._lock:  # the step was not taken: the numbers of later calls move back by one
+                self._next_step -= 1
+            done.set_exception(error)
+            return
+        self._completion.submit(_complete, finish, done)
+
+    def _apply_step(self, checked: CheckedStep, host: Future, step: int) -> Callable[[], torch.Tensor | None]:
+        r = self.config
+        if self._torn:
+            host.cancel()
+            raise RuntimeError(self._torn)
+        if step != self._calls + 1:  # an earlier queued step failed: its successors' draws move up
+            ran = not host.cancel()  # a host stage that ran (or runs) has warned already
+            step = self._calls + 1
+            batch, tensors = self.prepare(checked, step, notify=not ran)
+        else:
+            batch, tensors = host.result()
+        cuda = self.device.type == "cuda"
+        dtype = torch.bfloat16 if cuda else torch.float32
+        inputs = to_device(
+            tensors, self.device, self.network.rotary, attention=self.attention, dtype=dtype, dynamic=cuda
+        )
+        rate = learning_rate(r.schedule, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = rate
+        self.network.train()
+        world = self.world if self.world is not None and self.world.size > 1 else None
+        if world is not None and world.failed:
+            raise MeshError(world.failed[0])
+        try:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
+                terms, embeddings = self._losses(inputs, world, batch.positives, batch.late_positives)
+            if world is not None:  # every process divides its sums by the world's counts
+                terms = _world_counts(terms, world)
+            totals = self.network.total(terms)
+            unreached = self._unreached(batch)
+            if self._reducer is not None:
+                self._reducer.arm(unreached)
+            totals["loss"].backward()
+            if self._reducer is not None:
+                self._reducer.finish()  # the gradients of the world's loss, summed over its processes
+            world_stats = None
+            if world is not None:  # the world's means: each process's share, summed
+                zero = totals["loss"].new_zeros(())
+                world_stats = torch.stack([totals.get(k, zero).detach().float() for k in _STAT_TERMS])
+                world.all_reduce(world_stats)
+        except Exception as error:
+            if world is not None:
+                raise _broken(world, error, step) from error
+            raise
+        loss = totals["loss"] if world_stats is None else world_stats[0]  # the world's, where there is one
+        skip = self._update(rate, loss, unreached)
+        self._calls = step
+        if isinstance(skip, bool):
+            self._record(step, skip, rate)
+        self._dropped += batch.dropped
+        self._skipped += batch.skipped
+
+        # Everything the caller reads lands in host buffers through asynchronous copies; `finish` waits
+        # for them on the completion thread.
+        readback: dict[str, torch.Tensor] = {}
+        if checked.stats is not None:
+            zero = totals["loss"].new_zeros(())
+            readback["stats"] = (
+                world_stats
+                if world_stats is not None
+                else torch.stack([totals.get(k, zero).detach().float() for k in _STAT_TERMS])
+            )
+            dropped, self._dropped = self._dropped, 0
+            skipped, self._skipped = self._skipped, 0
+            since, self._reported = self._reported, step  # this report counts the skips of steps (since, step]
+        if not isinstance(skip, bool):  # the device decided: read on the completion thread, or by a save
+            readback["skip"] = skip
+        if checked.arena is not None:
+            slot = torch.from_numpy(batch.layout.slot).to(self.device, non_blocking=True)
+            present = slot >= 0
+            readback["arena"] = embeddings.float()[slot.clamp_min(0)] * present.unsqueeze(1)
+        host_copies = {k: _to_host(v) for k, v in readback.items()}
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        if "skip" in host_copies:
+            with self._counting:
+                self._pending.append((step, host_copies["skip"], event))
+
+        def finish() -> torch.Tensor | None:
+            if event is not None and world is not None:
+                try:  # in a world, a peer that died leaves this event unfinished: a wait with a deadline
+                    wait_event(event, world, f"step {step}'s device work")
+                except WorldAborted as error:
+                    raise _broken(world, error, step) from error
+            elif event is not None:
+                event.synchronize()
+            self._resolve(step)
+            if checked.stats is not None:
+                stats = checked.stats
+                for f in dataclasses.fields(TrainerStepStats):
+                    setattr(stats, f.name, 0 if f.type == "int" else 0.0)
+                for name, value in zip(_STAT_TERMS, host_copies["stats"].tolist(), strict=True):
+                    setattr(stats, name, float(value))
+                stats.step = step
+                stats.learning_rate = rate
+                stats.truncated = batch.truncated
+                stats.dropped = dropped
+                stats.skipped = skipped
+                stats.nonfinite = self._reported_skips(since, step)
+            if checked.arena is None:
+                return None
+            return checked.arena.land(host_copies["arena"], torch.from_numpy(batch.layout.slot >= 0), checked.scalar)
+
+        return finish
+
+    def _unreached(self, batch: Batch) -> list[torch.nn.Parameter]:
+        """The parameters this process's step does not reach (`optim.reach`): the media modules of every kind
+        the step holds no units of, and late interaction's head where the step holds no query or no document
+        tokens. They run over inert padding only, so their gradients are exact zeros that must not move AdamW's
+        decay or moments."""
+        absent = {
+            f"{part}.{kind}"
+            for kind, parts in batch.media.items()
+            if not parts["valid"].any()
+            for part in ("media", "reconstruct")
+        }
+        if batch.late:
+            slots, documents = batch.late["z"].shape  # padding: query_slot == S, document_of == Dd
+            queries = (batch.late["query_slot"] < slots).any()
+            if not (queries and (batch.late["document_of"] < documents).any()):
+                absent.add(LATE)
+        return [p for part in sorted(absent) for p in self._parts.get(part, ())]
+
+    def _update(self, rate: float, loss: torch.Tensor, unreached: list[torch.nn.Parameter]) -> bool | torch.Tensor:
+        """AdamW at `rate`, whole or not at all, then the gradients cleared whatever happened. The update is
+        skipped when `rate` would carry it out of float32, or when `loss` (the world's, in a world) or a
+        gradient (the world's sums, in a world: the same on every process, so every process decides alike
+        with no collective of its own) is not finite. Parameters no process's gradient reached are left
+        alone. Answers whether it was skipped: a bool where the host decides (the for-each AdamW of the CPU, or
+        the rate), else the device's flag (the fused AdamW of CUDA: a 0-d float32 tensor its kernel read, which
+        nothing here waits for)."""
+        optimizer = self.optimizer
+        try:
+            if rate_overflows(rate):
+                return True
+            grads = [p.grad for p in self.network.parameters() if p.grad is not None]
+            flag = nonfinite(grads, loss)
+            fused = bool(optimizer.defaults.get("fused"))  # the fused kernel reads the flag itself
+            if not fused and bool(flag):
+                return True
+            if self._reducer is None:  # (a world's reducer already dropped what no process used, or flags it)
+                for p in unreached:
+                    p.grad = None
+            try:
+                if not fused:
+                    optimizer.step()
+                    return False
+                skips = [flag] * len(optimizer.param_groups)
+                if self._reducer is not None:  # a media part no process used skips on its world flag
+                    for g, group in enumerate(optimizer.param_groups):
+                        if group["reach"] is not None:
+                            unused = (self._reducer.used(group["params"][0]) == 0).float()
+                            skips[g] = torch.maximum(flag, unused)
+                optimizer.step_unless(skips)
+                return flag
+            except Exception as error:
+                self._torn = (
+                    f"trainer: an update failed part-way ({type(error).__name__}: {error}); the weights may hold "
+                    "part of a step, so this trainer takes no more steps and saves none: init_vram with resume "
+                    "continues the run from its last checkpoint"
+                )
+                raise RuntimeError(self._torn) from error
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+
+    def _record(self, step: int, skipped: bool, rate: float) -> None:
+        """Counts step `step` as applied or skipped (and warns, once, of a skip)."""
+        with self._counting:
+            if skipped:
+                self._nonfinite_total += 1
+                self._skips.append(step)
+            else:
+                self._step_count += 1
+        if not skipped:
+            return
+        if rate_overflows(rate):
+            why = f"its learning rate {rate:g} would carry AdamW's update out of float32"
+        else:
+            why = "its loss or gradients were not finite somewhere in the world"
+        self.notices.warn(
+            "non-finite",
+            f"uform: step {step} was skipped on every process: {why}. The weights, the optimizer's moments and "
+            "steps_taken are as before it; every such step is counted in TrainerStepStats.nonfinite (this "
+            "warning is shown once). Look for a huge loss weight, relation weight, inverse temperature or "
+            "learning rate.",
+            NonFiniteWarning,
+        )
+
+    def _resolve(self, upto: int | None) -> None:
+        """Counts the steps up to `upto` (None: every one) whose skip only the device knew, in order, waiting
+        for their device work (CUDA)."""
+        with self._resolving:
+            while True:
+                with self._counting:
+                    if not self._pending or (upto is not None and self._pending[0][0] > upto):
+                        return
+                    step, flag, event = self._pending.popleft()
+                world = self.world if self.world is not None and self.world.size > 1 else None
+                if event is not None and world is not None:
+                    try:
+                        wait_event(event, world, f"step {step}'s update")
+                    except WorldAborted as error:
+                        raise _broken(world, error, step) from error
+                elif event is not None:  # (None: the CPU, whose flag was final when written)
+                    event.synchronize()
+                self._record(step, bool(flag.item()), 0.0)
+
+    def _reported_skips(self, since: int, step: int) -> int:
+        """The skipped steps in (since, step], taken off the list (each is reported once)."""
+        with self._counting:
+            mine = [s for s in self._skips if since < s <= step]
+            self._skips = [s for s in self._skips if not since < s <= step]
+        return len(mine)
+
+    def _run_save(self, config: TrainerSaveConfig) -> None:
+        if self.world is not None and self.world.aborted:
+            # The abort may have cut a step's collectives short after its update was launched: the weights
+            # may hold part of a step, so they are not written (the last checkpoint is the one to resume).
+            raise MeshError(
+                (self.world.failed or [f"mesh: the world failed ({self.world.aborted})"])[0]
+                + "; this process's weights may hold part of a step, so it saves none"
+            )
+        if self._torn:
+            raise RuntimeError(self._torn)
+        self._resolve(None)
+        if self.world is not None and self.world.rank != 0:
+            return  # only the process of index zero writes; every process holds the same weights
+        broken = [k for k, v in self.network.state_dict().items() if v.is_floating_point() and not v.isfinite().all()]
+        if broken:
+            raise ValueError(
+                f"save: the weights {broken[:3]}{' and more' if len(broken) > 3 else ''} hold NaN or infinite "
+                f"values; refusing to write {os.fsdecode(config.path)} (a checkpoint of them would serve NaN "
+                "embeddings). The last checkpoint written is the one to resume from"
+            )
+        tensors = run_tensors(self.network, self.optimizer)
+        counters = (self._step_count, self._dropped, self._skipped, self._nonfinite_total)
+        metadata = run_metadata(self.config, *counters)
+        write_checkpoint(config.path, tensors, metadata, config.progress, config.progress_steps or 10)
+
+
+def _bind_device(device: torch.device) -> None:
+    """A thread's initializer: its CUDA current device becomes `device` (nothing to do off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def _split_step(network: Network, heads: Callable[..., Losses]) -> Callable[..., Losses]:
+    """`network.losses` with the heads' part run by `heads` (a world's step: the tower eager around its
+    separately compiled blocks)."""
+
+    def losses(
+        batch: DeviceBatch, world: Peers | None = None, positives: int | None = None, late_positives: int | None = None
+    ) -> Losses:
+        return heads(network.states(batch), batch, world, positives, late_positives)
+
+    return losses
+
+
+def _world_counts(terms: dict[str, Term], world: World) -> dict[str, Term]:
+    """The terms with every count summed over the world (`losses.term.world_counts`: the counts told by
+    their type, `Term.count`, never by a name)."""
+    return world_counts(terms, world)
+
+
+def _broken(world: World, error: BaseException, step: int) -> MeshError:
+    """A step of the world failed mid-way: no process can know where the others stopped, so the world is
+    done; this and every later step raise the same error."""
+    message = (
+        f"mesh: step {step} failed on process {world.rank} of {world.size}: a peer process stopped, stalled "
+        f"past the {world.timeout:g} s deadline or failed ({type(error).__name__}: {error}); restart every "
+        "process, and init_vram with resume continues the run from its last checkpoint"
+    )
+    world.failed.append(message)
+    return MeshError(message)
+
+
+_STAT_TERMS = (
+    "loss",
+    "contrastive_loss",
+    "masked_text_loss",
+    "masked_image_loss",
+    "masked_video_loss",
+    "masked_audio_loss",
+    "late_interaction_loss",
+    "choices_loss",
+)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """An asynchronous copy into page-locked host memory (a plain reference on the CPU)."""
+    if tensor.device.type == "cpu":
+        return tensor.detach()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor.detach(), non_blocking=True)
+    return host
+
+
+def _complete(finish: Callable[[], Any], done: Future) -> None:
+    try:
+        done.set_result(finish())
+    except BaseException as error:
+        done.set_exception(error)
+
+
+_PRIVATE = object()
