@@ -54,6 +54,7 @@ import itertools
 import multiprocessing
 import multiprocessing.util
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -405,7 +406,8 @@ class HostProcesses:
         record = (
             np.fromiter((int(m) for m in job.modalities), dtype=np.int8, count=len(job.modalities)),
             offsets if shared else None,
-            None if shared else [bytes(c) for c in contents],
+            # In band (no room in the slab): pickled straight from the caller's buffers, the one copy.
+            None if shared else [pickle.PickleBuffer(c) for c in contents],
             job.bags,
             job.groups,
             None if job.sides is None else np.array([int(s) for s in job.sides], dtype=np.int8),

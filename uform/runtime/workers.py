@@ -14,11 +14,21 @@ process of the world (`Trainer` with a mesh). The answers are merged: the losses
 every worker reports the same; `truncated`, `dropped` and `skipped` add up over this process's devices;
 the arena's rows come back in the caller's item order.
 
-Commands travel in order over one pipe per worker, so steps and saves apply in the order they were called;
-a worker answers a step once it is done, which resolves that step's future here.
+Each worker is a `uform.runtime.helper.Helper`: a command is one of its calls (the verb and its argument,
+pickled once), its answer or error resolves the call's future here (an exception crosses as its own type, with
+the worker's traceback as its cause), and a worker that dies fails every command it held with a `MeshError`
+naming its exit status. Commands travel in order over one pipe per worker, so steps and saves apply in the
+order they were called; a worker answers a step once it is done, which resolves that step's future here.
 
-Progress (a save's or a resume's `progress` callback) is relayed over the same pipes: the worker's stand-in
-callback sends a report up and waits for the verdict; here the report is handed to the fleet's progress thread,
+A step's contents on their way to a worker are copied once: `share_items` writes each device's items back to
+back into a shared-memory segment of their own; the command carries only the segment's name and the items'
+offsets (and the small per-item arrays), pickled once; the worker maps the segment and its trainer reads the
+items as views of it (`attach_segment`), never copying them out. The segment is unlinked here once every
+worker answered, and a worker closes its mapping once no view of it is left (views keep a mapping alive, so
+none outlives it).
+
+Progress (a save's or a resume's `progress` callback) is relayed over the same pipes, as the helpers' notes:
+the worker's stand-in callback sends a report up and waits for the verdict; here the report is handed to the fleet's progress thread,
 which calls the caller's callback and sends the verdict back down. Neither end ever waits for the other on its
 reading side: a worker reads its pipe on a thread of its own (commands queue for its main thread, verdicts go
 straight to the waiting report), and the callback never runs on a reader thread here, so answers keep flowing
