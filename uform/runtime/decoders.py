@@ -64,7 +64,7 @@ _SLAB_BYTES = 16 << 20
 _SLOW_LOAD_SECONDS = 0.05
 
 # Worker states.
-_BOOTING, _IDLE, _LOADING, _RUNNING = "booting", "idle", "loading", "running"
+_BOOTING, _IDLE, _LOADING, _RUNNING, _GONE = "booting", "idle", "loading", "running", "gone"
 
 
 def decode_parallelism() -> int:
@@ -139,6 +139,7 @@ class DecodePool:
         self.slab_bytes = _SLAB_BYTES  # each worker's shared-memory slab, for workers started from now on
         self._workers: list[_Worker] = []
         self._lock = threading.RLock()  # RLock: a signal handler that closes the pool mid-map must not deadlock
+        self._guard = threading.RLock()  # the workers' states and the current map's jobs (readers dispatch too)
         self._wake = threading.Event()  # set by the helpers' readers: an answer, a note, a start or a death
         self._closed = False
         self._boot_failures = 0
@@ -228,59 +229,24 @@ class DecodePool:
     def _run(
         self, function: Callable[..., T], jobs: list[tuple[tuple[Any, ...], dict[str, Any]]], outcomes: list
     ) -> None:
-        pending = deque(range(len(jobs)))
-        remaining = len(jobs)
-        while remaining:
-            self._check_usable()
-            self._wake.clear()  # before looking: whatever happens from now on wakes the wait below
-            now = time.monotonic()
-            for worker in list(self._workers):
-                remaining -= self._service(worker, outcomes, now)
-            if not remaining:
-                break
-            self._start_workers(len(pending))
-            # Dispatch: one pending job to each idle worker.
-            for worker in self._workers:
-                if not pending:
-                    break
-                if worker.state == _IDLE:
-                    remaining -= self._send(worker, pending, function, jobs, outcomes)
-            if not remaining:
-                break
-            nearest = min((w.deadline for w in self._workers), default=math.inf)
+        batch = _Batch(function, jobs, outcomes, self.timeout_seconds, self._guard, self._wake)
+        while True:
+            with self._guard:
+                self._wake.clear()  # before looking: whatever happens from now on wakes the wait below
+                if not batch.remaining:
+                    return
+                self._check_usable()
+                now = time.monotonic()
+                for worker in list(self._workers):
+                    self._service(worker, batch, now)
+                self._start_workers(len(batch.pending))
+                for worker in self._workers:  # the readers hand busy workers their next job themselves
+                    if worker.state == _IDLE and batch.pending:
+                        batch.send(worker)
+                if not batch.remaining:
+                    return
+                nearest = min((w.deadline for w in self._workers), default=math.inf)
             self._wake.wait(None if math.isinf(nearest) else max(0.0, nearest - time.monotonic()))
-
-    def _send(
-        self,
-        worker: _Worker,
-        pending: deque[int],
-        function: Callable[..., Any],
-        jobs: list[tuple[tuple[Any, ...], dict[str, Any]]],
-        outcomes: list,
-    ) -> int:
-        """Sends the next pending job to an idle worker; answers jobs finished (1 when it could not be sent)."""
-        assert worker.helper is not None
-        index = pending.popleft()
-        args, kwargs = jobs[index]
-        sent_at = time.monotonic()
-        # Armed before it is sent: the worker's "started" may come back before `submit` returns.
-        worker.job, worker.sent_at = index, sent_at
-        if worker.warm:  # its job is unpickled at once, unless it says otherwise with "started"
-            worker.state, worker.deadline = _RUNNING, sent_at + self.timeout_seconds
-        else:
-            worker.state, worker.deadline = _LOADING, sent_at + self.timeout_seconds + _LOAD_SECONDS
-        try:
-            worker.future = worker.helper.submit((function, tuple(args), dict(kwargs)))
-        except NotDelivered:  # it died while idle: the job never reached it, so it may go to another worker
-            worker.state, worker.job, worker.deadline = _IDLE, None, math.inf
-            pending.appendleft(index)
-            return 0  # its death is noticed once its reader reaped it
-        except Exception as exc:
-            worker.state, worker.job, worker.deadline = _IDLE, None, math.inf
-            outcomes[index] = Outcome(None, f"could not send the job: {describe(exc)}", 0.0)
-            return 1
-        worker.future.add_done_callback(functools.partial(_wake, self._wake))
-        return 0
 
     def _start_workers(self, wanted: int) -> None:
         """Starts workers until those idle or starting cover the ``wanted`` pending jobs, up to the pool's size."""
@@ -293,8 +259,8 @@ class DecodePool:
                 context=self.context,
                 slab_bytes=self.slab_bytes,
                 slab_prefix="uform-decoder-",
-                # The callbacks hold the worker and the event, never the pool (which is collected when unused).
-                on_note=functools.partial(_started, worker, self.timeout_seconds, self._wake),
+                # The callbacks hold the worker, the lock and the event, never the pool (collected when unused).
+                on_note=functools.partial(_started, worker, self.timeout_seconds, self._guard, self._wake),
             )
             helper.start()
             worker.helper = helper
@@ -303,9 +269,8 @@ class DecodePool:
             self._workers.append(worker)
             available += 1
 
-    def _service(self, worker: _Worker, outcomes: list, now: float) -> int:
-        """Looks at one worker: it became ready, answered, died or ran past its deadline; answers jobs finished
-        (0 or 1)."""
+    def _service(self, worker: _Worker, batch: _Batch, now: float) -> None:
+        """Looks at one worker (under the guard): it became ready, died, or ran past its deadline."""
         helper = worker.helper
         assert helper is not None
         if worker.state == _BOOTING and helper.ready.done():
@@ -315,41 +280,29 @@ class DecodePool:
             else:
                 died = helper.died
                 status = "exit status unknown" if died is None else died.status
-                return self._discard(worker, outcomes, "", boot_failure=f"exited ({status}) before it was ready")
-        future = worker.future
-        if worker.state in (_LOADING, _RUNNING) and future is not None and future.done():
-            assert worker.job is not None
-            error = future.exception()
-            if isinstance(error, ProcessDied):
-                return self._discard(worker, outcomes, f"the decoder process died ({error.status})", "")
-            value = future.result() if error is None else None
-            outcomes[worker.job] = Outcome(value, None if error is None else _reason(error), now - worker.sent_at)
-            worker.state, worker.job, worker.future, worker.deadline = _IDLE, None, None, math.inf
-            worker.warm = True
-            if helper.ended.done():  # it exited right after answering: buried now, having lost nothing
-                self._discard(worker, outcomes, "", "")
-            return 1
-        if worker.state == _IDLE and helper.ended.done():
-            return self._discard(worker, outcomes, "", "")
-        if worker.deadline <= now:
-            return self._expire(worker, outcomes, now)
-        return 0
+                self._discard(worker, batch, "", boot_failure=f"exited ({status}) before it was ready")
+                return
+        if worker.state in (_IDLE, _GONE) and helper.ended.done():  # its job, if any, was answered
+            self._discard(worker, batch, "", "")
+        elif worker.deadline <= now:
+            self._expire(worker, batch, now)
 
-    def _expire(self, worker: _Worker, outcomes: list, now: float) -> int:
-        """A worker past its deadline: kill it; its job answers a time-out. Answers jobs finished."""
+    def _expire(self, worker: _Worker, batch: _Batch, now: float) -> None:
+        """A worker past its deadline: kill it; its job answers a time-out."""
         assert worker.helper is not None
         worker.helper.kill()  # its reader reaps it
         if worker.state == _RUNNING:
             reason = f"timed out after {self.timeout_seconds} s"
         else:
             reason = f"timed out loading the job after {now - worker.sent_at:.1f} s"
-        return self._discard(worker, outcomes, reason, boot_failure=f"was not ready within {BOOT_SECONDS} s")
+        self._discard(worker, batch, reason, boot_failure=f"was not ready within {BOOT_SECONDS} s")
 
-    def _discard(self, worker: _Worker, outcomes: list, reason: str, boot_failure: str) -> int:
-        """Drops a worker that died or was killed; its job, if any, answers `reason`. Answers jobs finished."""
+    def _discard(self, worker: _Worker, batch: _Batch | None, reason: str, boot_failure: str) -> None:
+        """Drops a worker that died or was killed; its job, if any, answers `reason`."""
         with contextlib.suppress(ValueError):  # already gone if close() ran inside a signal handler
             self._workers.remove(worker)
-        if worker.state == _BOOTING:
+        booting, worker.state = worker.state == _BOOTING, _GONE  # a late answer of its job is ignored
+        if booting:
             self._boot_failures += 1
             if self._boot_failures >= _BOOT_FAILURES:
                 self._boot_failures = 0
@@ -362,30 +315,116 @@ class DecodePool:
                     f"DecodePool: worker processes fail to start: the last one {boot_failure} (start method "
                     f"{self.context!r}; {hint})"
                 )
-            return 0
-        if worker.job is None:  # idle: nothing was lost
-            return 0
-        outcomes[worker.job] = Outcome(None, reason, time.monotonic() - worker.sent_at)
+            return
+        if worker.job is not None and batch is not None:
+            batch.answer(worker.job, Outcome(None, reason, time.monotonic() - worker.sent_at))
         worker.job = None
-        return 1
 
     def _kill_busy(self) -> None:
-        for worker in list(self._workers):
-            if worker.state != _IDLE:
-                if worker.helper is not None:
-                    worker.helper.kill()
-                with contextlib.suppress(ValueError):
-                    self._workers.remove(worker)
+        with self._guard:
+            for worker in list(self._workers):
+                if worker.state != _IDLE:
+                    if worker.helper is not None:
+                        worker.helper.kill()
+                    worker.state = _GONE
+                    with contextlib.suppress(ValueError):
+                        self._workers.remove(worker)
+
+
+class _Batch:
+    """One `map`'s jobs: those pending, the outcomes, and the dispatch. A worker's reader hands the worker its
+    next job as soon as it answered one (`answered`), so in the steady state the calling thread sleeps and
+    each answer costs one thread's wake-up; the calling thread dispatches to workers that became ready and
+    handles deaths and deadlines. Everything here runs under the pool's guard."""
+
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        jobs: list[tuple[tuple[Any, ...], dict[str, Any]]],
+        outcomes: list,
+        timeout: float,
+        guard: threading.RLock,
+        wake: threading.Event,
+    ) -> None:
+        self.function = function
+        self.jobs = jobs
+        self.outcomes = outcomes
+        self.timeout = timeout
+        self.guard = guard
+        self.wake = wake
+        self.pending = deque(range(len(jobs)))
+        self.remaining = len(jobs)
+
+    def answer(self, index: int, outcome: Outcome) -> None:
+        self.outcomes[index] = outcome
+        self.remaining -= 1
+
+    def send(self, worker: _Worker) -> None:
+        """Sends pending jobs to an idle worker until one is on its way (a job that does not pickle answers an
+        error at once; the worker stays idle if it is gone)."""
+        helper = worker.helper
+        assert helper is not None
+        while self.pending:
+            index = self.pending.popleft()
+            args, kwargs = self.jobs[index]
+            sent_at = time.monotonic()
+            # Armed before it is sent: the worker's "started" may come back before `submit` returns.
+            worker.job, worker.sent_at = index, sent_at
+            if worker.warm:  # its job is unpickled at once, unless it says otherwise with "started"
+                worker.state, worker.deadline = _RUNNING, sent_at + self.timeout
+            else:
+                worker.state, worker.deadline = _LOADING, sent_at + self.timeout + _LOAD_SECONDS
+            try:
+                future = helper.submit((self.function, tuple(args), dict(kwargs)))
+            except NotDelivered:  # it died while idle: the job never reached it, so it may go to another worker
+                worker.state, worker.job, worker.deadline = _GONE, None, math.inf  # buried once reaped
+                self.pending.appendleft(index)
+                return
+            except Exception as exc:
+                worker.state, worker.job, worker.deadline = _IDLE, None, math.inf
+                self.answer(index, Outcome(None, f"could not send the job: {describe(exc)}", 0.0))
+                continue
+            worker.future = future
+            future.add_done_callback(functools.partial(self.answered, worker))
+            return
+
+    def answered(self, worker: _Worker, future: Future) -> None:
+        """A job's future resolved (on the worker's reader): its outcome, then the worker's next job."""
+        with self.guard:
+            if worker.future is not future or worker.state not in (_LOADING, _RUNNING):
+                return  # a worker the calling thread already gave up on (timed out, interrupted)
+            assert worker.job is not None
+            error = future.exception()
+            elapsed = time.monotonic() - worker.sent_at
+            if isinstance(error, ProcessDied):
+                self.answer(worker.job, Outcome(None, f"the decoder process died ({error.status})", elapsed))
+                worker.state = _GONE  # buried by the calling thread
+            elif error is not None:
+                self.answer(worker.job, Outcome(None, _reason(error), elapsed))
+                worker.state, worker.deadline, worker.warm = _IDLE, math.inf, True
+            else:
+                self.answer(worker.job, Outcome(future.result(), None, elapsed))
+                worker.state, worker.deadline, worker.warm = _IDLE, math.inf, True
+            worker.job, worker.future = None, None
+            assert worker.helper is not None
+            if worker.state == _IDLE and self.pending and not worker.helper.ended.done():
+                self.send(worker)
+            # The calling thread sleeps on: a worker that took its next job has a later deadline than the one
+            # it waits for. It wakes when the map is done, or for a worker now idle or gone.
+            busy = worker.state in (_LOADING, _RUNNING)
+        if not busy or not self.remaining:
+            self.wake.set()
 
 
 def _wake(event: threading.Event, _: object = None) -> None:
     event.set()
 
 
-def _started(worker: _Worker, timeout: float, wake: threading.Event, _note: object) -> None:
+def _started(worker: _Worker, timeout: float, guard: threading.RLock, wake: threading.Event, _note: object) -> None:
     """A worker's note (on its reader) that its job is unpickled and starts now: the job's limit runs from now."""
-    if worker.state in (_LOADING, _RUNNING):
-        worker.state, worker.deadline = _RUNNING, time.monotonic() + timeout
+    with guard:
+        if worker.state in (_LOADING, _RUNNING):
+            worker.state, worker.deadline = _RUNNING, time.monotonic() + timeout
     wake.set()  # the deadline came nearer
 
 
