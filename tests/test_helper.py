@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from uform.runtime.helper import Helper, Link, NotDelivered, ProcessDied, close_all
+from uform.runtime.helper import Helper, Link, NotDelivered, ProcessDied, Readers, close_all
 from uform.runtime.remote_error import RemoteError, RemoteTraceback
 
 SHM = Path("/dev/shm")
@@ -184,6 +184,21 @@ def test_close_all_reaps_idle_and_busy_helpers_and_leaks_nothing() -> None:
     del helpers, processes, busy
     gc.collect()  # a process's sentinel is closed with its object (`uform.runtime.child.Child`)
     assert open_fds() == fds  # no descriptor (pipes, slabs) left open
+
+
+def test_helpers_sharing_one_reader_thread_answer_and_die_apart() -> None:
+    readers = Readers("uform-test-readers")
+    helpers = [started(readers=readers) for _ in range(2)]
+    thread = helpers[0].reader
+    assert thread is not None and helpers[1].reader is thread and thread.is_alive()
+    assert [h.submit((square, (i + 2,))).result(60) for i, h in enumerate(helpers)] == [4, 9]
+    dying = helpers[0].submit((exit_after, (0.0, 5)))
+    with pytest.raises(ProcessDied, match=r"died \(exit code 5\)"):
+        dying.result(60)
+    assert helpers[1].submit((square, (4,))).result(60) == 16  # the other one is read on as before
+    close_all(helpers)
+    thread.join(30)
+    assert not thread.is_alive()  # the thread ends with its last helper
 
 
 # -- its clients: the device workers ----------------------------------------------------------------------------

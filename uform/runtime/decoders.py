@@ -47,7 +47,7 @@ from typing import Any, Generic, TypeVar
 
 from .child import START_METHOD, Process
 from .child import context as context_of
-from .helper import BOOT_SECONDS, Helper, Link, NotDelivered, ProcessDied, UnreadableAnswer, close_all
+from .helper import BOOT_SECONDS, Helper, Link, NotDelivered, ProcessDied, Readers, UnreadableAnswer, close_all
 from .remote_error import describe
 
 __all__ = ["DecodePool", "JobError", "Outcome", "decode_parallelism"]
@@ -139,6 +139,7 @@ class DecodePool:
         self.slab_bytes = _SLAB_BYTES  # each worker's shared-memory slab, for workers started from now on
         self._workers: list[_Worker] = []
         self._lock = threading.RLock()  # RLock: a signal handler that closes the pool mid-map must not deadlock
+        self._readers = Readers("uform-decoders-reader")  # one thread reads every worker's answers
         self._guard = threading.RLock()  # the workers' states and the current map's jobs (readers dispatch too)
         self._wake = threading.Event()  # set by the helpers' readers: an answer, a note, a start or a death
         self._closed = False
@@ -261,6 +262,7 @@ class DecodePool:
                 slab_prefix="uform-decoder-",
                 # The callbacks hold the worker, the lock and the event, never the pool (collected when unused).
                 on_note=functools.partial(_started, worker, self.timeout_seconds, self._guard, self._wake),
+                readers=self._readers,
             )
             helper.start()
             worker.helper = helper

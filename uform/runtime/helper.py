@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import io
 import mmap
+import multiprocessing.connection
 import os
 import pickle
 import struct
@@ -39,6 +40,7 @@ import traceback
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -58,6 +60,7 @@ __all__ = [
     "Link",
     "NotDelivered",
     "ProcessDied",
+    "Readers",
     "UnreadableAnswer",
     "close_all",
     "exit_status",
@@ -267,7 +270,8 @@ class Helper:
     copies. ``on_note(payload)`` runs on the reader thread for each note of the helper. ``lost(died)`` makes the
     exception that calls still pending fail with when the process ends (default: the `ProcessDied` itself).
     ``on_exit(helper)`` runs on the reader thread once the process ended and every call was failed. The
-    callbacks must not hold the owner strongly where the owner relies on being collected."""
+    callbacks must not hold the owner strongly where the owner relies on being collected. ``readers``: the
+    helper's messages are read by that shared thread (`Readers`, a pool's) rather than a thread of its own."""
 
     def __init__(
         self,
@@ -283,8 +287,10 @@ class Helper:
         on_note: Callable[[Any], None] | None = None,
         lost: Callable[[ProcessDied], BaseException] | None = None,
         on_exit: Callable[[Helper], None] | None = None,
+        readers: Readers | None = None,
     ) -> None:
         self.name = name
+        self._readers = readers
         self._target = target
         self._args = tuple(args)
         self._ctx: Any = context_of(context)  # ValueError for an unknown start method
@@ -336,8 +342,11 @@ class Helper:
             theirs.close()  # we keep only our end, so its death reads as end of file
         self.process, self._conn = process, ours
         # The reader holds this helper, never its owner (the callbacks are the owner's to keep weak).
-        self.reader = threading.Thread(target=self._read, name=f"{self.name}-reader", daemon=True)
-        self.reader.start()
+        if self._readers is not None:
+            self.reader = self._readers.add(self, ours)
+        else:
+            self.reader = threading.Thread(target=self._read, name=f"{self.name}-reader", daemon=True)
+            self.reader.start()
 
     @property
     def pid(self) -> int | None:
@@ -414,50 +423,54 @@ class Helper:
         return True
 
     def _read(self) -> None:
+        while self._receive():
+            pass
+        self._reap()
+
+    def _receive(self) -> bool:
+        """Reads and handles one message of the helper; False once its pipe ended (or carried garbage)."""
         conn = self._conn
         assert conn is not None
-        where = f"{self.name} (pid {self.pid})"
-        while True:
-            try:
-                data = conn.recv_bytes()
-                kind, ident = _HEADER.unpack_from(data)
-            except (EOFError, OSError):
-                break
-            except struct.error:  # not a message of ours: the process is broken
-                self.kill()
-                break
-            base = kind & ~_IN_SLAB
-            if base == _READY:
-                if not pickle.loads(memoryview(data)[_HEADER.size :]):  # it could not map the slab
-                    self.release()
-                if not self.ready.done():
-                    self.ready.set_result(None)
-                continue
-            if base == _NOTE:
-                if self._on_note is not None:
-                    try:
-                        self._on_note(_decode(data, self.slab, copy=True))
-                    except Exception:  # the owner's bug; the reader must go on reading
-                        traceback.print_exc()
-                continue
-            with self._lock:
-                future = self._pending.pop(ident, None)
-            if future is None:
-                continue
-            try:
-                if base == _ERROR:
-                    error = unpack_error(memoryview(data)[_HEADER.size :], where)
-                else:
-                    value = _decode(data, self.slab, copy=not self._views)
-            except Exception as exc:  # a class that does not load here; the helper itself is fine
-                future.set_exception(UnreadableAnswer(describe(exc)))
-                continue
-            del data
+        try:
+            data = conn.recv_bytes()
+            kind, ident = _HEADER.unpack_from(data)
+        except (EOFError, OSError):
+            return False
+        except struct.error:  # not a message of ours: the process is broken
+            self.kill()
+            return False
+        base = kind & ~_IN_SLAB
+        if base == _READY:
+            if not pickle.loads(memoryview(data)[_HEADER.size :]):  # it could not map the slab
+                self.release()
+            if not self.ready.done():
+                self.ready.set_result(None)
+            return True
+        if base == _NOTE:
+            if self._on_note is not None:
+                try:
+                    self._on_note(_decode(data, self.slab, copy=True))
+                except Exception:  # the owner's bug; the reader must go on reading
+                    traceback.print_exc()
+            return True
+        with self._lock:
+            future = self._pending.pop(ident, None)
+        if future is None:
+            return True
+        try:
             if base == _ERROR:
-                future.set_exception(error)
+                error = unpack_error(memoryview(data)[_HEADER.size :], f"{self.name} (pid {self.pid})")
             else:
-                future.set_result(value)
-        self._reap()
+                value = _decode(data, self.slab, copy=not self._views)
+        except Exception as exc:  # a class that does not load here; the helper itself is fine
+            future.set_exception(UnreadableAnswer(describe(exc)))
+            return True
+        del data
+        if base == _ERROR:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+        return True
 
     def _reap(self) -> None:
         """The process ended (or broke its pipe): reap it, then fail what it held."""
@@ -507,13 +520,65 @@ def close_all(helpers: Iterable[Helper], grace: float = CLOSE_SECONDS) -> None:
     for helper in helpers:
         helper.ask_exit()
     deadline = time.monotonic() + grace
-    current = threading.current_thread()
+    current = threading.current_thread()  # a reader closing its own helper cannot wait for itself
     for helper in helpers:
-        if helper.reader is not None and helper.reader is not current:
-            helper.reader.join(max(0.0, deadline - time.monotonic()))
-        if helper.reader is None or helper.reader.is_alive():
+        if helper.reader is not current:
+            with contextlib.suppress(FutureTimeout):
+                helper.ended.result(max(0.0, deadline - time.monotonic()))
+        if not helper.ended.done():
             helper.kill()
     for helper in helpers:
-        if helper.reader is not None and helper.reader is not current:
-            helper.reader.join(2 * REAP_SECONDS)
+        if helper.reader is not current:
+            with contextlib.suppress(FutureTimeout):
+                helper.ended.result(2 * REAP_SECONDS)
+            if helper._readers is None and helper.reader is not None:  # its own: it ends right after `ended`
+                helper.reader.join(REAP_SECONDS)
         helper.release()
+
+
+class Readers:
+    """One reader thread for several helpers (a pool's): it waits on all their pipes at once
+    (`multiprocessing.connection.wait`) and handles each message as a helper's own reader would, so the
+    helpers' answers never contend with one another for the interpreter lock. The thread starts with the first
+    helper and ends with the last (a later one starts it anew)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._helpers: dict[Any, Helper] = {}
+        self._thread: threading.Thread | None = None
+        self._wake_read, self._wake_write = os.pipe()  # a new helper interrupts the wait
+        os.set_blocking(self._wake_read, False)
+        weakref.finalize(self, _close_quietly, self._wake_read)
+        weakref.finalize(self, _close_quietly, self._wake_write)
+
+    def add(self, helper: Helper, conn: Connection) -> threading.Thread:
+        """Reads `helper`'s pipe `conn` from now on; answers the thread that does."""
+        with self._lock:
+            self._helpers[conn] = helper
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            thread = self._thread
+        with contextlib.suppress(OSError):
+            os.write(self._wake_write, b"\0")
+        return thread
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._helpers:
+                    self._thread = None
+                    return
+                conns = list(self._helpers)
+            ready = multiprocessing.connection.wait([*conns, self._wake_read])
+            for conn in ready:
+                if conn == self._wake_read:
+                    with contextlib.suppress(OSError):
+                        os.read(self._wake_read, 4096)
+                    continue
+                helper = self._helpers[conn]
+                if not helper._receive():
+                    with self._lock:
+                        del self._helpers[conn]
+                    helper._reap()
