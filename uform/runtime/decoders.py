@@ -14,14 +14,16 @@ A job is sent to one worker once and never run twice, not even after its worker 
 Each worker is a `uform.runtime.helper.Helper` (a `uform.runtime.child.Child` by default, which never imports the
 caller's main module, so a script without a main guard can decode; or a `multiprocessing` process) with a slab
 of shared memory of its own, `_SLAB_BYTES` long: a result's large buffers (numpy arrays: an image's patches are
-256 KiB) come back through it and are copied out once, by the helper's reader; the pool gives a worker its next
-job only after that, so one slab per worker suffices, and a result larger than the slab crosses the pipe. A job
+256 KiB) come back through it and are copied out once, by the pool's one reader thread (`helper.Readers`, which
+waits on every worker's pipe at once, so answers never contend with one another for the interpreter lock); a
+worker gets its next job only after that, from the same thread, so one slab per worker suffices, and a result larger than the slab crosses the pipe. A job
 is pickled ``(function, args, kwargs)``. Before running a job whose unpickling was slow (its first job, or any
 that took over `_SLOW_LOAD_SECONDS`: an import of the job function's module) a worker sends the note
 ``"started"``, and the job's time limit runs from then, so neither the interpreter start nor a first import
 counts against the decode (they have their own generous limits, `uform.runtime.helper.BOOT_SECONDS` and
 `_LOAD_SECONDS`); any other job's limit runs from when it was sent, which saves a message per job. The calling
-thread dispatches and waits for the next answer, death or deadline; the helpers' readers wake it.
+thread starts workers, gives ready ones their first job, and handles deaths and deadlines; in the steady state
+it sleeps.
 
 This module, and the runtime modules it imports (child, helper, remote_error, slab), import only the standard
 library, so the worker entry stays light: importing ``uform.runtime.decoders`` loads no torch and no numpy (a job

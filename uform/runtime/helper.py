@@ -5,7 +5,7 @@
 The owner's side is a `Helper`: it starts the process (a `uform.runtime.child.Child` by default, or a
 `multiprocessing` start method) with a pipe and, where asked, a shared-memory slab of its own
 (`uform.runtime.slab`); `submit(payload)` sends a call and answers a `Future` of the helper's reply; one reader
-thread per helper reads every message, resolves the futures, hands the helper's notes (progress reports, "I
+thread per helper (or one for several, `Readers`: a pool's) reads every message, resolves the futures, hands the helper's notes (progress reports, "I
 started") to a callback and, when the process ends, reaps it and fails every call still pending with
 `ProcessDied` naming it and its exit status (or with what the owner's ``lost`` makes of that). An exception
 raised for a call in the helper crosses back with its type and its traceback (`uform.runtime.remote_error`).
