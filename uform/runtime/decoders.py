@@ -402,7 +402,7 @@ class _Batch:
             elapsed = time.monotonic() - worker.sent_at
             if isinstance(error, ProcessDied):
                 self.answer(worker.job, Outcome(None, f"the decoder process died ({error.status})", elapsed))
-                worker.state = _GONE  # buried by the calling thread
+                worker.state, worker.deadline = _GONE, math.inf  # buried by the calling thread once reaped
             elif error is not None:
                 self.answer(worker.job, Outcome(None, _reason(error), elapsed))
                 worker.state, worker.deadline, worker.warm = _IDLE, math.inf, True
