@@ -89,7 +89,7 @@ def test_the_import_parser_sees_every_kind_of_import() -> None:
     assert "uform.runtime.workers" in imports("uform.runtime.executor")  # function-local today
     assert "uform.vocab" in imports("uform.data.pack")  # `from .. import vocab`
     assert "uform.media.units" in imports("uform.data.batch")
-    assert "uform.runtime.child" in imports("uform.runtime.decoders")  # under a function
+    assert "uform.runtime.child" in imports("uform.runtime.decoders")  # at module level (relative)
     assert "uform" not in imports("uform.data.pack")  # `from .. import vocab` names no package-level name
 
 

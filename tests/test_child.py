@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 from uform.runtime.child import Child, context
-from uform.runtime.decoders import DecodePool, SlabFile, create_slab, release_slab
+from uform.runtime.decoders import DecodePool
+from uform.runtime.slab import SlabFile, create_slab, release_slab
 
 
 def report(conn: Connection, slab: SlabFile, blob: bytes) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import pickle
 import signal
 import time
 import warnings
@@ -29,6 +28,7 @@ from conftest import assert_same, snapshot
 from media_samples import encode_image, photo, pygame_file, video
 from PIL import Image
 
+import uform.runtime.helper
 import uform.runtime.preparers
 from uform import (
     Arena,
@@ -55,6 +55,7 @@ from uform.media.decode import MediaPolicy
 from uform.media.limits import MediaError, MediaLimits
 from uform.notices import MediaWarning, Notices
 from uform.runtime.preparers import HostJob, HostProcessError, HostProcesses, host_stage
+from uform.runtime.remote_error import RemoteError, pack_error, unpack_error
 
 SHM = Path("/dev/shm")
 
@@ -413,7 +414,7 @@ def test_the_transport_answers_the_same_whichever_way_it_goes(monkeypatch: pytes
     config = resolve(run_config(choices=Choices(), late_interaction=LateInteraction()))
     policy = MediaPolicy(workers=1)
     if how == "no shared memory":
-        monkeypatch.setattr(uform.runtime.preparers, "create_slab", lambda size, prefix: (None, None))
+        monkeypatch.setattr(uform.runtime.helper, "create_slab", lambda size, prefix: (None, None))
     hosts = HostProcesses(1, config, policy, "flex", pin=False)  # "flex": the block tables cross too
     if how == "areas too small":
         hosts.input_bytes, hosts.output_bytes = 64, 4096
@@ -439,10 +440,16 @@ def test_an_exception_that_does_not_pickle_comes_back_as_a_runtime_error() -> No
     class Local(Exception):  # defined here, so it cannot be unpickled by reference
         pass
 
-    error = pickle.loads(uform.runtime.preparers._error_payload(Local("broken")))
-    assert type(error) is RuntimeError and str(error) == "Local: broken"
-    assert "in the host process" in error.__notes__[0]
-    media = pickle.loads(uform.runtime.preparers._error_payload(MediaError("not a JPEG", item=3)))
+    def raised(error: Exception) -> BaseException:
+        try:
+            raise error
+        except Exception as caught:
+            return unpack_error(pack_error(caught), "the host process")
+
+    error = raised(Local("broken"))
+    assert isinstance(error, RemoteError) and isinstance(error, RuntimeError) and str(error) == "Local: broken"
+    assert "in the host process" in str(error.__cause__) and "raise error" in str(error.__cause__)
+    media = raised(MediaError("not a JPEG", item=3))
     assert isinstance(media, MediaError) and str(media) == "contents[3]: not a JPEG" and media.item == 3
 
 

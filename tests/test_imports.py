@@ -36,10 +36,6 @@ ALLOWED_LOCAL_IMPORTS = {
     ("uform.media.decode", "uform.media.audio"): "optional heavy decoders load in the decode workers, on need",
     ("uform.media.decode", "uform.media.image"): "optional heavy decoders load in the decode workers, on need",
     ("uform.media.decode", "uform.media.video"): "optional heavy decoders load in the decode workers, on need",
-    (
-        "uform.runtime.decoders",
-        "uform.runtime.child",
-    ): "the pool's module loads standalone from its file, stdlib only, no uform",
     ("uform.demo", "pydoc_data.topics"): "the demo's text (a megabyte of CPython's docs) loads when a demo runs",
 }
 """Every import inside a function of uform, with why it is there: a new one (one that dodges a loop, say) fails

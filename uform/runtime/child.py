@@ -12,7 +12,7 @@ the caller's, so the child imports the same uform (and modules next to the scrip
 
 The target and its arguments are pickled to the child through a pipe of their own. The descriptors they carry
 cross by number: a `multiprocessing.connection.Connection` in the arguments, or an object whose class sets
-``inherited_fd = True`` and holds its descriptor in ``fd`` (the media pool's `SlabFile`), is inherited by the
+``inherited_fd = True`` and holds its descriptor in ``fd`` (`uform.runtime.slab.SlabFile`), is inherited by the
 child (`subprocess`'s ``pass_fds``) and rebuilt there around the same number (``cls(fd)``), so a pipe end or a
 shared-memory file needs no name and no broker. Nothing crosses from the main module: the target, and every
 class and function in its arguments, must be importable from a module by name (uform's own); one defined in

@@ -25,18 +25,20 @@ The processes (``host_processes=N``, started on the first step that needs one):
   process handles Ctrl-C), exits when its pipe to the trainer reports end of file (the trainer's process died),
   killing its decoders, and is ended by `close` (also run at interpreter exit, and when the object is collected).
 - A step travels as one message: its contents are copied once, back to back, into the input area of one of the
-  process's slots in a shared-memory slab (`media.pool.create_slab`: a sparse file under /dev/shm, unlinked at
-  once and mapped by the host process through its descriptor, so no name outlives a killed process), and the rest of its checked arguments (modalities, bags, groups, sides, choices,
+  process's slots in its shared-memory slab (a `uform.runtime.helper.Helper`'s: a sparse file under /dev/shm,
+  unlinked at once and mapped by the host process through its descriptor, so no name outlives a killed process), and the rest of its checked arguments (modalities, bags, groups, sides, choices,
   relations) pickled beside them with protocol 5, large buffers out of band into the same area. The host process
   reads the contents as views of the slab (no copy) and answers the `Batch`, the block tables and the skipped
-  items the same way, into the slot's output area (`media.pool.slab_payload`, the decode workers' own mechanism).
+  items the same way, into the slot's output area (`uform.runtime.slab.write_out_of_band`, the decoders' own mechanism).
   The trainer's process maps the answer's arrays from the slab and copies each once, into page-locked memory on
   CUDA (where the asynchronous copy to the GPU reads it) or an owned array on the CPU; the slot is then free for
   the next step. Pages of a slab are reserved before they are written (``posix_fallocate``), so a full /dev/shm
   sends the message through the pipe instead of killing a process with SIGBUS; areas keep the pages they reached.
 - Failures answer the step that met them, in the trainer's process: a strict `MediaError` naming the item (the
   trainer unchanged), any other exception of the host stage as itself, and a host process that died (killed, out
-  of memory) a `HostProcessError` for every step it held; the next step starts a new process. A skipped item comes
+  of memory) a `HostProcessError` for every step it held; the next step starts a new process. An exception
+  crosses back as the helper's transport carries it (`uform.runtime.remote_error`): its own type where that
+  imports here, its message unchanged, the host process's traceback as its ``__cause__``. A skipped item comes
   back as (index, reason) and the trainer warns with `MediaWarning` in its own process. Decode time limits are the
   host process's `DecodePool`'s, as in process.
 
@@ -46,25 +48,20 @@ host process starts without torch.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import itertools
-import mmap
 import multiprocessing
-import multiprocessing.connection
 import multiprocessing.util
 import os
 import pickle
 import signal
 import sys
 import threading
-import time
-import traceback
-import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -75,23 +72,12 @@ from ..data.blocks import block_tables
 from ..data.items import ChoiceTapes
 from ..enums import LateInteractionSide, Modality
 from ..media.decode import MediaPolicy, decode_items
-from ..media.limits import MediaError
 from ..media.units import Units
 from ..relations import Edges, Relations
 from .child import START_METHOD
-from .child import context as context_of
-from .decoders import (
-    DecodePool,
-    SlabFile,
-    create_slab,
-    decode_parallelism,
-    exit_status,
-    load_message,
-    reap,
-    release_slab,
-    reserve_area,
-    slab_payload,
-)
+from .decoders import DecodePool, decode_parallelism
+from .helper import BOOT_SECONDS, Endpoint, Frame, Helper, Link, NotDelivered, ProcessDied, close_all
+from .slab import SLAB_ALIGN, reserve_area
 
 if TYPE_CHECKING:
     import torch
@@ -107,12 +93,6 @@ _OUTPUT_BYTES = 1 << 30
 """Each slot's output area, likewise."""
 _IN_BAND_BELOW = 4096
 """Buffers smaller than this travel inside the pickled message rather than through the slab."""
-_ALIGN = 64
-_BOOT_SECONDS = 120.0
-"""How long a host process may take to start and map its slab."""
-_CLOSE_GRACE_SECONDS = 10.0
-"""How long `close` waits for a host process to end its decoders and exit before killing it."""
-_REAP_SECONDS = 5.0
 
 _DEFAULT_CONTEXT = START_METHOD
 # A host process's main module is uform.runtime.child's boot, so multiprocessing's fork server may start its decoders:
@@ -213,23 +193,36 @@ def adopt(answer: HostAnswer, pin: bool) -> dict[str, torch.Tensor]:
 
 
 class _Host:
-    """The trainer's view of one host process."""
+    """The trainer's view of one host process: its helper and its slots."""
 
-    def __init__(self, index: int, process: Any, conn: Connection, slab: mmap.mmap | None, fd: int | None) -> None:
+    def __init__(self, index: int, helper: Helper) -> None:
         self.index = index
-        self.process = process
-        self.conn = conn
-        self.slab = slab  # None: everything crosses the pipe
-        self.fd = fd  # the slab file's descriptor here, to reserve pages of the input areas
-        # Closed when nothing can reserve through it any more: at shutdown, or once this record is collected
-        # (a process that died may still have a step writing its job).
-        self.close_fd = weakref.finalize(self, os.close, fd) if fd is not None else None
+        self.helper = helper
         self.free = list(range(HOST_SLOTS))
         self.reserved = [0] * HOST_SLOTS  # bytes of each input area backed so far
-        self.pending: dict[int, tuple[Future, int]] = {}  # ident -> (its reply, the step)
-        self.send_lock = threading.Lock()
-        self.dead: str | None = None  # why, once it died
-        self.reader: threading.Thread | None = None
+        self.broken = False  # a send failed: no later step goes to it (its reader buries it)
+
+    @property
+    def dead(self) -> bool:
+        return self.broken or self.helper.died is not None
+
+    @property
+    def busy(self) -> int:
+        return HOST_SLOTS - len(self.free)
+
+    @property
+    def pending(self) -> int:
+        """Steps sent to it and not answered yet."""
+        return self.helper.pending
+
+    @property
+    def slab(self) -> Any:
+        """The trainer's mapping of its slab (None: everything crosses the pipe)."""
+        return self.helper.slab
+
+    @property
+    def reader(self) -> threading.Thread | None:
+        return self.helper.reader
 
 
 class HostProcesses:
@@ -255,13 +248,12 @@ class HostProcesses:
         self._attention = attention
         self.decoders = max(1, (policy.workers or decode_parallelism()) // count)
         """Decoding processes of each host process."""
-        self._ctx: Any = context_of(context)
+        self._context = context
         self.input_bytes = _INPUT_BYTES
         self.output_bytes = _OUTPUT_BYTES
         self._hosts: list[_Host | None] = [None] * count
         self._starting: set[int] = set()  # indices whose process is starting (outside the lock)
         self._cond = threading.Condition()
-        self._ids = itertools.count()
         self._closed = False
         self._owner = os.getpid()
         self._finalizer = multiprocessing.util.Finalize(
@@ -275,27 +267,30 @@ class HostProcesses:
         tensors (page-locked when pinning) and the failed media items. Raises what the host stage raised, or
         `HostProcessError` when the process died holding the step."""
         for _attempt in range(3):
-            host, slot, ident, future = self._acquire(step)
-            slab = host.slab  # ours until the answer is copied, even if the process dies meanwhile
+            host, slot = self._acquire()
             try:
-                sent = self._send(host, slab, slot, ident, job, step)
-                if not sent:  # it died before the job reached it: the job may go to a new process
+                try:
+                    future = self._send(host, slot, job, step)
+                except NotDelivered:  # it died before the job reached it: the job may go to a new process
                     continue
-                kind, payload = future.result()
-                if kind == "error":
-                    raise _load_error(payload)
-                answer: HostAnswer = load_message(payload, slab, copy=False)
+                try:
+                    answer: HostAnswer = future.result()  # its arrays are views of the slab until adopted
+                except ProcessDied as died:
+                    raise HostProcessError(
+                        f"uform: step {step}: the host process (pid {died.pid}) died ({died.status}) while it "
+                        "prepared the step; the step was not taken, and the next step starts a new host process"
+                    ) from None
                 tensors = adopt(answer, self.pin)
                 return answer.batch, tensors, answer.failed
             finally:
-                self._release(host, slot, ident)
+                self._release(host, slot)
         raise HostProcessError(f"uform: step {step}: host processes keep dying before they take a step")
 
     @property
     def processes(self) -> list[Any]:
         """The host processes running now (for inspection and tests)."""
         with self._cond:
-            return [h.process for h in self._hosts if h is not None and h.dead is None]
+            return [h.helper.process for h in self._hosts if h is not None and not h.dead]
 
     def close(self) -> None:
         """Ends the host processes (they end their decoders). Idempotent."""
@@ -306,10 +301,9 @@ class HostProcesses:
 
     # -- slots ----------------------------------------------------------------------------------------------
 
-    def _acquire(self, step: int) -> tuple[_Host, int, int, Future]:
+    def _acquire(self) -> tuple[_Host, int]:
         """A free slot of the least busy live host process (started or restarted here, outside the lock, so the
-        other processes' answers keep flowing meanwhile), registered for a new job; waits while every slot is
-        taken or starting."""
+        other processes' answers keep flowing meanwhile); waits while every slot is taken or starting."""
         with self._cond:
             while True:
                 if self._closed:
@@ -317,10 +311,10 @@ class HostProcesses:
                 if os.getpid() != self._owner:
                     raise RuntimeError("uform: host processes cannot be used in a forked child")
                 for index, host in enumerate(self._hosts):
-                    if host is not None and host.dead is not None:  # its reader frees it
+                    if host is not None and host.dead:  # its reader reaped it; a step still reading keeps its slab
                         self._hosts[index] = None
                 candidates = [
-                    (len(h.pending) if h else 0, i)
+                    (h.busy if h else 0, i)
                     for i, h in enumerate(self._hosts)
                     if (h is None and i not in self._starting) or (h is not None and h.free)
                 ]
@@ -328,7 +322,7 @@ class HostProcesses:
                     _, index = min(candidates)
                     host = self._hosts[index]
                     if host is not None:
-                        return self._register(host, step)
+                        return host, host.free.pop()
                     self._starting.add(index)
                     break
                 self._cond.wait()
@@ -344,93 +338,53 @@ class HostProcesses:
             self._cond.notify_all()
             if not self._closed:
                 self._hosts[index] = started
-                return self._register(started, step)
+                return started, started.free.pop()
         _shutdown([started], self._owner)  # closed while it started: the finalizer already ran, so end it here
         raise RuntimeError("uform: the trainer's host processes were closed")
 
-    def _register(self, host: _Host, step: int) -> tuple[_Host, int, int, Future]:
-        """Takes one of the host's free slots for a new job (under the lock)."""
-        slot = host.free.pop()
-        ident = next(self._ids)
-        future: Future = Future()
-        host.pending[ident] = (future, step)
-        return host, slot, ident, future
-
-    def _release(self, host: _Host, slot: int, ident: int) -> None:
+    def _release(self, host: _Host, slot: int) -> None:
         with self._cond:
-            host.pending.pop(ident, None)
-            if host.dead is None:
+            if not host.dead:
                 host.free.append(slot)
             self._cond.notify_all()
 
     # -- a host process's life --------------------------------------------------------------------------------
 
     def _start(self, index: int) -> _Host:
-        size = HOST_SLOTS * (self.input_bytes + self.output_bytes)
-        slab, fd = create_slab(size, prefix="uform-host-")
-        ours, theirs = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(
-            target=_host_main,
-            args=(
-                theirs,
-                None if fd is None else SlabFile(fd),
-                size,
-                self.input_bytes,
-                self.output_bytes,
-                self._config,
-                self._policy,
-                self._attention,
-                self.decoders,
-            ),
+        helper = Helper(
+            _host_main,
+            (self.input_bytes, self.output_bytes, self._config, self._policy, self._attention, self.decoders),
             name=f"uform-host-{index}",
+            context=self._context,
+            slab_bytes=HOST_SLOTS * (self.input_bytes + self.output_bytes),
+            slab_prefix="uform-host-",
+            views=True,  # an answer's arrays are copied out once, by `adopt`, before the slot is reused
             daemon=False,  # under multiprocessing: it starts the decoder processes, which a daemonic process may not
+            # The callback holds the condition, not this object, so an unclosed HostProcesses is still collected
+            # (and its finalizer ends the processes).
+            on_exit=functools.partial(_wake, self._cond),
         )
+        helper.start()
         try:
-            try:
-                process.start()
-            finally:
-                theirs.close()  # we keep only our end, so its death reads as end of file
-            mapped = _await_ready(process, ours)
-        except BaseException:
-            with contextlib.suppress(OSError, ValueError):
-                process.kill()
-                process.join(_REAP_SECONDS)
-            ours.close()
-            release_slab(slab)
-            if fd is not None:
-                os.close(fd)
-            raise
-        if not mapped and slab is not None:  # it could not map the slab: everything crosses the pipe
-            release_slab(slab)
-            os.close(fd)  # type: ignore[arg-type]
-            slab, fd = None, None
-        host = _Host(index, process, ours, slab, fd)
-        # The reader holds the host and the condition, not this object, so an unclosed HostProcesses is still
-        # collected (and its finalizer ends the processes).
-        host.reader = threading.Thread(
-            target=_read, args=(host, self._cond), name=f"uform-host-reader-{index}", daemon=True
-        )
-        host.reader.start()
-        return host
+            helper.ready.result(BOOT_SECONDS)
+        except BaseException as error:
+            helper.close(0)
+            if isinstance(error, FutureTimeout):
+                status = "it did not answer"
+            elif isinstance(error, ProcessDied):
+                status = f"it exited ({error.status})"
+            else:
+                raise
+            raise HostProcessError(
+                f"uform: a host process failed to start: {status} (its error is on standard error)"
+            ) from None
+        return _Host(index, helper)
 
-    def _send(self, host: _Host, slab: mmap.mmap | None, slot: int, ident: int, job: HostJob, step: int) -> bool:
-        """Writes the job into the slot's input area and sends it; False when the process is gone."""
-        payload = self._job_payload(host, slab, slot, job)
-        message = pickle.dumps(("step", ident, slot, step, payload), protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            with host.send_lock:
-                host.conn.send_bytes(message)
-        except (OSError, ValueError):
-            with self._cond:  # no later step goes to it; its reader frees it once it reads end of file
-                host.dead = host.dead or "its pipe broke"
-            with contextlib.suppress(OSError, ValueError):
-                host.process.kill()
-            return False
-        return True
-
-    def _job_payload(self, host: _Host, slab: mmap.mmap | None, slot: int, job: HostJob) -> bytes:
-        """The job as bytes: the contents back to back at the start of the slot's input area, the rest pickled
-        (large buffers after the contents, in the same area); everything in band where the slab has no room."""
+    def _send(self, host: _Host, slot: int, job: HostJob, step: int) -> Any:
+        """Writes the job into the slot's input area and sends it; answers the future of its answer. Raises
+        `NotDelivered` when the process is gone."""
+        helper = host.helper
+        slab = helper.slab  # ours until the answer is copied out, even if the process dies meanwhile
         contents = job.contents
         lengths = np.fromiter((len(c) for c in contents), dtype=np.int64, count=len(contents))
         offsets = np.zeros(len(contents) + 1, dtype=np.int64)
@@ -438,9 +392,8 @@ class HostProcesses:
         total = int(offsets[-1])
         start = slot * (self.input_bytes + self.output_bytes)
         end = start + self.input_bytes
-        shared = (
-            slab is not None and total <= self.input_bytes and reserve_area(host.fd, host.reserved, slot, start, total)
-        )
+        fd = helper.slab_fd
+        shared = slab is not None and total <= self.input_bytes and reserve_area(fd, host.reserved, slot, start, total)
         if shared:
             assert slab is not None
             for content, a, b in zip(contents, offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
@@ -448,113 +401,41 @@ class HostProcesses:
         record = (
             np.fromiter((int(m) for m in job.modalities), dtype=np.int8, count=len(job.modalities)),
             offsets if shared else None,
-            None if shared else [bytes(c) for c in contents],
+            # In band (no room in the slab): pickled straight from the caller's buffers, the one copy.
+            None if shared else [pickle.PickleBuffer(c) for c in contents],
             job.bags,
             job.groups,
             None if job.sides is None else np.array([int(s) for s in job.sides], dtype=np.int8),
             job.choices,
             _portable_relations(job.relations),
         )
-        if slab is not None:
-            at = start + -(-total // _ALIGN) * _ALIGN
-            payload = slab_payload(
-                record,
-                slab,
-                start=at,
-                end=end,
-                reserve=lambda length: reserve_area(host.fd, host.reserved, slot, start, at - start + length),
+        at = start + -(-total // SLAB_ALIGN) * SLAB_ALIGN
+        try:
+            return helper.submit(
+                (slot, step, record),
+                area=(at, end),
+                reserve=lambda length: reserve_area(fd, host.reserved, slot, start, at - start + length),
                 in_band_below=_IN_BAND_BELOW,
             )
-            if payload is not None:
-                return payload
-        return pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
+        except NotDelivered:
+            with self._cond:  # no later step goes to it; its reader buries it once it reads end of file
+                host.broken = True
+            helper.kill()
+            raise
 
 
-def _read(host: _Host, cond: threading.Condition) -> None:
-    """A host process's reader thread: routes each answer to the step waiting for it; at end of file, fails
-    every step the process held and frees what the trainer's process held of it."""
-    while True:
-        try:
-            kind, ident, payload = pickle.loads(host.conn.recv_bytes())
-        except (EOFError, OSError):
-            break
-        except Exception:  # not a message of ours: the process is broken
-            with contextlib.suppress(OSError, ValueError):
-                host.process.kill()
-            break
-        with cond:
-            entry = host.pending.get(ident)
-        if entry is not None:
-            entry[0].set_result((kind, payload))
-    host.process.join(_REAP_SECONDS)
-    if host.process.is_alive():  # a broken pipe but a live process: make sure it is gone
-        with contextlib.suppress(OSError, ValueError):
-            host.process.kill()
-            host.process.join(_REAP_SECONDS)
-    status = exit_status(host.process.exitcode)
+def _wake(cond: threading.Condition, _: object = None) -> None:
     with cond:
-        host.dead = f"the host process (pid {host.process.pid}) died ({status})"
-        for future, step in host.pending.values():
-            if not future.done():
-                future.set_exception(
-                    HostProcessError(
-                        f"uform: step {step}: {host.dead} while it prepared the step; the step was not taken, "
-                        "and the next step starts a new host process"
-                    )
-                )
         cond.notify_all()
-    _bury(host, unmap=False)  # a step may still be copying its answer out of the slab: the mapping goes with it
 
 
-def _await_ready(process: Any, conn: Connection) -> bool:
-    """Waits for a fresh host process's ready message; answers whether it mapped the slab."""
-    deadline = time.monotonic() + _BOOT_SECONDS
-    while True:
-        timeout = deadline - time.monotonic()
-        ready = multiprocessing.connection.wait([conn, process.sentinel], max(0.0, timeout))
-        if conn in ready:
-            try:
-                kind, mapped = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                break
-            if kind == "ready":
-                return bool(mapped)
-        if process.sentinel in ready or timeout <= 0:
-            break
-    process.join(_REAP_SECONDS if not process.is_alive() else 0)
-    status = "it did not answer" if process.is_alive() else f"it exited ({exit_status(process.exitcode)})"
-    raise HostProcessError(f"uform: a host process failed to start: {status} (its error is on standard error)")
-
-
-def _bury(host: _Host, unmap: bool) -> None:
-    """Frees what the trainer's process held of a host process that ended (idempotent); the slab is unmapped
-    now when `unmap`, else when the last step that reads it lets it go."""
-    with host.send_lock, contextlib.suppress(OSError):  # never while a step is being sent
-        host.conn.close()
-    if unmap:
-        release_slab(host.slab)
-        if host.close_fd is not None:
-            with contextlib.suppress(OSError):
-                host.close_fd()
-        host.fd = None
-    host.slab = None
-
-
-def _shutdown(hosts: list[_Host | None], owner: int) -> None:
+def _shutdown(hosts: Sequence[_Host | None], owner: int) -> None:
     """Ends every host process: each is asked to exit (it ends its decoders), stragglers are killed."""
     if os.getpid() != owner:  # a forked child does not own them
         return
-    live = [h for h in hosts if h is not None]
-    for host in live:
-        with contextlib.suppress(OSError, ValueError), host.send_lock:
-            host.conn.send_bytes(b"")  # the exit request
-    deadline = time.monotonic() + _CLOSE_GRACE_SECONDS
-    for host in live:
-        reap(host.process, deadline)
-        if host.reader is not None and host.reader is not threading.current_thread():
-            host.reader.join(_REAP_SECONDS)
-        _bury(host, unmap=True)
-    hosts[:] = [None] * len(hosts)
+    close_all([h.helper for h in hosts if h is not None])
+    if isinstance(hosts, list):
+        hosts[:] = [None] * len(hosts)
 
 
 def _portable_relations(relations: Any) -> Any:
@@ -570,34 +451,11 @@ def _portable_relations(relations: Any) -> Any:
     return Relations(**sets)
 
 
-def _load_error(payload: bytes) -> BaseException:
-    error = pickle.loads(payload)
-    return error if isinstance(error, BaseException) else HostProcessError(str(error))
-
-
-def _error_payload(error: BaseException) -> bytes:
-    """An exception of the host stage as bytes the trainer's process raises: itself where it pickles and comes
-    back whole, else a RuntimeError naming it; either way with the host process's traceback as a note."""
-    where = "".join(traceback.format_exception(error)).rstrip()
-    try:
-        payload = pickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL)
-        back = pickle.loads(payload)
-        if type(back) is not type(error) or str(back) != str(error):
-            raise TypeError("it does not come back whole")
-    except Exception:
-        back = RuntimeError(f"{type(error).__name__}: {error}")
-    if not isinstance(back, MediaError):  # a MediaError's message is the user's answer, as in process
-        back.add_note(f"in the host process:\n{where}")
-    return pickle.dumps(back, protocol=pickle.HIGHEST_PROTOCOL)
-
-
 # ---- the host process ---------------------------------------------------------------------------------------
 
 
 def _host_main(
-    conn: Connection,
-    slab_file: SlabFile | None,
-    size: int,
+    link: Link,
     input_bytes: int,
     output_bytes: int,
     config: TrainerInitVramConfig,
@@ -606,31 +464,26 @@ def _host_main(
     decoders: int,
 ) -> None:
     """A host process's whole life: map the slab, say ready, then prepare each step it is sent on a thread of
-    its own until an empty message (exit) or end of file (the trainer's process died)."""
+    its own until the trainer asks it to exit or is gone (its process died)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's process's to handle
     # This process's main module is uform.runtime.child's boot (no file, no module name), so the decoders' fork server
     # imports nothing of the trainer's script: it preloads the decoding libraries instead, once.
     if _DECODER_CONTEXT == "forkserver":
         multiprocessing.get_context("forkserver").set_forkserver_preload(_DECODER_PRELOAD)
-    slab, fd = None, None
-    if slab_file is not None:
-        try:
-            slab, fd = slab_file.map(size), slab_file.fd  # the descriptor stays open: it reserves output pages
-        except (OSError, ValueError):
-            slab_file.close()
-    state = _HostState(conn, slab, fd, input_bytes, output_bytes, config, policy, attention, decoders)
-    if not state.send(pickle.dumps(("ready", slab is not None))):
+    endpoint = link.open()
+    state = _HostState(endpoint, input_bytes, output_bytes, config, policy, attention, decoders)
+    if not endpoint.ready():
         return
     jobs = ThreadPoolExecutor(HOST_SLOTS, thread_name_prefix="uform-host-job")
     while True:
         try:
-            data = conn.recv_bytes()
+            frame = endpoint.receive()
         except (EOFError, OSError):  # the trainer's process is gone: nothing is waiting for any answer
             state.abandon()
             os._exit(0)
-        if not data:
+        if frame is None:
             break
-        jobs.submit(state.run, data)
+        jobs.submit(state.run, frame)
     jobs.shutdown(wait=True)
     state.close()
 
@@ -640,9 +493,7 @@ class _HostState:
 
     def __init__(
         self,
-        conn: Connection,
-        slab: mmap.mmap | None,
-        fd: int | None,
+        endpoint: Endpoint,
         input_bytes: int,
         output_bytes: int,
         config: TrainerInitVramConfig,
@@ -650,9 +501,7 @@ class _HostState:
         attention: str,
         decoders: int,
     ) -> None:
-        self.conn = conn
-        self.slab = slab
-        self.fd = fd
+        self.endpoint = endpoint
         self.input_bytes = input_bytes
         self.output_bytes = output_bytes
         self.config = config
@@ -662,7 +511,6 @@ class _HostState:
         self.reserved = [0] * HOST_SLOTS  # bytes of each output area backed so far
         self.pool: DecodePool | None = None
         self.lock = threading.Lock()
-        self.send_lock = threading.Lock()
 
     def decoders(self) -> DecodePool:
         with self.lock:
@@ -670,36 +518,33 @@ class _HostState:
                 self.pool = DecodePool(self.workers, self.policy.limits.timeout_seconds, _DECODER_CONTEXT)
             return self.pool
 
-    def send(self, payload: bytes) -> bool:
+    def run(self, frame: Frame) -> None:
+        endpoint = self.endpoint
         try:
-            with self.send_lock:
-                self.conn.send_bytes(payload)
-        except (OSError, ValueError):
-            return False
-        return True
-
-    def run(self, data: bytes) -> None:
-        ident = -1
-        try:
-            _, ident, slot, step, payload = pickle.loads(data)
-            job = self._job(slot, payload)
+            slot, step, record = frame.load()
+            job = self._job(slot, record)
             answer = host_stage(self.config, self.policy, self.attention, self.decoders, job, step)
-            del job
-            reply = ("ok", ident, self._answer(slot, answer))
+            del job, record
+            start = slot * (self.input_bytes + self.output_bytes) + self.input_bytes
+            endpoint.reply(
+                frame.ident,
+                answer,
+                area=(start, start + self.output_bytes),
+                reserve=lambda length: reserve_area(endpoint.slab_fd, self.reserved, slot, start, length),
+                in_band_below=_IN_BAND_BELOW,
+            )
         except BaseException as error:  # the trainer's process raises it for the step
-            reply = ("error", ident, _error_payload(error))
-        self.send(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+            endpoint.fail(frame.ident, error)
 
-    def _job(self, slot: int, payload: bytes) -> HostJob:
-        modalities, offsets, inline, bags, groups, sides, choices, relations = load_message(
-            payload, self.slab, copy=False
-        )
+    def _job(self, slot: int, record: tuple) -> HostJob:
+        modalities, offsets, inline, bags, groups, sides, choices, relations = record
         if inline is not None:
             contents: Sequence[bytes | memoryview] = inline
         else:
-            assert self.slab is not None
+            slab = self.endpoint.slab
+            assert slab is not None
             start = slot * (self.input_bytes + self.output_bytes)
-            view = memoryview(self.slab)[start : start + int(offsets[-1])]
+            view = memoryview(slab)[start : start + int(offsets[-1])]
             contents = [view[a:b] for a, b in itertools.pairwise(offsets.tolist())]
         return HostJob(
             modalities=[Modality(int(m)) for m in modalities],
@@ -711,30 +556,12 @@ class _HostState:
             relations=relations,
         )
 
-    def _answer(self, slot: int, answer: HostAnswer) -> bytes:
-        if self.slab is not None:
-            start = slot * (self.input_bytes + self.output_bytes) + self.input_bytes
-            payload = slab_payload(
-                answer,
-                self.slab,
-                start=start,
-                end=start + self.output_bytes,
-                reserve=lambda length: reserve_area(self.fd, self.reserved, slot, start, length),
-                in_band_below=_IN_BAND_BELOW,
-            )
-            if payload is not None:
-                return payload
-        return pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
-
     def abandon(self) -> None:
         """The trainer's process died: kill the decoders now (a decode in flight may hold the pool's lock)."""
         if self.pool is not None:
-            self.pool._finalizer()
+            self.pool.abandon()
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
-        if self.slab is not None:
-            release_slab(self.slab)
-        if self.fd is not None:
-            os.close(self.fd)
+        self.endpoint.close()

@@ -14,11 +14,21 @@ process of the world (`Trainer` with a mesh). The answers are merged: the losses
 every worker reports the same; `truncated`, `dropped` and `skipped` add up over this process's devices;
 the arena's rows come back in the caller's item order.
 
-Commands travel in order over one pipe per worker, so steps and saves apply in the order they were called;
-a worker answers a step once it is done, which resolves that step's future here.
+Each worker is a `uform.runtime.helper.Helper`: a command is one of its calls (the verb and its argument,
+pickled once), its answer or error resolves the call's future here (an exception crosses as its own type, with
+the worker's traceback as its cause), and a worker that dies fails every command it held with a `MeshError`
+naming its exit status. Commands travel in order over one pipe per worker, so steps and saves apply in the
+order they were called; a worker answers a step once it is done, which resolves that step's future here.
 
-Progress (a save's or a resume's `progress` callback) is relayed over the same pipes: the worker's stand-in
-callback sends a report up and waits for the verdict; here the report is handed to the fleet's progress thread,
+A step's contents on their way to a worker are copied once: `share_items` writes each device's items back to
+back into a shared-memory segment of their own; the command carries only the segment's name and the items'
+offsets (and the small per-item arrays), pickled once; the worker maps the segment and its trainer reads the
+items as views of it (`attach_segment`), never copying them out. The segment is unlinked here once every
+worker answered, and a worker closes its mapping once no view of it is left (views keep a mapping alive, so
+none outlives it).
+
+Progress (a save's or a resume's `progress` callback) is relayed over the same pipes, as the helpers' notes:
+the worker's stand-in callback sends a report up and waits for the verdict; here the report is handed to the fleet's progress thread,
 which calls the caller's callback and sends the verdict back down. Neither end ever waits for the other on its
 reading side: a worker reads its pipe on a thread of its own (commands queue for its main thread, verdicts go
 straight to the waiting report), and the callback never runs on a reader thread here, so answers keep flowing
@@ -38,11 +48,9 @@ import dataclasses
 import functools
 import gc
 import itertools
-import multiprocessing
 import queue
 import sys
 import threading
-import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing import resource_tracker, shared_memory
@@ -55,25 +63,13 @@ from .. import vocab
 from ..config import TrainerStepStats
 from ..data.items import ChoiceTapes
 from ..enums import Modality
-from ..media.limits import MediaError
 from ..notices import Notices
-from ..replica.checkpoint import CheckpointError, ProgressCallback, Stopped
-from .child import Child
-from .preparers import HostProcessError
+from ..replica.checkpoint import ProgressCallback
+from .helper import Helper, Link, NotDelivered, ProcessDied, close_all
 from .world import MeshError
 
-_ERRORS: dict[str, type[BaseException]] = {
-    "ValueError": ValueError,
-    "TypeError": TypeError,
-    "MeshError": MeshError,
-    "RuntimeError": RuntimeError,
-    "Stopped": Stopped,
-    "CheckpointError": CheckpointError,
-    "MediaError": MediaError,
-    "HostProcessError": HostProcessError,
-}
-"""The errors a worker's failure crosses back as, by name (any other arrives as a RuntimeError naming it, with the
-worker's traceback): those the library raises on purpose, so that a caller catches the same type as on one device."""
+WORKER_CLOSE_SECONDS = 30.0
+"""How long `Fleet.close` lets the workers close their trainers and leave their world before it kills them."""
 
 
 def route(sizes: np.ndarray, bags: np.ndarray | None, devices: int) -> list[np.ndarray]:
@@ -190,18 +186,15 @@ def first_failure(futures: Sequence[Future], relay: ProgressRelay | None = None)
 
 
 class Fleet:
-    """The worker processes of an executor, started on first use."""
+    """The worker processes of an executor, started on first use: one `uform.runtime.helper.Helper` per device,
+    whose calls are commands (a `Verb` and its argument) and whose notes are progress reports."""
 
     def __init__(self, devices: Sequence[torch.device], threads: int = 0) -> None:
         self.devices = list(devices)
         self.threads = threads
-        self._processes: list[Any] = []
-        self._pipes: list[Any] = []
-        self._pending: list[dict[int, Future]] = []
-        self._readers: list[threading.Thread] = []
-        self._send = threading.Lock()
+        self._helpers: list[Helper] = []
+        self._send = threading.Lock()  # one call's commands reach every worker before the next call's
         self._ids = itertools.count()
-        self._dead: list[str | None] = []
         self._relays: dict[int, ProgressRelay] = {}  # by the ident of each worker's command that relays
         self._progress: ThreadPoolExecutor | None = None  # where relayed callbacks run (its thread starts on need)
         self.started = False
@@ -211,61 +204,40 @@ class Fleet:
             return
         self._progress = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uform-progress")
         for index, device in enumerate(self.devices):
-            ours, theirs = multiprocessing.Pipe()
             # A fresh interpreter on a module of uform's (not multiprocessing's spawn, which would run the
             # caller's main module again in each worker: a script without a main guard would start them anew).
-            process = Child(target=serve, args=(theirs, str(device), self.threads), name=f"uform-device-{index}")
-            process.start()
-            theirs.close()
-            self._processes.append(process)
-            self._pipes.append(ours)
-            self._pending.append({})
-            self._dead.append(None)
-            reader = threading.Thread(target=self._read, args=(index,), daemon=True, name=f"uform-reader-{index}")
-            reader.start()
-            self._readers.append(reader)
+            helper = Helper(
+                serve,
+                (str(device), self.threads),
+                name=f"uform-device-{index}",
+                on_note=functools.partial(self._report, index),
+                lost=functools.partial(self._lost, index),
+            )
+            helper.start()
+            self._helpers.append(helper)
         self.started = True
 
     @property
     def pids(self) -> list[int]:
         """The worker processes' ids, one per device, in device order (empty before the first use)."""
-        return [process.pid for process in self._processes]
+        return [pid for pid in (helper.pid for helper in self._helpers) if pid is not None]
 
-    def _read(self, index: int) -> None:
-        pipe = self._pipes[index]
-        while True:
-            try:
-                ident, status, value = pipe.recv()
-            except (EOFError, OSError):
-                process = self._processes[index]
-                process.join(timeout=5)
-                why = (
-                    f"mesh: the worker of {self.devices[index]} (device {index} of this executor) stopped "
-                    f"(exit code {process.exitcode}); restart every process, and resume continues the run"
-                )
-                self._dead[index] = why
-                for ident, waiting in list(self._pending[index].items()):
-                    self._relays.pop(ident, None)
-                    if not waiting.done():
-                        waiting.set_exception(MeshError(why))
-                self._pending[index].clear()
-                return
-            if status == "progress":  # a report of a command still running: its worker waits for the verdict
-                relay = self._relays.get(ident)
-                if relay is None:  # nothing to relay to (cannot happen: a worker reports only when asked)
-                    self._reply(index, ident, _GO)
-                else:
-                    relay.report(index, ident, *value)
-                continue
-            self._relays.pop(ident, None)
-            if ident not in self._pending[index]:
-                continue
-            future = self._pending[index].pop(ident)
-            if status == "ok":
-                future.set_result(value)
-            else:
-                kind, message = value
-                future.set_exception(_ERRORS.get(kind, RuntimeError)(message))
+    def _lost(self, index: int, died: ProcessDied) -> MeshError:
+        """What every command a dead worker held fails with (and every later one)."""
+        return MeshError(
+            f"mesh: the worker of {self.devices[index]} (device {index} of this executor) stopped "
+            f"({died.status}); restart every process, and resume continues the run"
+        )
+
+    def _report(self, index: int, note: tuple[int, int, int]) -> None:
+        """A progress report of a command still running (on the worker's reader): its worker waits for the
+        verdict."""
+        ident, done, total = note
+        relay = self._relays.get(ident)
+        if relay is None:  # nothing to relay to (cannot happen: a worker reports only when asked)
+            self._reply(index, ident, _GO)
+        else:
+            relay.report(index, ident, done, total)
 
     def call(self, commands: Sequence[tuple[Verb, Any]], relay: ProgressRelay | None = None) -> list[Future]:
         """Sends command i to worker i (all under one lock, so every worker sees the calls in one order);
@@ -274,22 +246,28 @@ class Fleet:
         futures = []
         with self._send:
             for index, (verb, argument) in enumerate(commands):
-                future: Future = Future()
-                if self._dead[index] is not None:
-                    future.set_exception(MeshError(self._dead[index]))
+                helper = self._helpers[index]
+                ident = next(self._ids)
+                if relay is not None:
+                    self._relays[ident] = relay
+                try:
+                    future = helper.submit((verb, argument), ident=ident)
+                except NotDelivered as error:
+                    self._relays.pop(ident, None)
+                    future = Future()
+                    died = helper.died
+                    future.set_exception(
+                        self._lost(index, died)
+                        if died is not None
+                        else MeshError(f"mesh: the worker of {self.devices[index]} is gone ({error})")
+                    )
                 else:
-                    ident = next(self._ids)
-                    self._pending[index][ident] = future
-                    if relay is not None:
-                        self._relays[ident] = relay
-                    try:
-                        self._pipes[index].send((ident, verb, argument))
-                    except (OSError, ValueError) as error:
-                        self._pending[index].pop(ident, None)
-                        self._relays.pop(ident, None)
-                        future.set_exception(MeshError(f"mesh: the worker of {self.devices[index]} is gone ({error})"))
+                    future.add_done_callback(functools.partial(self._answered, ident))
                 futures.append(future)
         return futures
+
+    def _answered(self, ident: int, _: Future) -> None:
+        self._relays.pop(ident, None)
 
     def everyone(self, verb: Verb, argument: Any = None, relay: ProgressRelay | None = None) -> list[Any]:
         """The same command to every worker; answers their values or raises the first error (the progress
@@ -317,26 +295,17 @@ class Fleet:
 
     def _reply(self, index: int, ident: int, verdict: str) -> None:
         """Sends a report's verdict to the worker waiting for it (a gone worker's reader fails its call)."""
-        with self._send, contextlib.suppress(OSError, ValueError):
-            self._pipes[index].send((ident, "progress", verdict))
+        self._helpers[index].notify((ident, verdict))
 
     def close(self) -> None:
         if not self.started:
             return
         with self._send:
-            for pipe in self._pipes:
-                with contextlib.suppress(OSError, ValueError):
-                    pipe.send((-1, "exit", None))
-        for process in self._processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        for pipe in self._pipes:
-            pipe.close()
+            close_all(self._helpers, WORKER_CLOSE_SECONDS)
         if self._progress is not None:  # a callback still running is the caller's; its verdict goes nowhere
             self._progress.shutdown(wait=False)
             self._progress = None
+        self._helpers = []
         self.started = False
 
 
@@ -434,8 +403,8 @@ class _Verdicts:
     """A worker's end of the progress relay: a report goes up the pipe, and the reporting thread waits for the
     verdict, which the worker's reader thread hands over (the main thread may be the one waiting)."""
 
-    def __init__(self, answer: Callable[[int, str, Any], None]) -> None:
-        self._answer = answer
+    def __init__(self, report: Callable[[int, int, int], object]) -> None:
+        self._report = report  # (ident, done, total) up to the calling process
         self._lock = threading.Lock()
         self._waiting: dict[int, Future] = {}  # by the ident of the command that reports
         self._gone: str | None = None
@@ -449,7 +418,7 @@ class _Verdicts:
                 if self._gone is not None:
                     raise RuntimeError(f"progress: {self._gone}")
                 self._waiting[ident] = verdict
-            self._answer(ident, "progress", (done, total))
+            self._report(ident, done, total)
             said = verdict.result()
             if said == _RAISED:  # the caller raises the callback's own exception; this only stops the call
                 raise RuntimeError("progress: the callback raised in the calling process")
@@ -474,29 +443,28 @@ class _Verdicts:
             verdict.set_result(why)
 
 
-def serve(pipe: Any, device_name: str, threads: int) -> None:
-    """A worker's loop: commands in order, answers as they complete (steps answer when done).
+def serve(link: Link, device_name: str, threads: int) -> None:
+    """A worker's loop (a `uform.runtime.helper.Helper`'s target): commands in order, answers as they complete
+    (steps answer when done).
 
     A command's verb is a `Verb`: the module that sends it owns what it does (the mesh joins and leaves a world,
     the trainer builds, steps and saves), so this loop knows none of them."""
     if threads:
         torch.set_num_threads(threads)
     device = torch.device(device_name)
+    endpoint = link.open()
+    if not endpoint.ready():
+        return
     retired_segments: list[shared_memory.SharedMemory] = []
     state: dict[str, Any] = {"trainer": None, "mesh": None, "retired": retired_segments}
-    send = threading.Lock()
 
-    def answer(ident: int, status: str, value: Any) -> None:
-        with send, contextlib.suppress(OSError, ValueError):
-            pipe.send((ident, status, value))
+    def answer(ident: int, value: Any) -> None:
+        try:
+            endpoint.reply(ident, value)
+        except Exception as error:  # an answer that does not pickle
+            endpoint.fail(ident, error)
 
-    def fail(ident: int, error: BaseException) -> None:
-        message = str(error)
-        if type(error).__name__ not in _ERRORS:
-            message = f"{type(error).__name__}: {message}\n{traceback.format_exc()}"
-        answer(ident, "error", (type(error).__name__, message))
-
-    verdicts = _Verdicts(answer)
+    verdicts = _Verdicts(lambda ident, done, total: endpoint.note((ident, done, total)))
     commands: queue.SimpleQueue = queue.SimpleQueue()
 
     def read() -> None:
@@ -504,40 +472,50 @@ def serve(pipe: Any, device_name: str, threads: int) -> None:
         # resume's progress) on the main thread or the trainer's, and the verdict comes down this pipe.
         while True:
             try:
-                message = pipe.recv()
+                frame = endpoint.receive()
             except (EOFError, OSError):
-                commands.put((-1, "exit", None))
+                commands.put(None)
                 verdicts.close("the calling process is gone")
                 return
-            if message[1] == "progress":
-                verdicts.settle(message[0], message[2])
-                continue
-            commands.put(message)
-            if message[1] == "exit":
+            if frame is None:
+                commands.put(None)
                 verdicts.close("the executor was closed")
                 return
+            try:
+                payload = frame.load()
+            except BaseException as error:  # a command whose verb or argument does not load here
+                if frame.kind == "call":
+                    endpoint.fail(frame.ident, error)
+                continue
+            if frame.kind == "note":
+                verdicts.settle(*payload)
+            else:
+                commands.put((frame.ident, *payload))
 
     threading.Thread(target=read, daemon=True, name="uform-worker-reader").start()
 
     def resolved(ident: int, value: Future) -> None:
         try:
-            answer(ident, "ok", value.result())
+            result = value.result()
         except BaseException as error:
-            fail(ident, error)
+            endpoint.fail(ident, error)
+        else:
+            answer(ident, result)
 
     while True:
-        ident, verb, argument = commands.get()
-        if verb == "exit":
+        command = commands.get()
+        if command is None:
             break
+        ident, verb, argument = command
         try:
             value = verb(state, device, argument, verdicts.callback(ident))
         except BaseException as error:
-            fail(ident, error)
+            endpoint.fail(ident, error)
             continue
         if isinstance(value, Future):  # answered once done (a step): the next command need not wait for it
             value.add_done_callback(functools.partial(resolved, ident))
         else:
-            answer(ident, "ok", value)
+            answer(ident, value)
     trainer = state["trainer"]
     if trainer is not None:
         with contextlib.suppress(BaseException):
@@ -550,8 +528,11 @@ def serve(pipe: Any, device_name: str, threads: int) -> None:
     for memory in retired_segments:
         try:
             memory.close()
-        except BufferError:  # still viewed: leave the mapping to the process's end, quietly
+        except BufferError:  # still viewed: the mapping goes with the process, which exits now
+            # SharedMemory has no public way to give up a mapping that is still viewed, and its __del__ would
+            # retry close() and print the BufferError at exit: drop its reference to the mmap (stdlib private).
             memory._mmap = None  # type: ignore[attr-defined]
+    endpoint.close()
 
 
 def attach_segment(name: str) -> shared_memory.SharedMemory:
