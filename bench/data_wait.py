@@ -7,29 +7,29 @@ each a different crop so no two items are the same bytes) beside `--texts` capti
 
   pipeline   the real thing: every step decodes its JPEGs in the worker pool, packs, corrupts and pins on
              the host thread while the device runs the step before.
-  fed        the same steps with the host stage's answer computed once ahead and handed over at once, so
+  fed        the same steps with the prepare stage's answer computed once ahead and handed over at once, so
              the device never waits: the step time of a data loader that is infinitely fast.
 
 The data wait is the difference: wait share = 1 - fed / pipeline (per step, medians over the timed
-steps). The host stage's time alone (`Trainer._prepare`, decode included) is printed beside it.
+steps). The prepare stage's time alone (`Trainer._prepare`, decode included) is printed beside it.
 
 Interpreter-lock pressure, measured on any executor (the CPU proxy of the data wait, since the wait itself
 needs a GPU that runs the device stage without the interpreter):
 
   main CPU   CPU seconds per step this process spends outside its device thread (every thread's CPU time,
              `CLOCK_PROCESS_CPUTIME_ID`, less the device thread's and the probe's own, read through
-             `time.pthread_getcpuclockid`); children (the decoders, a host process) are not counted. On the
+             `time.pthread_getcpuclockid`); children (the decoders, a preparer process) are not counted. On the
              CPU executor run it with `--threads 1`, so the device stage's kernels run on the device thread.
   probe      a thread that sleeps 1e-4 s in a loop and records how late it wakes: beyond the timer's own
              slack (the `idle` row), that is how long a thread waits to take the interpreter back, so how long
              the device thread would wait to launch its next kernel. p50 / p99 in microseconds.
 
-  host       the host stage alone: `Trainer._prepare` of `--host-steps` steps, two at a time (the trainer's
-             two host threads), nothing else running: the cleanest reading of the host stage's own pressure.
+  host       the prepare stage alone: `Trainer._prepare` of `--host-steps` steps, two at a time (the trainer's
+             two host threads), nothing else running: the cleanest reading of the prepare stage's own pressure.
              Read with the probe running; the JSON also holds a reading without it (`without_probe`), which
              on a small virtual machine bills more CPU to every thread's wake-up from an idle core.
 
-`--host-only` skips the two trained runs (the host stage at the reference geometry needs no device).
+`--host-only` skips the two trained runs (the prepare stage at the reference geometry needs no device).
 
 Prints a table and writes bench-data-wait.json under $OUT (or the current folder). Usage:
   python bench/data_wait.py [--executor cuda] [--images 128 --texts 128 --steps 20 --warmup 5 --workers 0]
@@ -190,7 +190,7 @@ def timed_steps(trainer: Any, modalities: list[Any], contents: list[bytes], rela
     return seconds, stats, pressure.result
 
 
-def host_stage(trainer: Any, checked: Any, args: argparse.Namespace) -> dict[str, Any]:
+def prepare_step(trainer: Any, checked: Any, args: argparse.Namespace) -> dict[str, Any]:
     """`Replica.prepare` of `args.host_steps` numbered steps, two at a time, after two untimed ones."""
     with ThreadPoolExecutor(2, thread_name_prefix="bench-host") as pool:
         list(pool.map(lambda step: trainer.replica.prepare(checked, step), range(20_000, 20_006)))
@@ -204,7 +204,7 @@ def host_stage(trainer: Any, checked: Any, args: argparse.Namespace) -> dict[str
 
 
 class Fed:
-    """A replica's `Stage` that answers one prepared step for every step (the host stage taken away)."""
+    """A replica's `Stage` that answers one prepared step for every step (the prepare stage taken away)."""
 
     def __init__(self, batch: Any, tensors: Any) -> None:
         self.answer = (batch, tensors, [])
@@ -252,8 +252,8 @@ def main() -> None:
         "--host-processes", type=int, default=None, help="Trainer.init_vram(host_processes=); default: the trainer's"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave torch's default)")
-    parser.add_argument("--host-steps", type=int, default=20, help="steps of the host stage measured alone")
-    parser.add_argument("--host-only", action="store_true", help="measure the host stage alone, no training")
+    parser.add_argument("--host-steps", type=int, default=20, help="steps of the prepare stage measured alone")
+    parser.add_argument("--host-only", action="store_true", help="measure the prepare stage alone, no training")
     args = parser.parse_args()
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -275,7 +275,7 @@ def main() -> None:
     try:
         replica = trainer.replica  # one device's pipeline, in this process
         checked = replica.check_step(modalities, contents, u.TrainerStepConfig(relations=relations), False)
-        pressure["host"] = host_stage(trainer, checked, args)
+        pressure["host"] = prepare_step(trainer, checked, args)
         if not args.host_only:
             pipeline, stats, pressure["pipeline"] = timed_steps(trainer, modalities, contents, relations, args)
         prepare = []
@@ -311,7 +311,7 @@ def main() -> None:
     print(
         f"{args.images} JPEGs 256x256 + {args.texts} texts of {args.text_bytes} B, {result['placed']} placed, "
         f"{result['dropped']} dropped, {tokens} tokens/step, {workers} decoders on {result['cores']} cores, "
-        f"{trainer.host_processes} host processes, {result['device']}:"
+        f"{trainer.host_processes} preparer processes, {result['device']}:"
     )
     if not args.host_only:
         result.update(
@@ -323,7 +323,7 @@ def main() -> None:
         )
         print(
             f"  pipeline {result['pipeline_ms']:.1f} ms/step, fed {result['fed_ms']:.1f} ms/step -> data wait "
-            f"{100 * result['wait_share']:.1f}% of the step; host stage alone {result['prepare_ms']:.1f} ms/step; "
+            f"{100 * result['wait_share']:.1f}% of the step; prepare stage alone {result['prepare_ms']:.1f} ms/step; "
             f"loss {stats.loss:.3f} (image {stats.masked_image_loss:.3f})"
         )
     idle = pressure["idle"]

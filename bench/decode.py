@@ -1,4 +1,4 @@
-"""Media decode throughput, and the host stage's time per step, of uform's trainer.
+"""Media decode throughput, and the prepare stage's time per step, of uform's trainer.
 
 Two measurements:
 
@@ -9,11 +9,11 @@ Two measurements:
                 short MP4 clips panning over them (H.264 where PyAV's wheel has it; patch 16, tubes of 2,
                 channels 3) and pygame's house recording as WAV and MP3 (7 s at 11025 Hz; resampled to 16 kHz,
                 frames of 320).
-  prepare       `Trainer._prepare` (the host stage of a step: decode in the pool, pack, corrupt, pair, host
+  prepare       `Trainer._prepare` (the prepare stage of a step: decode in the pool, pack, corrupt, pair, host
                 tensors, and the flex block tables on CUDA; in process unless `--host-processes`) per step, for
                 a batch of 256 x 256 JPEGs beside text at a given geometry, with its decode part
                 (`Trainer._decode`, always in process) alone. Run it on the GPU
-                machine (`--executor cuda`) beside bench/step.py's step time: the host stage runs ahead of
+                machine (`--executor cuda`) beside bench/step.py's step time: the prepare stage runs ahead of
                 the device stage on its own thread, so the data wait of a step is whatever of this time the
                 device stage does not cover.
 
@@ -186,7 +186,7 @@ def print_decode_row(row: dict[str, Any], counts: list[int]) -> None:
     print(f"{row['modality']:<8} {row['sample']:<34} {row['units']:>6} {row['inline']:>11.1f}{cells}")
 
 
-# ---- the host stage of a step ---------------------------------------------------------------------------------
+# ---- the prepare stage of a step ---------------------------------------------------------------------------------
 
 
 def host_prepare_seconds(args: argparse.Namespace) -> dict[str, Any]:

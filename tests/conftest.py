@@ -168,7 +168,7 @@ def assert_refusal_changes_nothing(
 def direct_terms(trainer: Trainer, texts: list[str], relations: Relations | None, step: int = 1) -> tuple[Any, dict]:
     """The batch and `network.losses` of a step, computed directly (outside the trainer's verbs).
 
-    Prepares the host arrays as the trainer's host stage does and puts them on the device as its step does
+    Prepares the host arrays as the trainer's prepare stage does and puts them on the device as its step does
     (`model.inputs.to_device`); answers (batch, `Network.losses`'s answer: terms and embeddings).
     """
     from uform.data.batch import prepare

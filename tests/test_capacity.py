@@ -161,7 +161,7 @@ def test_evaluation_during_training_warns_through_the_trainer_once(make_trainer:
 
 
 def test_a_renumbered_step_is_counted_once(make_trainer: Any) -> None:
-    """After an earlier queued step failed, a step whose host stage already ran is prepared anew under its new
+    """After an earlier queued step failed, a step whose prepare stage already ran is prepared anew under its new
     number (`_apply_step`); its losses are still counted once."""
     trainer = make_trainer()
     texts = ["v" * 200, "short"]

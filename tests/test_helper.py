@@ -1,4 +1,4 @@
-"""`uform.runtime.helper`: the one process primitive under the decode pool, the host processes and the device
+"""`uform.runtime.helper`: the one process primitive under the decode pool, the preparer processes and the device
 workers (issue 11, item 2).
 
 Pins: a call's reply comes back as a future, its large buffers through the helper's slab both ways (the slab's
@@ -216,10 +216,10 @@ def workers_pid(state: dict, device: Any, argument: Any, progress: Any) -> int:
 def test_a_device_workers_exception_arrives_as_its_own_type_and_its_death_names_the_signal() -> None:
     import torch
 
-    from uform.runtime.workers import Fleet
+    from uform.runtime.workers import Workers
     from uform.runtime.world import MeshError
 
-    fleet = Fleet([torch.device("cpu")])
+    fleet = Workers([torch.device("cpu")])
     try:
         (error,) = [f.exception(120) for f in fleet.call([(missing_key, "absent")])]
         assert type(error) is KeyError and error.args == ("absent",)  # not a RuntimeError around a traceback

@@ -32,7 +32,7 @@ def test_the_decode_pool_module_does_not_import_torch() -> None:
 PACKAGE = Path(uform.__file__).resolve().parent
 
 ALLOWED_LOCAL_IMPORTS = {
-    ("uform.data.batch", "torch"): "a host process packs batches without torch; only the trainer's makes tensors",
+    ("uform.data.batch", "torch"): "a preparer process packs batches without torch; only the trainer's makes tensors",
     ("uform.media.decode", "uform.media.audio"): "optional heavy decoders load in the decode workers, on need",
     ("uform.media.decode", "uform.media.image"): "optional heavy decoders load in the decode workers, on need",
     ("uform.media.decode", "uform.media.video"): "optional heavy decoders load in the decode workers, on need",
@@ -141,7 +141,7 @@ def test_no_import_inside_a_function_but_the_listed_ones() -> None:
 
 
 def test_the_runtime_layers_only_point_down() -> None:
-    """executor -> fleet (the worker processes) knows nothing above; the mesh nothing of the trainer."""
+    """executor -> workers (the worker processes) knows nothing above; the mesh nothing of the trainer."""
     graph, _ = _imports()
     assert graph["uform.runtime.workers"] & {"uform.runtime.executor", "uform.runtime.mesh", "uform.trainer"} == set()
     assert graph["uform.runtime.executor"] & {"uform.runtime.mesh", "uform.trainer"} == set()
@@ -149,7 +149,7 @@ def test_the_runtime_layers_only_point_down() -> None:
 
 
 def test_the_replica_uses_only_the_world_of_the_runtime_and_the_runtime_no_face() -> None:
-    """face -> runtime -> replica -> pure: a replica is handed its world and its host stage, so of the runtime it
+    """face -> runtime -> replica -> pure: a replica is handed its world and its prepare stage, so of the runtime it
     imports the world's collectives alone; the runtime imports nothing of the face."""
     graph, _ = _imports()
     face = {"uform", "uform.trainer", "uform.serve", "uform.evaluate", "uform.cli", "uform.demo", "uform.__main__"}

@@ -37,7 +37,7 @@ def _tensors(batch: DeviceBatch) -> dict[str, torch.Tensor]:
 
 def test_training_and_serving_put_the_same_batch_on_the_device(executor) -> None:
     """One text item in a step of one row and one slot (nothing corrupted under Contrastive, so the trainer's
-    host stage and serving's packing make the same host batch): the device batch the network's states read
+    prepare stage and serving's packing make the same host batch): the device batch the network's states read
     is the same in the trainer's step and in `encode`, every tensor bitwise, images live (inert units)."""
     config = make_config(
         objective=Objective.Contrastive,

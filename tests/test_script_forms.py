@@ -1,12 +1,12 @@
-"""Plain scripts decode media, start host processes and a fleet (issue 10, item 4), whatever their form.
+"""Plain scripts decode media, start preparer processes and workers (issue 10, item 4), whatever their form.
 
 A user's script runs in a fresh interpreter in each form users write: a file with the main guard, one without
 it, the same guarded file fed on standard input (``python - < script.py``), ``python -c``, and a notebook's
 shape (a fresh ``__main__`` without ``__file__`` running the code with `exec`; and IPython's shell, when it is
 installed, which is what a Jupyter kernel runs). Each script decodes a PNG it makes through a `DecodePool`, then
-trains a step with an image in process and through a host process (``host_processes=1``), strictly (a decode
-failure raises); the unguarded file also trains on an executor of two CPU devices (the fleet's workers). Pins:
-each succeeds, prints what it computed (the host process's loss bitwise the in-process one), its decoder has
+trains a step with an image in process and through a preparer process (``host_processes=1``), strictly (a decode
+failure raises); the unguarded file also trains on an executor of two CPU devices (the workers's workers). Pins:
+each succeeds, prints what it computed (the preparer process's loss bitwise the in-process one), its decoder has
 not loaded torch (which the script's process has), and its body runs once: no process of uform's imports the
 script again (before, each decoder re-ran it: a guarded file ran its body once per decoder, an unguarded one
 failed with a DecodePool hint, and stdin failed even with the guard).
@@ -104,7 +104,7 @@ def check(out: str, fleet: bool) -> None:
     assert re.search(r"^POOL None \(15, 192\) no-torch$", out, re.M), out
     losses = dict(re.findall(r"^TRAINED hosts=(\d) skipped=0 loss=(\S+)$", out, re.M))
     assert set(losses) == {"0", "1"}, out
-    assert losses["0"] == losses["1"], out  # the host process's step is bitwise the in-process one
+    assert losses["0"] == losses["1"], out  # the preparer process's step is bitwise the in-process one
     assert ("FLEET skipped=0 finite=True" in out) == fleet, out
 
 

@@ -282,7 +282,7 @@ def test_a_refused_call_does_not_touch_the_callers_stats_or_arena(make_trainer) 
 
 
 def test_a_step_failing_after_its_checks_changes_nothing(make_trainer, reference, monkeypatch) -> None:
-    """A step that fails past the checks (here: its host stage, made to fail on purpose) is not taken: the
+    """A step that fails past the checks (here: its prepare stage, made to fail on purpose) is not taken: the
     steps queued behind it keep the numbering and the draws of a run that never saw it."""
     import uform.trainer as trainer_module
 
@@ -292,14 +292,14 @@ def test_a_step_failing_after_its_checks_changes_nothing(make_trainer, reference
 
     def failing(config, modalities, contents, **kwargs):
         if bytes(contents[0]) == b"fail here":
-            raise RuntimeError("the host stage failed")
+            raise RuntimeError("the prepare stage failed")
         return original(config, modalities, contents, **kwargs)
 
     monkeypatch.setattr(trainer_module, "prepare", failing)
     first, second, reference_stats, reference_out = reference
     trainer = make_trainer()
     _good_step(trainer)
-    with pytest.raises(RuntimeError, match="host stage"):
+    with pytest.raises(RuntimeError, match="prepare stage"):
         trainer.step(["text"], ["fail here"])
     assert trainer.steps_taken == 1
     assert_same(snapshot(trainer), first)

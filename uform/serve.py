@@ -15,7 +15,7 @@ and dropped), moved to the executor's device and frozen in eval mode.
 
 A call. Every argument is checked first (the trainer's rules and messages: `ValueError` or `TypeError`
 naming the field); a refused call changes nothing. The items are then taken in windows of `2 S` in the
-caller's order; a window's media items are decoded in the decode worker pool (`media.pool.DecodePool`, as in
+caller's order; a window's media items are decoded in the decode worker pool (`uform.runtime.decoders.DecodePool`, as in
 training), its items sorted by length, longest first, and cut into batches by first fit: an item lands in
 the lowest of R rows of C columns with room, and a batch closes when the next item finds none or S items are
 in. Each batch goes through the trainer's own packing (`data.batch.prepare`, with the contrastive objective so
@@ -562,7 +562,7 @@ class Model:
             handoff: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
             stop = threading.Event()
             host = threading.Thread(
-                target=self._host_main, args=(job, handoff, stop), name="uform-serve-host", daemon=True
+                target=self._preparer_main, args=(job, handoff, stop), name="uform-serve-host", daemon=True
             )
             was_training = self.network.training
             self.network.eval()
@@ -610,7 +610,7 @@ class Model:
         warn_truncated(self.notices, truncated, total, verb, advice, 3)
         return answers
 
-    def _host_main(self, job: _Job, handoff: queue.Queue, stop: threading.Event) -> None:
+    def _preparer_main(self, job: _Job, handoff: queue.Queue, stop: threading.Event) -> None:
         try:
             for message in self._host(job, stop):
                 if stop.is_set():
@@ -621,7 +621,7 @@ class Model:
             handoff.put(("error", error))
 
     def _host(self, job: _Job, stop: threading.Event) -> Iterator[tuple[str, Any]]:
-        """The host stage: windows of the call decoded, sorted and cut into prepared batches."""
+        """The prepare stage: windows of the call decoded, sorted and cut into prepared batches."""
         n = len(job.modalities)
         for start in range(0, n, self.window):
             window = range(start, min(n, start + self.window))

@@ -58,7 +58,7 @@ class Trainer:
         self.mesh = mesh
         """The mesh the run's world is formed over (None: one device alone)."""
         self.host_processes = host_processes
-        """Host processes that prepare each replica's steps (`uform.runtime.preparers`); 0: the host stage runs
+        """Preparer processes that prepare each replica's steps (`uform.runtime.preparers`); 0: the prepare stage runs
         on each replica's threads."""
         self.world_compile = world_compile
         """How a world's step compiles on CUDA (`Trainer.init_vram`)."""
@@ -83,7 +83,7 @@ class Trainer:
         `media` bounds and reports the media items of every step (limits, strictness, decoding workers);
         the default skips a broken item with a warning and counts it in `TrainerStepStats.skipped`.
 
-        `host_processes` says where each step's host stage runs (decode, pack, corrupt, pair; `uform.runtime.preparers`):
+        `host_processes` says where each step's prepare stage runs (decode, pack, corrupt, pair; `uform.runtime.preparers`):
         0 on two threads of this process, N >= 1 in N processes of its own (started on the first step, each
         with its share of `media.workers` decoders), which leave this process only the device stage, so its
         interpreter lock is the device thread's. None (the default) is 1 on CUDA and 0 on the CPU (see

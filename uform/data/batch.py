@@ -31,7 +31,7 @@ from .corrupt import corrupt_text
 from .items import ChoiceTapes
 from .pack import LateRoom, Layout, Rows, fill_state, fill_text, fill_units, plan
 
-if TYPE_CHECKING:  # torch loads where host tensors are made, never in the host process that prepares steps
+if TYPE_CHECKING:  # torch loads where host tensors are made, never in the preparer process that prepares steps
     import torch
 
 PACK_STREAM = 1
@@ -161,7 +161,7 @@ class Batch:
         device's is `model.inputs.to_device`), page-locked when `pin` (so the copy to a GPU runs
         asynchronously); unpinned tensors share the arrays' memory unless `copy`. `tables`, FlexAttention's
         block tables (`data.blocks.block_tables`) where the step takes that path, join as "block.<name>"."""
-        import torch  # local: a host process packs batches without torch; only the trainer's makes tensors
+        import torch  # local: a preparer process packs batches without torch; only the trainer's makes tensors
 
         arrays = self.arrays()
         arrays.update({f"block.{name}": table for name, table in (tables or {}).items()})
@@ -176,7 +176,7 @@ class Batch:
     def adopt(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Makes the batch hold its own memory: every array becomes a view of its tensor in `tensors` (as
         `host_tensors` named them, copies), and the layout a deep copy. The batch then keeps nothing of the
-        buffers it was unpickled from (a host process's shared slab, which the next step reuses)."""
+        buffers it was unpickled from (a preparer process's shared slab, which the next step reuses)."""
         for name in self.TENSORS:
             setattr(self, name, tensors[name].numpy())
         for kind, parts in self.media.items():

@@ -1,6 +1,6 @@
 """FlexAttention's block-sparse tables of the document mask, computed on the host from segment ids.
 
-This module needs numpy only (no torch), so the host process that prepares steps (`uform.runtime.preparers`) computes the
+This module needs numpy only (no torch), so the preparer process that prepares steps (`uform.runtime.preparers`) computes the
 tables without importing torch; `uform.model.attention` builds the block mask from them.
 """
 

@@ -1,7 +1,7 @@
 """One device's replica of a run: its network, optimizer and step counter, and the pipeline of its steps.
 
 A step goes: prepare the host arrays (the replica's `Stage`, given by the runtime: decode the media, then
-`data/batch.py`: pack, corrupt, pair; on the replica's host threads or in host processes) -> copy them to the
+`data/batch.py`: pack, corrupt, pair; on the replica's host threads or in preparer processes) -> copy them to the
 device -> forward and losses (compiled on CUDA, with FlexAttention document masks and bf16 autocast) ->
 backward -> AdamW at the scheduled rate, whole or not at all (`_update`: a step whose loss or gradients are not
 finite anywhere in the world is skipped on every process and counted) -> stats and the arena. Steps and saves
@@ -54,7 +54,7 @@ WORLD_COMPILES = ("whole", "blocks")
 
 
 class Stage(Protocol):
-    """Where a replica's host stage runs (the runtime gives one: `uform.runtime.preparation.Preparation`)."""
+    """Where a replica's prepare stage runs (the runtime gives one: `uform.runtime.preparation.Preparation`)."""
 
     def prepare(self, checked: CheckedStep, step: int) -> tuple[Batch, dict[str, torch.Tensor], list[tuple[int, str]]]:
         """Step `step`'s batch, its host tensors (page-locked on CUDA) and the media items that did not decode."""
@@ -141,13 +141,13 @@ class Replica:
         """The run's warnings (skipped media, items cut or dropped for room, steps past the schedule, steps
         skipped as non-finite), each kind shown once and counted: `notices.counts()`."""
         self.host_processes = host_processes
-        """Host processes that prepare the steps (`uform.runtime.preparers`); 0: the host stage runs on this process's threads."""
-        # Two stages: the host stage packs and corrupts step n + 1 while the device stage runs step n, so the
+        """Preparer processes that prepare the steps (`uform.runtime.preparers`); 0: the prepare stage runs on this process's threads."""
+        # Two stages: the prepare stage packs and corrupts step n + 1 while the device stage runs step n, so the
         # GPU never waits on Python (the draws are keyed by the step number, which is fixed when the step is
-        # called, so preparing ahead changes nothing). The host stage has two threads: while one waits for its
+        # called, so preparing ahead changes nothing). The prepare stage has two threads: while one waits for its
         # step's media in the decode pool, the other packs the step before (with 128 JPEGs beside text at the
-        # reference geometry each half is about as long as the other; bench/data_wait.py). With host processes the
-        # threads only send each step to a host process and copy its answer (each process prepares two at once).
+        # reference geometry each half is about as long as the other; bench/data_wait.py). With preparer processes the
+        # threads only send each step to a preparer process and copy its answer (each process prepares two at once).
         # Every thread of the replica starts on the replica's device: CUDA's current device is per thread
         # and a new thread's is device 0, so on any other device an event recorded or a stream read there
         # would be device 0's (2-GPU profile: rank 1's completion events and gradient flags were read off
@@ -165,7 +165,7 @@ class Replica:
         cuda = self.device.type == "cuda"
         self.attention = "flex" if compiled_flex_available(self.device) else "dense"
         self.stage = stage(config, self.attention)
-        """Where this replica's host stage runs (`Stage`)."""
+        """Where this replica's prepare stage runs (`Stage`)."""
         self._losses: Callable[..., Losses] = self.network.losses
         self.world_compile = world_compile
         """How a world's step compiles on CUDA (`Trainer.init_vram`)."""
@@ -366,7 +366,7 @@ class Replica:
     # ---- the work ----------------------------------------------------------------------------------
 
     def prepare(self, checked: CheckedStep, step: int, notify: bool = True) -> tuple[Batch, dict[str, torch.Tensor]]:
-        """Step `step`'s host stage (the replica's `stage`: decode, pack, corrupt and pair, block tables): its
+        """Step `step`'s prepare stage (the replica's `stage`: decode, pack, corrupt and pair, block tables): its
         batch and host tensors (page-locked on CUDA, ready for the copy). With `notify`, a media item that did
         not decode and an item cut or dropped for room are warned about here (once per kind)."""
         batch, host, failed = self.stage.prepare(checked, step)
@@ -376,7 +376,7 @@ class Replica:
         return batch, host
 
     def decode(self, checked: CheckedStep) -> tuple[dict[int, Units], list[tuple[int, str]]]:
-        """Decodes the step's media items (the host stage's first half, for the benches); answers the units of
+        """Decodes the step's media items (the prepare stage's first half, for the benches); answers the units of
         those that decoded and (index, reason) of those that did not."""
         return self.stage.decode(checked)
 
@@ -398,7 +398,7 @@ class Replica:
             host.cancel()
             raise RuntimeError(self._torn)
         if step != self._calls + 1:  # an earlier queued step failed: its successors' draws move up
-            ran = not host.cancel()  # a host stage that ran (or runs) has warned already
+            ran = not host.cancel()  # a prepare stage that ran (or runs) has warned already
             step = self._calls + 1
             batch, tensors = self.prepare(checked, step, notify=not ran)
         else:

@@ -118,7 +118,7 @@ class DecodePool:
     fresh interpreter on a module of uform's that never imports the caller's main module (so the caller's script
     needs no main guard, and may come from stdin, ``-c`` or a notebook); or a `multiprocessing` start method
     ("forkserver", "spawn"), which imports the main module again in every worker: only for a process whose main
-    module is uform's own (a host process's decoders, from a fork server that preloads the decoding libraries).
+    module is uform's own (a preparer process's decoders, from a fork server that preloads the decoding libraries).
     The job function, and everything in its jobs, must be importable from a module by name: a worker never
     imports ``__main__``. Worker processes ignore SIGINT: on Ctrl-C the parent's `map` raises KeyboardInterrupt
     (killing the workers that were mid-job, so the pool stays usable) and the parent closes the pool.

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .workers import Fleet
+from .workers import Workers
 
 
 class Executor:
@@ -28,11 +28,11 @@ class Executor:
         if _token is not _PRIVATE:
             raise TypeError("Executor: make one with Executor.cpu() or Executor.for_vram([...])")
         self.devices = tuple(devices)
-        self._fleet: Fleet | None = None
+        self._fleet: Workers | None = None
         self.joined = False
         """Whether this executor's workers belong to a world now (one mesh at a time; `uform.runtime.mesh` sets it)."""
         if _workers:
-            self._fleet = Fleet(self.devices, _threads)
+            self._fleet = Workers(self.devices, _threads)
             weakref.finalize(self, self._fleet.close)
 
     @classmethod
@@ -77,7 +77,7 @@ class Executor:
         return self._fleet is not None
 
     @property
-    def workers(self) -> Fleet:
+    def workers(self) -> Workers:
         """The worker processes of an executor of several devices (started on first use); the mesh joins them
         to its world and the trainer sends them its steps. Refused for an executor of one device."""
         if self._fleet is None:

@@ -1,5 +1,5 @@
 """A helper process: the one way uform runs work in a process of its own, for the decode pool
-(`uform.runtime.decoders`), a trainer's host processes (`uform.runtime.preparers`) and the device workers
+(`uform.runtime.decoders`), a trainer's preparer processes (`uform.runtime.preparers`) and the device workers
 (`uform.runtime.workers`). Each of those says what a job is and where it goes; this module carries it.
 
 The owner's side is a `Helper`: it starts the process (a `uform.runtime.child.Child` by default, or a
@@ -69,7 +69,7 @@ __all__ = [
 BOOT_SECONDS = 120.0
 """How long a fresh helper may take to start (an interpreter, its imports, its slab) and say it is ready."""
 CLOSE_SECONDS = 10.0
-"""How long `close_all` lets helpers that were asked to exit end on their own (a host process ends its
+"""How long `close_all` lets helpers that were asked to exit end on their own (a preparer process ends its
 decoders first) before it kills them."""
 REAP_SECONDS = 5.0
 """How long to wait for a process that ended (or was killed) to be reaped."""

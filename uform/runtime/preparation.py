@@ -1,5 +1,5 @@
-"""Where one replica's host stage runs (its `replica.Stage`): on the replica's own threads, decoding in this
-process's pool (`decoders.DecodePool`), or in host processes of its own (`preparers.HostProcesses`).
+"""Where one replica's prepare stage runs (its `replica.Stage`): on the replica's own threads, decoding in this
+process's pool (`decoders.DecodePool`), or in preparer processes of its own (`preparers.Preparers`).
 
 The replica layer knows neither: a trainer of one device, or a device's worker, makes its replica with
 `Preparation.factory(...)`, and the replica calls `prepare` and `decode` on its host threads. Where the stage runs
@@ -20,13 +20,13 @@ from ..media.units import Units
 from ..replica.checked_step import CheckedStep
 from .decoders import DecodePool
 from .executor import Executor
-from .preparers import HostJob, HostProcesses, decode_media, host_stage
+from .preparers import PrepareJob, Preparers, decode_media, prepare_step
 
 __all__ = ["Preparation", "default_host_processes"]
 
 
 class Preparation:
-    """A replica's host stage: `host_processes` processes of its own (started on the first step), or none (this
+    """A replica's prepare stage: `host_processes` processes of its own (started on the first step), or none (this
     process's threads, decoding in a pool started on the first media item)."""
 
     def __init__(
@@ -41,7 +41,7 @@ class Preparation:
         self.host_processes = host_processes
         self._lock = threading.Lock()
         self._decoders: DecodePool | None = None
-        self._hosts: HostProcesses | None = None
+        self._preparers: Preparers | None = None
 
     @classmethod
     def factory(
@@ -51,25 +51,25 @@ class Preparation:
         return lambda config, attention: cls(config, media, attention, device.type == "cuda", host_processes)
 
     def prepare(self, checked: CheckedStep, step: int) -> tuple[Batch, dict[str, torch.Tensor], list[tuple[int, str]]]:
-        """Step `step`'s host stage (`preparers.host_stage`: decode, pack, corrupt and pair, block tables), here
-        or in a host process: its batch, its host tensors and the (index, reason) of the media that failed."""
+        """Step `step`'s prepare stage (`preparers.prepare_step`: decode, pack, corrupt and pair, block tables), here
+        or in a preparer process: its batch, its host tensors and the (index, reason) of the media that failed."""
         job = _job(checked)
         if self.host_processes:
             with self._lock:
-                if self._hosts is None:
-                    self._hosts = HostProcesses(self.host_processes, self.config, self.media, self.attention, self.pin)
-            return self._hosts.prepare(job, step)
-        answer = host_stage(self.config, self.media, self.attention, self.decode_pool, job, step)
+                if self._preparers is None:
+                    self._preparers = Preparers(self.host_processes, self.config, self.media, self.attention, self.pin)
+            return self._preparers.prepare(job, step)
+        answer = prepare_step(self.config, self.media, self.attention, self.decode_pool, job, step)
         batch = answer.batch
         host = batch.host_tensors(self.pin, tables=answer.tables)
         return batch, host, answer.failed
 
     def decode(self, checked: CheckedStep) -> tuple[dict[int, Units], list[tuple[int, str]]]:
-        """The step's media items decoded in this process's pool (the host stage's first half)."""
+        """The step's media items decoded in this process's pool (the prepare stage's first half)."""
         return decode_media(self.config, self.media, self.decode_pool, _job(checked))
 
     def decode_pool(self) -> DecodePool:
-        """This process's decoder pool (the in-process host stage's), started on first need."""
+        """This process's decoder pool (the in-process prepare stage's), started on first need."""
         with self._lock:
             if self._decoders is None:
                 self._decoders = DecodePool(self.media.workers, self.media.limits.timeout_seconds)
@@ -81,28 +81,28 @@ class Preparation:
         return self._decoders
 
     @property
-    def hosts(self) -> HostProcesses | None:
-        """The host processes, where they started."""
-        return self._hosts
+    def preparers(self) -> Preparers | None:
+        """The preparer processes, where they started."""
+        return self._preparers
 
     @property
     def decode_workers(self) -> int:
         """Decoding processes working for this stage now (0 before the first media item)."""
-        if self._hosts is not None:
-            return self._hosts.decoders * self.host_processes
+        if self._preparers is not None:
+            return self._preparers.decoders * self.host_processes
         return self._decoders.workers if self._decoders is not None else 0
 
     def close(self) -> None:
-        """Ends the host processes and the decoder pool (whichever started)."""
-        if self._hosts is not None:
-            self._hosts.close()
+        """Ends the preparer processes and the decoder pool (whichever started)."""
+        if self._preparers is not None:
+            self._preparers.close()
         if self._decoders is not None:
             self._decoders.close()
 
 
-def _job(checked: CheckedStep) -> HostJob:
-    """What the host stage reads of a checked step (the arena and the stats stay with the caller)."""
-    return HostJob(
+def _job(checked: CheckedStep) -> PrepareJob:
+    """What the prepare stage reads of a checked step (the arena and the stats stay with the caller)."""
+    return PrepareJob(
         modalities=checked.modalities,
         contents=checked.contents,
         bags=checked.bags,
@@ -114,11 +114,11 @@ def _job(checked: CheckedStep) -> HostJob:
 
 
 def default_host_processes(executor: Executor) -> int:
-    """Host processes of a trainer that does not say (`Trainer.init_vram`): one on CUDA, none on the CPU.
+    """Preparer processes of a trainer that does not say (`Trainer.init_vram`): one on CUDA, none on the CPU.
 
-    On CUDA the device thread needs the interpreter lock to launch kernels and the in-process host stage's
+    On CUDA the device thread needs the interpreter lock to launch kernels and the in-process prepare stage's
     Python holds it. Measured on the H200 machine (`python bench/data_wait.py --executor cuda --host-processes
     N`, 128 JPEGs beside 128 texts at the reference geometry, fed instantly 57.8 ms/step): 92.3 ms/step in
-    process, 75.1 ms/step through one host process. On the CPU the device stage's kernels run without the
+    process, 75.1 ms/step through one preparer process. On the CPU the device stage's kernels run without the
     lock and a process would only cost its start."""
     return 1 if executor.device.type == "cuda" else 0

@@ -1,13 +1,13 @@
-"""The host stage of a trainer's steps, on the trainer's threads or in host processes of its own.
+"""The prepare stage of a trainer's steps, on the trainer's threads or in preparer processes of its own.
 
-A step has a host stage (decode its media items in a `DecodePool`, then `data.batch.prepare`: pack, corrupt,
-pair; FlexAttention's block tables on CUDA) and a device stage (copy, forward, backward, AdamW). `host_stage` is
-the host stage as one function of the run, the step's checked arguments and its number; every draw in it is
+A step has a prepare stage (decode its media items in a `DecodePool`, then `data.batch.prepare`: pack, corrupt,
+pair; FlexAttention's block tables on CUDA) and a device stage (copy, forward, backward, AdamW). `prepare_step` is
+the prepare stage as one function of the run, the step's checked arguments and its number; every draw in it is
 keyed by (seed, step, stream), so it answers the same arrays wherever and in whatever order it runs.
 
-In process (``host_processes=0``), the trainer's two host threads call `host_stage` themselves. Their Python and
+In process (``host_processes=0``), the trainer's two host threads call `prepare_step` themselves. Their Python and
 numpy work then shares the interpreter lock with the device thread, which launches the step's kernels: on an H200
-at the reference geometry (docs/design.md §1) with 128 JPEGs a step, that costs 13-18% of the step (BENCHMARKS.md). `HostProcesses`
+at the reference geometry (docs/design.md §1) with 128 JPEGs a step, that costs 13-18% of the step (BENCHMARKS.md). `Preparers`
 moves the work out: the trainer's process keeps only the device stage and one copy of the finished arrays. The
 shape is PyTorch DataLoader's (worker processes that build whole batches; a pin-memory thread in the main process,
 `torch/utils/data/dataloader.py`), with two differences: a step is numbered when it is called, and its number keys
@@ -16,9 +16,9 @@ arrays come back through shared memory that the trainer's process copies once, i
 
 The processes (``host_processes=N``, started on the first step that needs one):
 
-- Each host process is started with the run's config, its `MediaPolicy` and the attention path, owns a
+- Each preparer process is started with the run's config, its `MediaPolicy` and the attention path, owns a
   `DecodePool` of its own (``media.workers`` split over the N processes; started lazily, so a text-only process
-  never starts decoders) and prepares up to `HOST_SLOTS` steps at once on two threads of its own: while one waits
+  never starts decoders) and prepares up to `PREPARE_SLOTS` steps at once on two threads of its own: while one waits
   for its step's media, the other packs. It is a `uform.runtime.child.Child` (a fresh interpreter on a module of uform's,
   which never imports the trainer's main module, so a training script needs no main guard), and its decoders
   come from a fork server of its own that preloads the decoding libraries. It ignores SIGINT (the trainer's
@@ -26,8 +26,8 @@ The processes (``host_processes=N``, started on the first step that needs one):
   killing its decoders, and is ended by `close` (also run at interpreter exit, and when the object is collected).
 - A step travels as one message: its contents are copied once, back to back, into the input area of one of the
   process's slots in its shared-memory slab (a `uform.runtime.helper.Helper`'s: a sparse file under /dev/shm,
-  unlinked at once and mapped by the host process through its descriptor, so no name outlives a killed process), and the rest of its checked arguments (modalities, bags, groups, sides, choices,
-  relations) pickled beside them with protocol 5, large buffers out of band into the same area. The host process
+  unlinked at once and mapped by the preparer process through its descriptor, so no name outlives a killed process), and the rest of its checked arguments (modalities, bags, groups, sides, choices,
+  relations) pickled beside them with protocol 5, large buffers out of band into the same area. The preparer process
   reads the contents as views of the slab (no copy) and answers the `Batch`, the block tables and the skipped
   items the same way, into the slot's output area (`uform.runtime.slab.write_out_of_band`, the decoders' own mechanism).
   The trainer's process maps the answer's arrays from the slab and copies each once, into page-locked memory on
@@ -35,15 +35,15 @@ The processes (``host_processes=N``, started on the first step that needs one):
   the next step. Pages of a slab are reserved before they are written (``posix_fallocate``), so a full /dev/shm
   sends the message through the pipe instead of killing a process with SIGBUS; areas keep the pages they reached.
 - Failures answer the step that met them, in the trainer's process: a strict `MediaError` naming the item (the
-  trainer unchanged), any other exception of the host stage as itself, and a host process that died (killed, out
-  of memory) a `HostProcessError` for every step it held; the next step starts a new process. An exception
+  trainer unchanged), any other exception of the prepare stage as itself, and a preparer process that died (killed, out
+  of memory) a `PreparerError` for every step it held; the next step starts a new process. An exception
   crosses back as the helper's transport carries it (`uform.runtime.remote_error`): its own type where that
-  imports here, its message unchanged, the host process's traceback as its ``__cause__``. A skipped item comes
+  imports here, its message unchanged, the preparer process's traceback as its ``__cause__``. A skipped item comes
   back as (index, reason) and the trainer warns with `MediaWarning` in its own process. Decode time limits are the
-  host process's `DecodePool`'s, as in process.
+  preparer process's `DecodePool`'s, as in process.
 
 This module imports numpy and the light uform modules only (torch loads lazily, in the trainer's process), so a
-host process starts without torch.
+preparer process starts without torch.
 """
 
 from __future__ import annotations
@@ -82,10 +82,10 @@ from .slab import SLAB_ALIGN, reserve_area
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HOST_SLOTS", "HostAnswer", "HostJob", "HostProcessError", "HostProcesses", "host_stage"]
+__all__ = ["PREPARE_SLOTS", "PrepareJob", "Prepared", "PreparerError", "Preparers", "prepare_step"]
 
-HOST_SLOTS = 2
-"""Steps one host process prepares at once (two threads: one packs while the other waits for its media)."""
+PREPARE_SLOTS = 2
+"""Steps one preparer process prepares at once (two threads: one packs while the other waits for its media)."""
 
 _INPUT_BYTES = 1 << 30
 """Each slot's input area (virtual: pages are reserved as steps reach them); contents beyond it cross the pipe."""
@@ -95,22 +95,22 @@ _IN_BAND_BELOW = 4096
 """Buffers smaller than this travel inside the pickled message rather than through the slab."""
 
 _DEFAULT_CONTEXT = START_METHOD
-# A host process's main module is uform.runtime.child's boot, so multiprocessing's fork server may start its decoders:
+# A preparer process's main module is uform.runtime.child's boot, so multiprocessing's fork server may start its decoders:
 # it re-imports nothing of the user's, and preloads the decoding libraries once for all of them.
 _DECODER_CONTEXT = "forkserver" if sys.platform.startswith("linux") else START_METHOD
 _DECODER_PRELOAD = ["uform.media.decode", "uform.media.image", "uform.media.video", "uform.media.audio"]
 
 
-class HostProcessError(RuntimeError):
-    """A host process died (killed, out of memory) while it held a step; the step was not taken."""
+class PreparerError(RuntimeError):
+    """A preparer process died (killed, out of memory) while it held a step; the step was not taken."""
 
 
-# ---- the host stage, wherever it runs ----------------------------------------------------------------------
+# ---- the prepare stage, wherever it runs ----------------------------------------------------------------------
 
 
 @dataclass
-class HostJob:
-    """What the host stage reads of a step: its checked arguments (the trainer's `_Checked` but the arena and
+class PrepareJob:
+    """What the prepare stage reads of a step: its checked arguments (the `CheckedStep` but the arena and
     the stats, which stay with the caller)."""
 
     modalities: list[Modality]
@@ -123,8 +123,8 @@ class HostJob:
 
 
 @dataclass
-class HostAnswer:
-    """What the host stage answers: the step's batch, FlexAttention's block tables (empty off the flex path) and
+class Prepared:
+    """What the prepare stage answers: the step's batch, FlexAttention's block tables (empty off the flex path) and
     the media items that did not decode, as (index, reason)."""
 
     batch: Batch
@@ -133,9 +133,9 @@ class HostAnswer:
 
 
 def decode_media(
-    config: TrainerInitVramConfig, policy: MediaPolicy, decoders: Callable[[], DecodePool], job: HostJob
+    config: TrainerInitVramConfig, policy: MediaPolicy, decoders: Callable[[], DecodePool], job: PrepareJob
 ) -> tuple[dict[int, Units], list[tuple[int, str]]]:
-    """The host stage's first half: the step's media items decoded in `decoders()` (the pool, made only when
+    """The prepare stage's first half: the step's media items decoded in `decoders()` (the pool, made only when
     the step has media), each to at most a row past its prefix; the units of those that decoded and (index,
     reason) of those that did not (`MediaError` for the first of them under a strict `policy`)."""
     items = [i for i, m in enumerate(job.modalities) if m != Modality.Text]
@@ -146,14 +146,14 @@ def decode_media(
     return decode_items(decoders(), policy, config.batch, job.modalities, job.contents, items, max_units)
 
 
-def host_stage(
+def prepare_step(
     config: TrainerInitVramConfig,
     policy: MediaPolicy,
     attention: str,
     decoders: Callable[[], DecodePool],
-    job: HostJob,
+    job: PrepareJob,
     step: int,
-) -> HostAnswer:
+) -> Prepared:
     """Decodes the step's media items in `decoders()` (the pool, made on first need), then packs, corrupts and
     pairs the step (`data.batch.prepare`) and, on the flex attention path, builds its block tables. Raises
     `MediaError` naming the first item that failed under a strict `policy`."""
@@ -177,10 +177,10 @@ def host_stage(
         choices=job.choices,
     )
     tables = block_tables(batch.segments) if attention == "flex" else {}
-    return HostAnswer(batch, tables, failed)
+    return Prepared(batch, tables, failed)
 
 
-def adopt(answer: HostAnswer, pin: bool) -> dict[str, torch.Tensor]:
+def adopt(answer: Prepared, pin: bool) -> dict[str, torch.Tensor]:
     """The host tensors of an answer whose arrays may be views of a slab: each array copied once (into
     page-locked memory when `pin`), and the batch made to hold those copies (`Batch.adopt`)."""
     host = answer.batch.host_tensors(pin, copy=True, tables=answer.tables)
@@ -192,14 +192,14 @@ def adopt(answer: HostAnswer, pin: bool) -> dict[str, torch.Tensor]:
 # ---- the trainer's side -------------------------------------------------------------------------------------
 
 
-class _Host:
-    """The trainer's view of one host process: its helper and its slots."""
+class _Preparer:
+    """The trainer's view of one preparer process: its helper and its slots."""
 
     def __init__(self, index: int, helper: Helper) -> None:
         self.index = index
         self.helper = helper
-        self.free = list(range(HOST_SLOTS))
-        self.reserved = [0] * HOST_SLOTS  # bytes of each input area backed so far
+        self.free = list(range(PREPARE_SLOTS))
+        self.reserved = [0] * PREPARE_SLOTS  # bytes of each input area backed so far
         self.broken = False  # a send failed: no later step goes to it (its reader buries it)
 
     @property
@@ -208,7 +208,7 @@ class _Host:
 
     @property
     def busy(self) -> int:
-        return HOST_SLOTS - len(self.free)
+        return PREPARE_SLOTS - len(self.free)
 
     @property
     def pending(self) -> int:
@@ -225,8 +225,8 @@ class _Host:
         return self.helper.reader
 
 
-class HostProcesses:
-    """Host processes that run `host_stage` for a trainer (see the module's docstring); `prepare` may be called
+class Preparers:
+    """Preparer processes that run `prepare_step` for a trainer (see the module's docstring); `prepare` may be called
     from several threads at once. Processes start on the first `prepare` that needs them."""
 
     def __init__(
@@ -242,30 +242,30 @@ class HostProcesses:
             raise ValueError(f"host_processes: expected an int >= 1, got {count!r}")
         self.count = count
         self.pin = pin
-        # What a host process needs of the run: no mesh, no progress callback (neither crosses a process).
+        # What a preparer process needs of the run: no mesh, no progress callback (neither crosses a process).
         self._config = dataclasses.replace(config, mesh=None, progress=None)
         self._policy = policy
         self._attention = attention
         self.decoders = max(1, (policy.workers or decode_parallelism()) // count)
-        """Decoding processes of each host process."""
+        """Decoding processes of each preparer process."""
         self._context = context
         self.input_bytes = _INPUT_BYTES
         self.output_bytes = _OUTPUT_BYTES
-        self._hosts: list[_Host | None] = [None] * count
+        self._processes: list[_Preparer | None] = [None] * count
         self._starting: set[int] = set()  # indices whose process is starting (outside the lock)
         self._cond = threading.Condition()
         self._closed = False
         self._owner = os.getpid()
         self._finalizer = multiprocessing.util.Finalize(
-            self, _shutdown, args=(self._hosts, self._owner), exitpriority=10
+            self, _shutdown, args=(self._processes, self._owner), exitpriority=10
         )
 
     # -- public ----------------------------------------------------------------------------------------------
 
-    def prepare(self, job: HostJob, step: int) -> tuple[Batch, dict[str, torch.Tensor], list[tuple[int, str]]]:
-        """`host_stage` of step `step` in a host process: answers the batch (holding its own memory), its host
-        tensors (page-locked when pinning) and the failed media items. Raises what the host stage raised, or
-        `HostProcessError` when the process died holding the step."""
+    def prepare(self, job: PrepareJob, step: int) -> tuple[Batch, dict[str, torch.Tensor], list[tuple[int, str]]]:
+        """`prepare_step` of step `step` in a preparer process: answers the batch (holding its own memory), its host
+        tensors (page-locked when pinning) and the failed media items. Raises what the prepare stage raised, or
+        `PreparerError` when the process died holding the step."""
         for _attempt in range(3):
             host, slot = self._acquire()
             try:
@@ -274,26 +274,26 @@ class HostProcesses:
                 except NotDelivered:  # it died before the job reached it: the job may go to a new process
                     continue
                 try:
-                    answer: HostAnswer = future.result()  # its arrays are views of the slab until adopted
+                    answer: Prepared = future.result()  # its arrays are views of the slab until adopted
                 except ProcessDied as died:
-                    raise HostProcessError(
-                        f"uform: step {step}: the host process (pid {died.pid}) died ({died.status}) while it "
-                        "prepared the step; the step was not taken, and the next step starts a new host process"
+                    raise PreparerError(
+                        f"uform: step {step}: the preparer process (pid {died.pid}) died ({died.status}) while it "
+                        "prepared the step; the step was not taken, and the next step starts a new preparer process"
                     ) from None
                 tensors = adopt(answer, self.pin)
                 return answer.batch, tensors, answer.failed
             finally:
                 self._release(host, slot)
-        raise HostProcessError(f"uform: step {step}: host processes keep dying before they take a step")
+        raise PreparerError(f"uform: step {step}: preparer processes keep dying before they take a step")
 
     @property
     def processes(self) -> list[Any]:
-        """The host processes running now (for inspection and tests)."""
+        """The preparer processes running now (for inspection and tests)."""
         with self._cond:
-            return [h.helper.process for h in self._hosts if h is not None and not h.dead]
+            return [h.helper.process for h in self._processes if h is not None and not h.dead]
 
     def close(self) -> None:
-        """Ends the host processes (they end their decoders). Idempotent."""
+        """Ends the preparer processes (they end their decoders). Idempotent."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -301,26 +301,26 @@ class HostProcesses:
 
     # -- slots ----------------------------------------------------------------------------------------------
 
-    def _acquire(self) -> tuple[_Host, int]:
-        """A free slot of the least busy live host process (started or restarted here, outside the lock, so the
+    def _acquire(self) -> tuple[_Preparer, int]:
+        """A free slot of the least busy live preparer process (started or restarted here, outside the lock, so the
         other processes' answers keep flowing meanwhile); waits while every slot is taken or starting."""
         with self._cond:
             while True:
                 if self._closed:
-                    raise RuntimeError("uform: the trainer's host processes were closed")
+                    raise RuntimeError("uform: the trainer's preparer processes were closed")
                 if os.getpid() != self._owner:
-                    raise RuntimeError("uform: host processes cannot be used in a forked child")
-                for index, host in enumerate(self._hosts):
+                    raise RuntimeError("uform: preparer processes cannot be used in a forked child")
+                for index, host in enumerate(self._processes):
                     if host is not None and host.dead:  # its reader reaped it; a step still reading keeps its slab
-                        self._hosts[index] = None
+                        self._processes[index] = None
                 candidates = [
                     (h.busy if h else 0, i)
-                    for i, h in enumerate(self._hosts)
+                    for i, h in enumerate(self._processes)
                     if (h is None and i not in self._starting) or (h is not None and h.free)
                 ]
                 if candidates:
                     _, index = min(candidates)
-                    host = self._hosts[index]
+                    host = self._processes[index]
                     if host is not None:
                         return host, host.free.pop()
                     self._starting.add(index)
@@ -337,30 +337,30 @@ class HostProcesses:
             self._starting.discard(index)
             self._cond.notify_all()
             if not self._closed:
-                self._hosts[index] = started
+                self._processes[index] = started
                 return started, started.free.pop()
         _shutdown([started], self._owner)  # closed while it started: the finalizer already ran, so end it here
-        raise RuntimeError("uform: the trainer's host processes were closed")
+        raise RuntimeError("uform: the trainer's preparer processes were closed")
 
-    def _release(self, host: _Host, slot: int) -> None:
+    def _release(self, host: _Preparer, slot: int) -> None:
         with self._cond:
             if not host.dead:
                 host.free.append(slot)
             self._cond.notify_all()
 
-    # -- a host process's life --------------------------------------------------------------------------------
+    # -- a preparer process's life --------------------------------------------------------------------------------
 
-    def _start(self, index: int) -> _Host:
+    def _start(self, index: int) -> _Preparer:
         helper = Helper(
-            _host_main,
+            _preparer_main,
             (self.input_bytes, self.output_bytes, self._config, self._policy, self._attention, self.decoders),
             name=f"uform-host-{index}",
             context=self._context,
-            slab_bytes=HOST_SLOTS * (self.input_bytes + self.output_bytes),
+            slab_bytes=PREPARE_SLOTS * (self.input_bytes + self.output_bytes),
             slab_prefix="uform-host-",
             views=True,  # an answer's arrays are copied out once, by `adopt`, before the slot is reused
             daemon=False,  # under multiprocessing: it starts the decoder processes, which a daemonic process may not
-            # The callback holds the condition, not this object, so an unclosed HostProcesses is still collected
+            # The callback holds the condition, not this object, so an unclosed Preparers is still collected
             # (and its finalizer ends the processes).
             on_exit=functools.partial(_wake, self._cond),
         )
@@ -375,12 +375,12 @@ class HostProcesses:
                 status = f"it exited ({error.status})"
             else:
                 raise
-            raise HostProcessError(
-                f"uform: a host process failed to start: {status} (its error is on standard error)"
+            raise PreparerError(
+                f"uform: a preparer process failed to start: {status} (its error is on standard error)"
             ) from None
-        return _Host(index, helper)
+        return _Preparer(index, helper)
 
-    def _send(self, host: _Host, slot: int, job: HostJob, step: int) -> Any:
+    def _send(self, host: _Preparer, slot: int, job: PrepareJob, step: int) -> Any:
         """Writes the job into the slot's input area and sends it; answers the future of its answer. Raises
         `NotDelivered` when the process is gone."""
         helper = host.helper
@@ -429,8 +429,8 @@ def _wake(cond: threading.Condition, _: object = None) -> None:
         cond.notify_all()
 
 
-def _shutdown(hosts: Sequence[_Host | None], owner: int) -> None:
-    """Ends every host process: each is asked to exit (it ends its decoders), stragglers are killed."""
+def _shutdown(hosts: Sequence[_Preparer | None], owner: int) -> None:
+    """Ends every preparer process: each is asked to exit (it ends its decoders), stragglers are killed."""
     if os.getpid() != owner:  # a forked child does not own them
         return
     close_all([h.helper for h in hosts if h is not None])
@@ -440,7 +440,7 @@ def _shutdown(hosts: Sequence[_Host | None], owner: int) -> None:
 
 def _portable_relations(relations: Any) -> Any:
     """The step's relations with every edge field a numpy array (as `relations` reads them), so that any
-    sequence the caller used crosses to the host process."""
+    sequence the caller used crosses to the preparer process."""
     if not isinstance(relations, Relations):
         return relations
     sets = {}
@@ -451,10 +451,10 @@ def _portable_relations(relations: Any) -> Any:
     return Relations(**sets)
 
 
-# ---- the host process ---------------------------------------------------------------------------------------
+# ---- the preparer process ---------------------------------------------------------------------------------------
 
 
-def _host_main(
+def _preparer_main(
     link: Link,
     input_bytes: int,
     output_bytes: int,
@@ -463,7 +463,7 @@ def _host_main(
     attention: str,
     decoders: int,
 ) -> None:
-    """A host process's whole life: map the slab, say ready, then prepare each step it is sent on a thread of
+    """A preparer process's whole life: map the slab, say ready, then prepare each step it is sent on a thread of
     its own until the trainer asks it to exit or is gone (its process died)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's process's to handle
     # This process's main module is uform.runtime.child's boot (no file, no module name), so the decoders' fork server
@@ -471,10 +471,10 @@ def _host_main(
     if _DECODER_CONTEXT == "forkserver":
         multiprocessing.get_context("forkserver").set_forkserver_preload(_DECODER_PRELOAD)
     endpoint = link.open()
-    state = _HostState(endpoint, input_bytes, output_bytes, config, policy, attention, decoders)
+    state = _PreparerState(endpoint, input_bytes, output_bytes, config, policy, attention, decoders)
     if not endpoint.ready():
         return
-    jobs = ThreadPoolExecutor(HOST_SLOTS, thread_name_prefix="uform-host-job")
+    jobs = ThreadPoolExecutor(PREPARE_SLOTS, thread_name_prefix="uform-host-job")
     while True:
         try:
             frame = endpoint.receive()
@@ -488,8 +488,8 @@ def _host_main(
     state.close()
 
 
-class _HostState:
-    """What a host process's job threads share."""
+class _PreparerState:
+    """What a preparer process's job threads share."""
 
     def __init__(
         self,
@@ -508,7 +508,7 @@ class _HostState:
         self.policy = policy
         self.attention = attention
         self.workers = decoders
-        self.reserved = [0] * HOST_SLOTS  # bytes of each output area backed so far
+        self.reserved = [0] * PREPARE_SLOTS  # bytes of each output area backed so far
         self.pool: DecodePool | None = None
         self.lock = threading.Lock()
 
@@ -523,7 +523,7 @@ class _HostState:
         try:
             slot, step, record = frame.load()
             job = self._job(slot, record)
-            answer = host_stage(self.config, self.policy, self.attention, self.decoders, job, step)
+            answer = prepare_step(self.config, self.policy, self.attention, self.decoders, job, step)
             del job, record
             start = slot * (self.input_bytes + self.output_bytes) + self.input_bytes
             endpoint.reply(
@@ -536,7 +536,7 @@ class _HostState:
         except BaseException as error:  # the trainer's process raises it for the step
             endpoint.fail(frame.ident, error)
 
-    def _job(self, slot: int, record: tuple) -> HostJob:
+    def _job(self, slot: int, record: tuple) -> PrepareJob:
         modalities, offsets, inline, bags, groups, sides, choices, relations = record
         if inline is not None:
             contents: Sequence[bytes | memoryview] = inline
@@ -546,7 +546,7 @@ class _HostState:
             start = slot * (self.input_bytes + self.output_bytes)
             view = memoryview(slab)[start : start + int(offsets[-1])]
             contents = [view[a:b] for a, b in itertools.pairwise(offsets.tolist())]
-        return HostJob(
+        return PrepareJob(
             modalities=[Modality(int(m)) for m in modalities],
             contents=contents,
             bags=bags,

@@ -87,18 +87,18 @@ class Replicas:
         mesh, owns = config.mesh, False
         if mesh is None:  # this process alone: a world of its own devices
             mesh, owns = Mesh.bootstrap(executor, MeshOptions(job="local")), True
-        fleet = executor.workers
+        workers = executor.workers
         # The callback stays here (it need not pickle); every worker reads the checkpoint with a stand-in that
         # relays its reports, merged into one device's (see `uform.runtime.workers`'s docstring).
         shipped = dataclasses.replace(config, mesh=None, progress=None)
         relayed = config.progress is not None
         try:
-            steps = fleet.everyone(
-                _worker_init, (shipped, media, host_processes, world_compile, relayed), fleet.relay(config.progress)
+            steps = workers.everyone(
+                _worker_init, (shipped, media, host_processes, world_compile, relayed), workers.relay(config.progress)
             )
         except BaseException:
             with contextlib.suppress(BaseException):
-                fleet.everyone(_worker_close)
+                workers.everyone(_worker_close)
             if owns:
                 mesh.close()
             raise

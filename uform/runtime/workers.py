@@ -4,8 +4,9 @@ how a step travels to them and back.
 Shape legend: N items of a step, D the devices of the executor (its workers), H hidden.
 
 This module is the runtime beneath the executor: it knows nothing of meshes or trainers. Each command names
-its `Verb`, owned by the module that sends it (`uform.runtime.mesh` joins and leaves the world, `uform.trainer`'s
-fleet trainer builds, steps and saves), so the layers only point down: trainer -> mesh -> executor -> fleet.
+its `Verb`, owned by the module that sends it (`uform.runtime.mesh` joins and leaves the world,
+`uform.runtime.replicas` builds, steps and saves), so the layers only point down: replicas -> mesh -> executor ->
+workers.
 
 The calling process keeps no replica. A step's items are checked here, routed to the devices by bag (a bag
 never splits; bags balance across devices by their size, greedily, largest first: Graham's LPT rule),
@@ -28,7 +29,7 @@ worker answered, and a worker closes its mapping once no view of it is left (vie
 none outlives it).
 
 Progress (a save's or a resume's `progress` callback) is relayed over the same pipes, as the helpers' notes:
-the worker's stand-in callback sends a report up and waits for the verdict; here the report is handed to the fleet's progress thread,
+the worker's stand-in callback sends a report up and waits for the verdict; here the report is handed to the workers's progress thread,
 which calls the caller's callback and sends the verdict back down. Neither end ever waits for the other on its
 reading side: a worker reads its pipe on a thread of its own (commands queue for its main thread, verdicts go
 straight to the waiting report), and the callback never runs on a reader thread here, so answers keep flowing
@@ -69,7 +70,7 @@ from .helper import Helper, Link, NotDelivered, ProcessDied, close_all
 from .world import MeshError
 
 WORKER_CLOSE_SECONDS = 30.0
-"""How long `Fleet.close` lets the workers close their trainers and leave their world before it kills them."""
+"""How long `Workers.close` lets the workers close their trainers and leave their world before it kills them."""
 
 
 def route(sizes: np.ndarray, bags: np.ndarray | None, devices: int) -> list[np.ndarray]:
@@ -125,7 +126,7 @@ class ProgressRelay:
     `progress_steps`, so the k-th reports of every worker are the same (done, total). The first worker to make
     its k-th report has the callback decide point k; workers reporting it while that runs wait for the same
     verdict, and those reporting it later get it at once. A worker therefore only ever waits for the callback,
-    never for another worker, and the callback runs once per point, in order, on the fleet's progress thread.
+    never for another worker, and the callback runs once per point, in order, on the workers's progress thread.
     """
 
     def __init__(
@@ -185,7 +186,7 @@ def first_failure(futures: Sequence[Future], relay: ProgressRelay | None = None)
     return (causes or errors)[0]
 
 
-class Fleet:
+class Workers:
     """The worker processes of an executor, started on first use: one `uform.runtime.helper.Helper` per device,
     whose calls are commands (a `Verb` and its argument) and whose notes are progress reports."""
 
@@ -207,7 +208,7 @@ class Fleet:
             # A fresh interpreter on a module of uform's (not multiprocessing's spawn, which would run the
             # caller's main module again in each worker: a script without a main guard would start them anew).
             helper = Helper(
-                serve,
+                run_worker,
                 (str(device), self.threads),
                 name=f"uform-device-{index}",
                 on_note=functools.partial(self._report, index),
@@ -443,7 +444,7 @@ class _Verdicts:
             verdict.set_result(why)
 
 
-def serve(link: Link, device_name: str, threads: int) -> None:
+def run_worker(link: Link, device_name: str, threads: int) -> None:
     """A worker's loop (a `uform.runtime.helper.Helper`'s target): commands in order, answers as they complete
     (steps answer when done).
 

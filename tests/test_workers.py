@@ -206,7 +206,7 @@ def test_a_device_without_items_still_steps(two: Executor) -> None:
 
 def test_a_step_skipped_as_non_finite_is_no_step_taken(two: Executor) -> None:
     """One device's edges weigh 1e38 (its Sigmoid sum overflows): every worker skips, the merged stats count
-    it, and the fleet's `steps_taken` counts the updates applied, not the calls."""
+    it, and the workers's `steps_taken` counts the updates applied, not the calls."""
     trainer = Trainer.init_vram(two, wc.config(*wc.CASES[0][1:]))
     try:
         wc.run_steps(trainer, list(range(wc.BAGS)), [1])

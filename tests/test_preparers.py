@@ -1,12 +1,12 @@
-"""Host processes (`uform.runtime.preparers`): a trainer's host stage (decode, pack, corrupt, pair) in processes of its own.
+"""Preparer processes (`uform.runtime.preparers`): a trainer's prepare stage (decode, pack, corrupt, pair) in processes of its own.
 
-Pins: the batches a host process answers are bitwise the in-process ones (media, text, late interaction,
+Pins: the batches a preparer process answers are bitwise the in-process ones (media, text, late interaction,
 choices, groups, bags, sides, relations all cross) and hold their own memory, not the slab's; training through
-host processes (two of them, deferred steps) is bitwise in-process training, warnings included; a strict
-MediaError and a decode time limit behave as in process; a killed host process fails the step it held with
+preparer processes (two of them, deferred steps) is bitwise in-process training, warnings included; a strict
+MediaError and a decode time limit behave as in process; a killed preparer process fails the step it held with
 a clear error, leaves the trainer as it was, and the next step starts a new one; close() leaves no process,
 thread or /dev/shm file behind; the slab's fallbacks (no shared memory, areas too small) answer the same; a
-trainer in a fleet worker (a spawned process) uses host processes too; host processes never load torch.
+trainer in workers worker (a spawned process) uses preparer processes too; preparer processes never load torch.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from uform.config import resolve
 from uform.media.decode import MediaPolicy
 from uform.media.limits import MediaError, MediaLimits
 from uform.notices import MediaWarning, Notices
-from uform.runtime.preparers import HostJob, HostProcessError, HostProcesses, host_stage
+from uform.runtime.preparers import PrepareJob, PreparerError, Preparers, prepare_step
 from uform.runtime.remote_error import RemoteError, pack_error, unpack_error
 
 SHM = Path("/dev/shm")
@@ -173,7 +173,7 @@ def executor() -> Executor:
 
 @pytest.fixture(scope="module")
 def twins(executor: Executor) -> Iterator[tuple[Trainer, Trainer]]:
-    """The same run in process and through two host processes."""
+    """The same run in process and through two preparer processes."""
     here = Trainer.init_vram(executor, run_config(), media=MediaPolicy(workers=1), host_processes=0)
     away = Trainer.init_vram(executor, run_config(), media=MediaPolicy(workers=2), host_processes=2)
     yield here, away
@@ -219,8 +219,8 @@ def test_host_batches_are_bitwise_the_in_process_ones(twins: tuple[Trainer, Trai
         for field in ("positives", "late_positives", "truncated", "dropped", "skipped"):
             assert getattr(a, field) == getattr(b, field), field
         assert b.skipped == 1 and b.late and b.choice and b.media["video"]["valid"].any()
-        # The host batch holds its own memory: nothing of it is a view of a host process's slab.
-        host = next(h for h in away.replica.stage.hosts._hosts if h is not None and h.slab is not None)  # type: ignore[union-attr]
+        # The host batch holds its own memory: nothing of it is a view of a preparer process's slab.
+        host = next(h for h in away.replica.stage.preparers._processes if h is not None and h.slab is not None)  # type: ignore[union-attr]
         slab = np.frombuffer(host.slab, dtype=np.uint8)
         owned = [*arrays.values(), *(t.numpy() for t in tb.values()), *vars(b.layout).values()]
         assert not any(isinstance(x, np.ndarray) and np.shares_memory(x, slab) for x in owned)
@@ -252,14 +252,14 @@ def test_training_through_host_processes_is_bitwise_in_process_training(twins: t
     assert_same(our_weights, their_weights)
     # How many of the two processes a run starts is timing: a step the first finishes before the next is asked
     # for needs no second (seen on the H200 machine's 16 cores). The answers never depend on it (above).
-    assert 1 <= len(away.replica.stage.hosts.processes) <= 2  # type: ignore[union-attr]
+    assert 1 <= len(away.replica.stage.preparers.processes) <= 2  # type: ignore[union-attr]
 
 
 def test_host_processes_never_load_torch(twins: tuple[Trainer, Trainer]) -> None:
     _, away = twins
-    assert away.replica.stage.hosts is not None
-    for process in away.replica.stage.hosts.processes:
-        for pid in {process.pid, *descendants(process.pid)}:  # the host process, its fork server, its decoders
+    assert away.replica.stage.preparers is not None
+    for process in away.replica.stage.preparers.processes:
+        for pid in {process.pid, *descendants(process.pid)}:  # the preparer process, its fork server, its decoders
             with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it ended meanwhile
                 maps = (Path("/proc") / str(pid) / "maps").read_text()
                 assert "libtorch" not in maps, pid
@@ -268,7 +268,7 @@ def test_host_processes_never_load_torch(twins: tuple[Trainer, Trainer]) -> None
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_host_tensors_are_pinned_and_bitwise_the_in_process_ones() -> None:
-    """CUDA's default is one host process; its answer lands in page-locked memory (one copy out of the slab),
+    """CUDA's default is one preparer process; its answer lands in page-locked memory (one copy out of the slab),
     with the flex block tables, equal to the in-process answer, and steps train."""
     gpu = Executor.for_vram([0])
     here = Trainer.init_vram(gpu, run_config(), media=MediaPolicy(workers=1), host_processes=0)
@@ -347,32 +347,32 @@ def test_a_killed_host_process_fails_its_step_and_the_next_step_starts_a_new_one
         first = (["image", "text"], [jpeg(), "a photo"])
         for t in (trainer, twin):
             t.step(*first)
-        assert trainer.replica.stage.hosts is not None
-        (process,) = trainer.replica.stage.hosts.processes
+        assert trainer.replica.stage.preparers is not None
+        (process,) = trainer.replica.stage.preparers.processes
         family = {process.pid, *descendants(process.pid)}
-        assert len(family) >= 3  # the host process, its decoders' fork server, a decoder
+        assert len(family) >= 3  # the preparer process, its decoders' fork server, a decoder
         # Stopped, it cannot answer; the step waits in its pipe, and the kill fails it.
         os.kill(process.pid, signal.SIGSTOP)
         future = trainer.deferred(executor).step(*first)
         deadline = time.monotonic() + 10
         while (
-            not any(h is not None and h.pending for h in trainer.replica.stage.hosts._hosts)
+            not any(h is not None and h.pending for h in trainer.replica.stage.preparers._processes)
             and time.monotonic() < deadline
         ):
             time.sleep(0.01)
         time.sleep(0.2)  # registered, then sent: let the send land in the stopped process's pipe
         os.kill(process.pid, signal.SIGKILL)
-        with pytest.raises(HostProcessError, match=r"step 2: the host process \(pid \d+\) died \(signal 9\)"):
+        with pytest.raises(PreparerError, match=r"step 2: the preparer process \(pid \d+\) died \(signal 9\)"):
             future.result(timeout=30)
         assert trainer.steps_taken == 1
-        assert not wait_gone(family), "the killed host process left processes behind"
+        assert not wait_gone(family), "the killed preparer process left processes behind"
         second = (["text", "image"], ["after the crash", jpeg("coffee.png")])
         a, b = TrainerStepStats(), TrainerStepStats()
         trainer.step(*second, TrainerStepConfig(stats=a))
         twin.step(*second, TrainerStepConfig(stats=b))
         assert a == b and a.step == 2
         assert_same(snapshot(trainer), snapshot(twin))
-        (again,) = trainer.replica.stage.hosts.processes
+        (again,) = trainer.replica.stage.preparers.processes
         assert again.pid != process.pid
     finally:
         trainer.close()
@@ -386,13 +386,13 @@ def test_close_leaves_nothing_behind(executor: Executor) -> None:
     futures = [verbs.step(["image", "image", "text"], [jpeg(), jpeg("coffee.png"), f"item {i}"]) for i in range(4)]
     for f in futures:
         f.result()
-    assert trainer.replica.stage.hosts is not None
+    assert trainer.replica.stage.preparers is not None
     family = set()
-    for process in trainer.replica.stage.hosts.processes:
+    for process in trainer.replica.stage.preparers.processes:
         family |= {process.pid, *descendants(process.pid)}
     assert len(family) >= 4
     threads = [trainer.replica._queue, trainer.replica._host, trainer.replica._completion]
-    readers = [h.reader for h in trainer.replica.stage.hosts._hosts if h is not None]
+    readers = [h.reader for h in trainer.replica.stage.preparers._processes if h is not None]
     assert host_files() == before  # the slabs never keep a name
     trainer.close()
     assert not wait_gone(family), "close() left processes running"
@@ -404,9 +404,9 @@ def test_close_leaves_nothing_behind(executor: Executor) -> None:
 # ---- the transport's fallbacks -----------------------------------------------------------------------------------
 
 
-def text_job(count: int = 12) -> HostJob:
+def text_job(count: int = 12) -> PrepareJob:
     texts = [f"caption number {i} " * (1 + i % 3) for i in range(count)]
-    return HostJob(modalities=[Modality.Text] * count, contents=[t.encode() for t in texts])
+    return PrepareJob(modalities=[Modality.Text] * count, contents=[t.encode() for t in texts])
 
 
 @pytest.mark.parametrize("how", ["slab", "no shared memory", "areas too small"])
@@ -415,14 +415,14 @@ def test_the_transport_answers_the_same_whichever_way_it_goes(monkeypatch: pytes
     policy = MediaPolicy(workers=1)
     if how == "no shared memory":
         monkeypatch.setattr(uform.runtime.helper, "create_slab", lambda size, prefix: (None, None))
-    hosts = HostProcesses(1, config, policy, "flex", pin=False)  # "flex": the block tables cross too
+    hosts = Preparers(1, config, policy, "flex", pin=False)  # "flex": the block tables cross too
     if how == "areas too small":
         hosts.input_bytes, hosts.output_bytes = 64, 4096
     try:
         job = text_job()
         for step in (1, 2, 3):
             batch, tensors, failed = hosts.prepare(job, step)
-            expected = host_stage(config, policy, "flex", lambda: None, job, step)  # type: ignore[arg-type,return-value]
+            expected = prepare_step(config, policy, "flex", lambda: None, job, step)  # type: ignore[arg-type,return-value]
             assert failed == [] and sorted(expected.tables)
             for name, array in expected.batch.arrays().items():
                 assert np.array_equal(batch.arrays()[name], array) and torch.equal(
@@ -430,7 +430,7 @@ def test_the_transport_answers_the_same_whichever_way_it_goes(monkeypatch: pytes
                 )
             for name, table in expected.tables.items():
                 assert torch.equal(tensors[f"block.{name}"], torch.from_numpy(table)), name
-        (host,) = [h for h in hosts._hosts if h is not None]
+        (host,) = [h for h in hosts._processes if h is not None]
         assert (host.slab is None) == (how == "no shared memory")
     finally:
         hosts.close()
@@ -444,20 +444,20 @@ def test_an_exception_that_does_not_pickle_comes_back_as_a_runtime_error() -> No
         try:
             raise error
         except Exception as caught:
-            return unpack_error(pack_error(caught), "the host process")
+            return unpack_error(pack_error(caught), "the preparer process")
 
     error = raised(Local("broken"))
     assert isinstance(error, RemoteError) and isinstance(error, RuntimeError) and str(error) == "Local: broken"
-    assert "in the host process" in str(error.__cause__) and "raise error" in str(error.__cause__)
+    assert "in the preparer process" in str(error.__cause__) and "raise error" in str(error.__cause__)
     media = raised(MediaError("not a JPEG", item=3))
     assert isinstance(media, MediaError) and str(media) == "contents[3]: not a JPEG" and media.item == 3
 
 
-# ---- a trainer in a fleet worker ------------------------------------------------------------------------------
+# ---- a trainer in workers worker ------------------------------------------------------------------------------
 
 
 def test_a_trainer_in_a_fleet_worker_uses_host_processes() -> None:
-    """An executor of two CPU "devices": each worker is a spawned process whose trainer starts a host process;
+    """An executor of two CPU "devices": each worker is a spawned process whose trainer starts a preparer process;
     the world's losses are one process's (relative 1e-5), media skipped on either device counted."""
     run = run_config(late_interaction=LateInteraction(), choices=Choices())
     modalities = ["image", "text", "image", "text", "image", "text"]
