@@ -106,9 +106,13 @@ def test_cuda_step_matches_cpu_step() -> None:
 
 
 def test_cuda_save_and_resume(tmp_path) -> None:
-    """2 steps + save + resume + 2 steps lands where 4 straight steps land, as near as two straight runs
-    land to each other (CUDA's atomic reductions make runs differ in the last bits, which AdamW's
-    normalised update can grow on near-zero gradients; on CPU the same test is bitwise)."""
+    """2 steps + save + resume + 2 steps lands where 4 straight steps land, as near as two straight runs land
+    to each other. The round trip itself is exact (weights and AdamW state on the device, bit for bit); what
+    follows is not: CUDA's atomic reductions (the embedding's backward) make runs differ in the last bits, and
+    how far that grows in two steps varies a hundredfold between runs (H200, 2026-12-01: the same code gave
+    4e-6 and 5e-5). So the resumed run must land within the spread of straight runs, or well within the size
+    of the two steps' own updates (a resume that lost its moments, its step count or its schedule moves the
+    weights by a share of those); on CPU the same test is bitwise."""
     executor = u.Executor.for_vram([0])
     texts, relations = items()
 
@@ -121,15 +125,23 @@ def test_cuda_save_and_resume(tmp_path) -> None:
             losses.append(stats.loss)
         return losses
 
+    def weights(trainer: u.Trainer) -> list[torch.Tensor]:
+        return [w.detach().float().clone() for w in trainer.network.state_dict().values()]
+
+    def gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+        return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+
     straight, twin = u.Trainer.init_vram(executor, config()), u.Trainer.init_vram(executor, config())
-    straight_losses, twin_losses = run(straight, 4), run(twin, 4)
+    straight_losses = run(straight, 2)
+    halfway = weights(straight)
+    straight_losses += run(straight, 2)
+    twin_losses = run(twin, 4)
     first = u.Trainer.init_vram(executor, config())
     run(first, 2)
     path = tmp_path / "run.safetensors"
     first.on(executor).save(path)
     resumed = u.Trainer.init_vram(executor, u.TrainerInitVramConfig(resume=path))
     assert resumed.steps_taken == 2
-    # The checkpoint round trip itself is exact: weights and AdamW state on the device, bit for bit.
     for a, b in zip(first.network.state_dict().values(), resumed.network.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     for p, q in zip(first.network.parameters(), resumed.network.parameters(), strict=True):
@@ -142,12 +154,9 @@ def test_cuda_save_and_resume(tmp_path) -> None:
     assert resumed_losses == pytest.approx(straight_losses[2:], rel=5e-3)
     assert twin_losses == pytest.approx(straight_losses, rel=5e-3)
 
-    def gap(a: u.Trainer, b: u.Trainer) -> float:
-        pairs = zip(a.network.state_dict().values(), b.network.state_dict().values(), strict=True)
-        return max(float((x.float() - y.float()).abs().max()) for x, y in pairs)
-
-    noise = gap(straight, twin)
-    assert gap(straight, resumed) <= max(4 * noise, 1e-5), (gap(straight, resumed), noise)
+    end = weights(straight)
+    noise, moved, off = gap(end, weights(twin)), gap(end, halfway), gap(end, weights(resumed))
+    assert off <= max(4 * noise, moved / 4), (off, noise, moved)
 
 
 def test_cuda_serving_matches_cpu_serving(tmp_path) -> None:
