@@ -11,7 +11,7 @@ each a different crop so no two items are the same bytes) beside `--texts` capti
              the device never waits: the step time of a data loader that is infinitely fast.
 
 The data wait is the difference: wait share = 1 - fed / pipeline (per step, medians over the timed
-steps). The prepare stage's time alone (`Trainer._prepare`, decode included) is printed beside it.
+steps). The prepare stage's time alone (`Replica.prepare`, decode included) is printed beside it.
 
 Interpreter-lock pressure, measured on any executor (the CPU proxy of the data wait, since the wait itself
 needs a GPU that runs the device stage without the interpreter):
@@ -24,7 +24,7 @@ needs a GPU that runs the device stage without the interpreter):
              slack (the `idle` row), that is how long a thread waits to take the interpreter back, so how long
              the device thread would wait to launch its next kernel. p50 / p99 in microseconds.
 
-  host       the prepare stage alone: `Trainer._prepare` of `--host-steps` steps, two at a time (the trainer's
+  host       the prepare stage alone: `Replica.prepare` of `--host-steps` steps, two at a time (the trainer's
              two host threads), nothing else running: the cleanest reading of the prepare stage's own pressure.
              Read with the probe running; the JSON also holds a reading without it (`without_probe`), which
              on a small virtual machine bills more CPU to every thread's wake-up from an idle core.

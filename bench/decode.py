@@ -9,10 +9,10 @@ Two measurements:
                 short MP4 clips panning over them (H.264 where PyAV's wheel has it; patch 16, tubes of 2,
                 channels 3) and pygame's house recording as WAV and MP3 (7 s at 11025 Hz; resampled to 16 kHz,
                 frames of 320).
-  prepare       `Trainer._prepare` (the prepare stage of a step: decode in the pool, pack, corrupt, pair, host
+  prepare       `Replica.prepare` (the prepare stage of a step: decode in the pool, pack, corrupt, pair, host
                 tensors, and the flex block tables on CUDA; in process unless `--host-processes`) per step, for
                 a batch of 256 x 256 JPEGs beside text at a given geometry, with its decode part
-                (`Trainer._decode`, always in process) alone. Run it on the GPU
+                (`Replica.decode`, always in process) alone. Run it on the GPU
                 machine (`--executor cuda`) beside bench/step.py's step time: the prepare stage runs ahead of
                 the device stage on its own thread, so the data wait of a step is whatever of this time the
                 device stage does not cover.
@@ -190,7 +190,7 @@ def print_decode_row(row: dict[str, Any], counts: list[int]) -> None:
 
 
 def host_prepare_seconds(args: argparse.Namespace) -> dict[str, Any]:
-    """Seconds per step of `Trainer._prepare` (and of its decode, `Trainer._decode`) for `args.images` 256 x 256
+    """Seconds per step of `Replica.prepare` (and of its decode, `Replica.decode`) for `args.images` 256 x 256
     JPEGs beside `args.texts` captions, on a trainer of the given geometry; the first step (pool start) is left
     out. This is the host-side work a step's device stage may wait on."""
     import uform as u
@@ -242,7 +242,7 @@ def host_prepare_seconds(args: argparse.Namespace) -> dict[str, Any]:
         f"\nprepare: {args.images} JPEGs 256x256 + {args.texts} texts of {args.text_bytes} B into {args.rows} x "
         f"{args.columns} ({args.segments} segments; {result['placed']} placed, {result['dropped']} dropped), "
         f"{result['decode_workers']} decoders, {args.executor}/{result['attention']}:\n"
-        f"  Trainer._prepare {result['prepare_ms']:.1f} ms/step = decode {result['decode_ms']:.1f} ms + pack, "
+        f"  Replica.prepare {result['prepare_ms']:.1f} ms/step = decode {result['decode_ms']:.1f} ms + pack, "
         f"corrupt, pair, tensors {result['rest_ms']:.1f} ms; {result['images_s']:.0f} images/s (median of {args.steps})"
     )
     return result
@@ -268,7 +268,7 @@ def main() -> None:
     parser.add_argument("--text-bytes", type=int, default=200)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument(
-        "--host-processes", type=int, default=0, help="where Trainer._prepare runs (0: in process, decode timed apart)"
+        "--host-processes", type=int, default=0, help="where Replica.prepare runs (0: in process, decode timed apart)"
     )
     args = parser.parse_args()
 
