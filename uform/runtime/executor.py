@@ -28,12 +28,12 @@ class Executor:
         if _token is not _PRIVATE:
             raise TypeError("Executor: make one with Executor.cpu() or Executor.for_vram([...])")
         self.devices = tuple(devices)
-        self._fleet: Workers | None = None
+        self._pool: Workers | None = None
         self.joined = False
         """Whether this executor's workers belong to a world now (one mesh at a time; `uform.runtime.mesh` sets it)."""
         if _workers:
-            self._fleet = Workers(self.devices, _threads)
-            weakref.finalize(self, self._fleet.close)
+            self._pool = Workers(self.devices, _threads)
+            weakref.finalize(self, self._pool.close)
 
     @classmethod
     def cpu(cls, workers: int = 0, *, threads: int = 1) -> Executor:
@@ -74,20 +74,20 @@ class Executor:
 
     def has_workers(self) -> bool:
         """Whether this executor drives its devices through worker processes (several devices)."""
-        return self._fleet is not None
+        return self._pool is not None
 
     @property
     def workers(self) -> Workers:
         """The worker processes of an executor of several devices (started on first use); the mesh joins them
         to its world and the trainer sends them its steps. Refused for an executor of one device."""
-        if self._fleet is None:
+        if self._pool is None:
             raise ValueError(f"executor: {self} drives its device in this process; it has no worker processes")
-        return self._fleet
+        return self._pool
 
     def close(self) -> None:
         """Stops the worker processes of an executor of several devices (a no-op otherwise)."""
-        if self._fleet is not None:
-            self._fleet.close()
+        if self._pool is not None:
+            self._pool.close()
 
     @property
     def device(self) -> torch.device:

@@ -64,7 +64,7 @@ class Replicas:
         self.mesh = mesh
         """The mesh the workers form (the caller's, or one of this executor's own)."""
         self._owns_mesh = owns_mesh
-        self._fleet = executor.workers
+        self._workers = executor.workers
         self._steps = steps
         self.closed = False
         self._lock = threading.Lock()
@@ -115,7 +115,7 @@ class Replicas:
         if self.closed:
             return
         with contextlib.suppress(BaseException):
-            self._fleet.everyone(_worker_close)
+            self._workers.everyone(_worker_close)
         self.closed = True
         if self._owns_mesh:
             self.mesh.close()
@@ -136,7 +136,7 @@ class Replicas:
         of its own (nor `caller_depth` a use: the workers' warnings are replayed here, on the reader's thread)."""
         if self.closed:
             raise ValueError("trainer: it was closed")
-        devices = len(self._fleet.devices)
+        devices = len(self._workers.devices)
         checked = check_step(self.config, modalities, contents, config, False, edge_factor=devices)
         count = len(checked.modalities)
         bags = checked.bags if checked.bags is not None else np.arange(count)
@@ -167,7 +167,7 @@ class Replicas:
                 shared = share_items(segments, checked.contents, items)
                 share = _share(checked, items, bags, relations)
                 commands.append((_worker_step, {**shared, "checked": share}))
-            futures = self._fleet.call(commands)
+            futures = self._workers.call(commands)
         except BaseException:
             release_segments(segments)
             raise
@@ -184,8 +184,8 @@ class Replicas:
         if self.closed:
             raise ValueError("trainer: it was closed")
         shipped = (dataclasses.replace(config, progress=None), config.progress is not None)
-        relay = self._fleet.relay(config.progress)
-        futures = self._fleet.call([(_worker_save, shipped)] * len(self._fleet.devices), relay)
+        relay = self._workers.relay(config.progress)
+        futures = self._workers.call([(_worker_save, shipped)] * len(self._workers.devices), relay)
         done: Future = Future()
         done.set_running_or_notify_cancel()
         finished = threading.Lock()
@@ -208,7 +208,7 @@ class Replicas:
         """A `Future` of rank 0's `Weights` after every step called before it (every rank holds the same)."""
         if self.closed:
             raise ValueError("trainer: it was closed")
-        (future,) = self._fleet.call([(_worker_weights, None)])  # worker 0 is rank 0 of a mesh of its own devices
+        (future,) = self._workers.call([(_worker_weights, None)])  # worker 0 is rank 0 of a mesh of its own devices
         out: Future = Future()
         out.set_running_or_notify_cancel()
 
