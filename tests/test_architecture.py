@@ -20,6 +20,7 @@ VOCABULARY = {
     "uform.config",
     "uform.relations",
     "uform.arena",
+    "uform.run_config",
 }
 BENEATH = {
     "vocabulary": set(),

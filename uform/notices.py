@@ -35,6 +35,10 @@ class ScheduleWarning(UformWarning):
     """A step ran past the schedule's last step."""
 
 
+class CheckpointWarning(UformWarning):
+    """A file in a run's checkpoints folder was passed over: torn, corrupt or not a uform checkpoint."""
+
+
 class MemoryWarning(UformWarning):
     """A run's estimated memory exceeds what the machine has available (`uform.replica.memory`)."""
 

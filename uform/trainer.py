@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 
-from .config import TrainerInitVramConfig, TrainerSaveConfig, TrainerStepConfig
+from .config import TrainerInitVramConfig, TrainerSaveConfig, TrainerStepConfig, resolve
 from .media.decode import MediaPolicy
 from .model.network import Network
 from .notices import MediaWarning as MediaWarning  # re-exported: where callers met it first
 from .notices import Notices
+from .replica.init_from import StartingWeights, plan_starting_weights
 from .replica.optim import Optimizer
 from .replica.replica import WORLD_COMPILES, Replica, Weights
 from .runtime.executor import Executor
@@ -45,6 +46,7 @@ class Trainer:
         *,
         host_processes: int,
         world_compile: str,
+        init_from: StartingWeights | None = None,
         _token: object = None,
     ) -> None:
         if _token is not _PRIVATE:
@@ -62,6 +64,9 @@ class Trainer:
         on each replica's threads."""
         self.world_compile = world_compile
         """How a world's step compiles on CUDA (`Trainer.init_vram`)."""
+        self.init_from = init_from
+        """Which weights the run took from another run's checkpoint (`StartingWeights.summary()` says it in a
+        line); None where it started from its seed alone or resumed."""
         self.closed = False
         if mesh is not None:
             mesh.borrow(self)
@@ -77,6 +82,7 @@ class Trainer:
         media: MediaPolicy | None = None,
         host_processes: int | None = None,
         world_compile: str = "whole",
+        init_from: str | os.PathLike | None = None,
     ) -> Trainer:
         """Builds the run on `executor`, from `config.seed` or resumed from `config.resume`.
 
@@ -96,6 +102,12 @@ class Trainer:
         On one host's NVLink the reduction is short and "whole" is faster (2 x H200: 95.9% weak scaling against
         89.1%, BENCHMARKS.md); "blocks" is for links slow enough that hiding the reduction pays. It changes
         nothing elsewhere (one device, the CPU).
+
+        `init_from` starts a new run from another run's checkpoint of the same depth and hidden: the run takes
+        the other's tower, and its embeddings and heads where they exist on both sides with the same shapes
+        (never its temperatures), at step zero with a fresh optimizer and its own schedule, objective and seed
+        (`uform.replica.init_from`; `trainer.init_from` says what was taken). It is refused with `resume`,
+        which continues a run instead of starting one.
         """
         media = MediaPolicy() if media is None else media
         if not isinstance(media, MediaPolicy):
@@ -114,9 +126,16 @@ class Trainer:
             raise TypeError(f"config: expected a TrainerInitVramConfig, got {type(config).__name__}")
         if config.mesh is not None:
             _check_mesh(config.mesh, executor)
+        start = None
+        if init_from is not None:
+            if config.resume is not None:
+                raise ValueError(
+                    "init_from: a new run starts from another run's weights, and resume continues a run; give one"
+                )
+            start = plan_starting_weights(init_from, resolve(config))
         backend: Replica | Replicas
         if executor.has_workers():
-            backend = Replicas.start(executor, config, media, host_processes, world_compile)
+            backend = Replicas.start(executor, config, media, host_processes, world_compile, start)
             mesh: Mesh | None = backend.mesh
             hosts = default_host_processes(executor) if host_processes is None else host_processes
         else:
@@ -125,9 +144,24 @@ class Trainer:
             stage = Preparation.factory(media, executor.device, hosts)
             world = None if mesh is None else mesh.world
             backend = Replica.build(
-                executor.device, config, world, stage, host_processes=hosts, world_compile=world_compile
+                executor.device,
+                config,
+                world,
+                stage,
+                host_processes=hosts,
+                world_compile=world_compile,
+                init_from=start,
             )
-        return cls(executor, backend, media, mesh, host_processes=hosts, world_compile=world_compile, _token=_PRIVATE)
+        return cls(
+            executor,
+            backend,
+            media,
+            mesh,
+            host_processes=hosts,
+            world_compile=world_compile,
+            init_from=start,
+            _token=_PRIVATE,
+        )
 
     # ---- receivers ---------------------------------------------------------------------------------
 

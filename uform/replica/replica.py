@@ -43,6 +43,7 @@ from .agreement import compare_runs
 from .capacity import warn_step_capacity
 from .checked_step import CheckedStep, check_step
 from .checkpoint import restore_moments, run_metadata, run_tensors, stored_weights, write_checkpoint
+from .init_from import StartingWeights, load_starting_weights
 from .memory import check_memory
 from .optim import LATE, Optimizer, build_optimizer, learning_rate, nonfinite, rate_overflows, reach
 from .stored_run import StoredRun, read_run_tensors, resolve_run
@@ -119,6 +120,8 @@ class Replica:
                 self._parts.setdefault(part, []).append(p)
         self.world = world
         """This replica's world (None: it runs alone); its collectives sum what every rank's step adds up."""
+        self.init_from: StartingWeights | None = None
+        """The weights it took from another run's checkpoint at build (None: its seed's alone)."""
         self.closed = False
         self._reducer: GradientReducer | None = None
         self.optimizer: Optimizer
@@ -194,9 +197,11 @@ class Replica:
         *,
         host_processes: int = 0,
         world_compile: str = "whole",
+        init_from: StartingWeights | None = None,
     ) -> Replica:
         """The replica of `config` on `device`, from `config.seed` or resumed from `config.resume` (every check
-        of the checkpoint and of the memory it needs before anything is allocated); in a world, every rank
+        of the checkpoint and of the memory it needs before anything is allocated), its seeded weights overlaid
+        by those `init_from` plans to take from another run (`uform.replica.init_from`); in a world, every rank
         checks that it builds the same run as the others (raising on every rank when one differs or fails).
         Its arguments are taken as checked (`Trainer.init_vram` checks them)."""
         try:
@@ -217,6 +222,9 @@ class Replica:
             )
             replica.network.initialize(resolved.seed)
             replica.network.to(device)
+            if init_from is not None:
+                load_starting_weights(init_from, replica.network, device)
+            replica.init_from = init_from
             replica.optimizer = build_optimizer(replica.network, device)
             if stored is not None and loaded is not None:
                 replica._resume(stored, loaded)
@@ -236,6 +244,8 @@ class Replica:
         assert world is not None
         record = to_dict(self.config)
         record.pop("progress_steps", None)  # how often this process reports is its own business
+        if self.init_from is not None:  # a rank started from other weights would train another run
+            record["init_from"] = self.init_from.digest
         try:
             compare_runs(world, json.dumps(record, sort_keys=True), self._step_count)
         except BaseException:

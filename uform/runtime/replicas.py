@@ -31,6 +31,7 @@ from ..notices import Notices
 from ..relations import edge_limit, first_crossing, restrict
 from ..replica.checked_step import CheckedStep, check_step
 from ..replica.checkpoint import ProgressCallback
+from ..replica.init_from import StartingWeights
 from ..replica.replica import Replica, Weights
 from ..replica.stored_run import resolve_run
 from .executor import Executor
@@ -80,6 +81,7 @@ class Replicas:
         media: MediaPolicy,
         host_processes: int | None = None,
         world_compile: str = "whole",
+        init_from: StartingWeights | None = None,
     ) -> Replicas:
         """Builds the run's replica in every worker of `executor` (arguments checked by `Trainer.init_vram`);
         without a mesh in `config`, the workers form one of their own, closed with these replicas."""
@@ -94,7 +96,9 @@ class Replicas:
         relayed = config.progress is not None
         try:
             steps = workers.everyone(
-                _worker_init, (shipped, media, host_processes, world_compile, relayed), workers.relay(config.progress)
+                _worker_init,
+                (shipped, media, host_processes, world_compile, relayed, init_from),
+                workers.relay(config.progress),
             )
         except BaseException:
             with contextlib.suppress(BaseException):
@@ -275,7 +279,7 @@ def _unpack_weights(config: TrainerInitVramConfig, packed: dict[str, Any]) -> We
 
 def _worker_init(state: dict[str, Any], device: torch.device, argument: Any, progress: ProgressCallback) -> int:
     """This device's replica, a rank of the mesh the worker joined; answers the steps it starts from."""
-    config, media, host_processes, world_compile, relayed = argument
+    config, media, host_processes, world_compile, relayed, init_from = argument
     mesh = state["mesh"]
     if mesh is None:
         raise MeshError("mesh: this device's worker belongs to no world; bootstrap a mesh over the executor first")
@@ -285,7 +289,9 @@ def _worker_init(state: dict[str, Any], device: torch.device, argument: Any, pro
     executor = mesh.executor
     hosts = default_host_processes(executor) if host_processes is None else host_processes
     stage = Preparation.factory(media, executor.device, hosts)
-    replica = Replica.build(executor.device, run, mesh.world, stage, host_processes=hosts, world_compile=world_compile)
+    replica = Replica.build(
+        executor.device, run, mesh.world, stage, host_processes=hosts, world_compile=world_compile, init_from=init_from
+    )
     replica.notices = Notices(relay=True)  # the user is in the calling process: warnings go there, once
     mesh.borrow(replica)
     state["trainer"] = replica
