@@ -217,6 +217,10 @@ def test_relative_paths_are_the_files_folder(tmp_path: Path) -> None:
     assert run.data is not None
     assert run.data.train == (os.path.join(tmp_path, "shards/{000..009}.tar"),)
     assert run.data.held_out == (os.path.join(tmp_path, "held/a.jsonl"), "s3://bucket/held/*.tar")
+    over = read_run_config(tmp_path / "run.toml", ["trainer.init_from=here.safetensors", "data.train=['x.tar']"])
+    assert over.init_from == "here.safetensors"  # a command line's path is the current folder's, as written
+    assert over.data is not None and over.data.train == ("x.tar",)
+    assert over.data.held_out == run.data.held_out
     (tmp_path / "bad.toml").write_bytes(b"[trainer]\nx = '\xff'\n")
     with pytest.raises(RunConfigError, match=r"bad\.toml: not UTF-8"):
         read_run_config(tmp_path / "bad.toml")

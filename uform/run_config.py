@@ -103,15 +103,16 @@ def read_run_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> R
 def load_run_config(
     text: str, overrides: Sequence[str] = (), *, base: str | None = None, source: str = "config"
 ) -> RunConfig:
-    """The run file `text`, with `overrides` laid over it, checked (see `read_run_config`); relative local paths
-    are joined to `base` where given (kept as written otherwise). `source` names the text in a TOML syntax error."""
+    """The run file `text`, with `overrides` laid over it, checked (see `read_run_config`). The file's relative
+    local paths are joined to `base` where given (kept as written otherwise); an override's are kept as written,
+    relative to the current folder as any path on a command line. `source` names the text in a TOML syntax error."""
     if not isinstance(text, str):
         raise TypeError(f"text: expected a str, got {type(text).__name__}")
     try:
         table = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise RunConfigError(f"{source}: not valid TOML ({error})") from None
-    return _build(apply_overrides(table, overrides), base)
+    return _build(apply_overrides(_rebased(table, base), overrides))
 
 
 def apply_overrides(table: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
@@ -156,7 +157,25 @@ def _copy_tables(value: Any) -> Any:
     return {k: _copy_tables(v) for k, v in value.items()} if isinstance(value, Mapping) else value
 
 
-def _build(table: dict[str, Any], base: str | None) -> RunConfig:
+def _rebased(table: dict[str, Any], base: str | None) -> dict[str, Any]:
+    """A copy of the parsed file with its relative local paths joined to `base`; values of the wrong type are left
+    for `_build` to refuse by key path."""
+    out = _copy_tables(table)
+    if base is None:
+        return out
+    trainer, data = out.get("trainer"), out.get("data")
+    if isinstance(trainer, dict) and isinstance(trainer.get("init_from"), str):
+        trainer["init_from"] = _path(trainer["init_from"], base)
+    for key in ("train", "held_out"):
+        value = data.get(key) if isinstance(data, dict) else None
+        if isinstance(value, str):
+            data[key] = _path(value, base)  # type: ignore[index]
+        elif isinstance(value, list):
+            data[key] = [_path(v, base) if isinstance(v, str) else v for v in value]  # type: ignore[index]
+    return out
+
+
+def _build(table: dict[str, Any]) -> RunConfig:
     for key, value in table.items():
         if key in _LATER_TABLES:
             raise RunConfigError(
@@ -174,7 +193,7 @@ def _build(table: dict[str, Any], base: str | None) -> RunConfig:
     trainer = dict(table["trainer"])
     init_from = trainer.pop("init_from", None)
     if init_from is not None:
-        init_from = _path(_string(init_from, "trainer.init_from"), base)
+        init_from = _string(init_from, "trainer.init_from")
     for key, why in _INVOCATION_KEYS.items():
         if key in trainer:
             raise RunConfigError(f"trainer.{key}: not a run file key ({why})")
@@ -183,7 +202,7 @@ def _build(table: dict[str, Any], base: str | None) -> RunConfig:
         resolved = resolve(config)
     except (ValueError, TypeError) as error:
         raise RunConfigError(f"trainer.{error}") from None
-    data = None if "data" not in table else _data(table["data"], base)
+    data = None if "data" not in table else _data(table["data"])
     return RunConfig(trainer=resolved, init_from=init_from, data=data)
 
 
@@ -235,7 +254,7 @@ def _value(hint: Any, value: Any, path: str) -> Any:
     raise RunConfigError(f"{path}: not a run file key")  # a field of a type no file spells (none today)
 
 
-def _data(table: dict[str, Any], base: str | None) -> DataConfig:
+def _data(table: dict[str, Any]) -> DataConfig:
     for key in table:
         if key not in _DATA_KEYS:
             raise RunConfigError(
@@ -243,10 +262,10 @@ def _data(table: dict[str, Any], base: str | None) -> DataConfig:
             )
     if "train" not in table:
         raise RunConfigError("data.train: missing; [data] names its training records (a path, a glob or a list)")
-    train = _paths(table["train"], "data.train", base)
+    train = _paths(table["train"], "data.train")
     if not train:
         raise RunConfigError("data.train: an empty list names no records")
-    held_out = _paths(table.get("held_out", []), "data.held_out", base)
+    held_out = _paths(table.get("held_out", []), "data.held_out")
     fields = table.get("fields", {})
     if not isinstance(fields, dict):
         raise RunConfigError(f'data.fields: expected a table ({{ jpg = "image", txt = "text" }}), got {_shown(fields)}')
@@ -254,12 +273,12 @@ def _data(table: dict[str, Any], base: str | None) -> DataConfig:
     return DataConfig(train=train, fields=pairs, held_out=held_out)
 
 
-def _paths(value: Any, path: str, base: str | None) -> tuple[str, ...]:
+def _paths(value: Any, path: str) -> tuple[str, ...]:
     if isinstance(value, str):
-        return (_path(_string(value, path), base),)
+        return (_string(value, path),)
     if not isinstance(value, list):
         raise RunConfigError(f"{path}: expected a string or an array of strings, got {_shown(value)}")
-    return tuple(_path(_string(v, f"{path}[{i}]"), base) for i, v in enumerate(value))
+    return tuple(_string(v, f"{path}[{i}]") for i, v in enumerate(value))
 
 
 def _string(value: Any, path: str) -> str:
@@ -270,8 +289,8 @@ def _string(value: Any, path: str) -> str:
     return value
 
 
-def _path(text: str, base: str | None) -> str:
-    if base is None or "://" in text or os.path.isabs(text):
+def _path(text: str, base: str) -> str:
+    if not text or "://" in text or os.path.isabs(text):
         return text
     return os.path.join(base, text)
 
