@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from uform import BatchShape, Executor, Objective, Schedule, Trainer, TrainerInitVramConfig, TrainerStepConfig
 from uform.config import TrainerStepStats, resolve
 from uform.notices import CheckpointWarning, Notices
-from uform.run_config import RunConfig
+from uform.run_config import RunConfig, read_run_config
 from uform.run_dir import RunDir, latest, read_metrics
 
 TEXTS = ["a cat on a mat", "a dog in the fog", "rain on the roof", "a boat at sea"]
@@ -136,3 +136,33 @@ def test_latest_is_the_newest_whole_checkpoint(tmp_path: Path) -> None:
         latest(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="step: must lie in"):
         run.checkpoint_path(-1)
+
+
+def test_the_pieces_make_a_run_that_resumes_from_latest(tmp_path: Path) -> None:
+    """What `uform train` will do with them: a run file, a new run from another's weights, its folder, a resume."""
+    base = Trainer.init_vram(Executor.cpu(), CONFIG)
+    base.step(["text"] * len(TEXTS), TEXTS, TrainerStepConfig())
+    base.save(tmp_path / "base.safetensors")
+    base.close()
+    (tmp_path / "run.toml").write_text(
+        '[trainer]\ndepth = 1\nhidden = 128\nobjective = "masked"\nseed = 9\ninit_from = "base.safetensors"\n'
+        "[trainer.batch]\nmax_rows_per_device = 4\nmax_segments_per_device = 8\nmax_columns_per_row = 32\n"
+        "[trainer.schedule]\nsteps = 10\n"
+    )
+    config = read_run_config(tmp_path / "run.toml", ["trainer.schedule.steps=20"])
+    run = RunDir.create(tmp_path / "out", config)
+    trainer = Trainer.init_vram(Executor.cpu(), run.config().trainer, init_from=run.config().init_from)
+    assert trainer.init_from is not None and trainer.init_from.source_step == 1
+    with run.metrics() as metrics:
+        for _ in range(2):
+            stats = TrainerStepStats()
+            trainer.step(["text"] * len(TEXTS), TEXTS, TrainerStepConfig(stats=stats))
+            metrics.step(stats, items=len(TEXTS), seconds=0.1)
+            run.save(trainer, stats.step)
+    trainer.close()
+    found = run.latest()
+    assert found is not None and found.endswith("step-00000002.safetensors")
+    resumed = Trainer.init_vram(Executor.cpu(), dataclasses.replace(run.config().trainer, resume=found))
+    assert resumed.steps_taken == 2 and resumed.config.schedule.steps == 20
+    resumed.close()
+    assert [r["step"] for r in read_metrics(run.metrics_path)] == [1, 2]
