@@ -358,3 +358,31 @@ def test_a_step_keeps_each_edge_set_within_the_runs_limit() -> None:
         step = loader.next_step()
         assert len(step.config.relations.attract.ids) == 6  # one record: a second would make 12 > 8
         check_relations(step.config.relations, len(step.contents), config.contrastive.max_edges_per_device)
+
+
+def test_a_wav_recordings_length_comes_from_its_header() -> None:
+    import wave
+
+    from uform.config import AudioShape
+    from uform.media.audio import audio_units
+
+    config = run_config(
+        batch=BatchShape(
+            max_rows_per_device=4,
+            max_segments_per_device=8,
+            max_columns_per_row=64,
+            audio=AudioShape(chunk_samples=160, sample_rate=16000),
+        )
+    )
+    for rate, frames in ((16000, 1000), (16000, 40000), (8000, 1234), (22050, 3000)):
+        out = io.BytesIO()
+        with wave.open(out, "wb") as file:
+            file.setnchannels(2)
+            file.setsampwidth(2)
+            file.setframerate(rate)
+            tone = (np.sin(np.arange(frames) / 7.0) * 8000).astype(np.int16)
+            file.writeframes(np.repeat(tone, 2).tobytes())
+        data = out.getvalue()
+        decoded = len(audio_units(data, chunk_samples=160, sample_rate=16000, max_units=63))
+        measured = item_length(config, Modality.Audio, data, LateInteractionSide.None_, False) - 1
+        assert measured == decoded if rate == 16000 else decoded <= measured <= decoded + 1, (rate, frames)

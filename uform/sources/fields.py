@@ -100,6 +100,8 @@ class RecordItems:
     targets: list[float] = field(default_factory=list)
     missing: str | None = None
     """The first missing file a media field named; such a record is skipped."""
+    lengths: list[int] | None = None
+    """Each item's length in positions, once the loader measured it (`sizes.item_length`)."""
 
     @property
     def sides(self) -> list[LateInteractionSide]:

@@ -199,12 +199,14 @@ class Loader:
         return chosen
 
     def _lengths(self, records: list[RecordItems]) -> np.ndarray:
-        out = []
         for r in records:
-            chooser = r.chooser
-            for i, (m, c, s) in enumerate(zip(r.modalities, r.contents, r.sides, strict=True)):
-                out.append(item_length(self.config, m, c, s, i == chooser))
-        return np.array(out, dtype=np.int64)
+            if r.lengths is None:  # measured once: an image's header is read here
+                chooser = r.chooser
+                r.lengths = [
+                    item_length(self.config, m, c, s, i == chooser)
+                    for i, (m, c, s) in enumerate(zip(r.modalities, r.contents, r.sides, strict=True))
+                ]
+        return np.array([n for r in records for n in r.lengths or ()], dtype=np.int64)
 
     def _cost(self, items: RecordItems) -> np.ndarray:
         """What one record takes of a step: positions (cut at a row), segments, a bag, attract and repel edges."""

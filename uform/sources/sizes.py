@@ -3,10 +3,11 @@
 Text: its prefix and bytes (cut at a row by the packer, as the seed cuts it), plus the appended MASK of an
 item making a choice. An image: its prefix and patch grid, read from the header alone (Pillow opens an
 image lazily: it reads the size and the EXIF orientation, not the pixels), downscaled as the decoder
-downscales it to fit a row (`media._grid.fit_size`). Video and audio are counted a whole row each, the
-most a decoded item takes (the decoder downscales and cuts them to fit one): a step of them is never
-overfull, at the price of rows a short clip leaves unused. An image whose header does not read is counted
-a whole row too; the trainer's decoders skip and count it.
+downscales it to fit a row (`media._grid.fit_size`; where libjpeg's draft scale applies first, a patch or
+two may differ). A WAV recording: its frames from the `fmt ` and `data` chunks. Video and other audio
+containers are counted a whole row each, the most a decoded item takes (the decoder downscales and cuts
+them to fit one): a step of them is never overfull, at the price of rows a short clip leaves unused. An
+item whose header does not read is counted a whole row too; the trainer's decoders skip and count it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,28 @@ def image_units(data: bytes, patch_side: int, most: int) -> int | None:
     return rows * columns
 
 
+def wav_units(data: bytes, chunk_samples: int, sample_rate: int, most: int) -> int | None:
+    """Frames a WAV recording decodes into (resampled to `sample_rate`, cut to `most` frames), from its `fmt `
+    and `data` chunk headers; an upper bound where it is resampled (the resampler's length rounds). None
+    when the chunks do not read."""
+    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return None
+    at, rate, block = 12, 0, 0
+    while at + 8 <= len(data):
+        kind, size = data[at : at + 4], int.from_bytes(data[at + 4 : at + 8], "little")
+        if kind == b"fmt " and size >= 16:
+            rate = int.from_bytes(data[at + 12 : at + 16], "little")
+            block = int.from_bytes(data[at + 20 : at + 22], "little")
+        elif kind == b"data":
+            if not rate or not block or size in (0, 0xFFFFFFFF):
+                return None  # an open-ended stream or an odd layout: the decoder says
+            frames = min(size, len(data) - at - 8) // block
+            samples = frames if rate == sample_rate else -(-frames * sample_rate // rate)
+            return min(most, -(-samples // chunk_samples))
+        at += 8 + size + (size & 1)
+    return None
+
+
 def item_length(
     config: TrainerInitVramConfig, modality: Modality, content: bytes, side: LateInteractionSide, chooses: bool
 ) -> int:
@@ -63,5 +86,9 @@ def item_length(
     most = max_units(config)
     if modality == Modality.Image:
         units = image_units(content, config.batch.image.patch_side, most)
+        return prefix + (most if units is None else units)
+    if modality == Modality.Audio:
+        audio = config.batch.audio
+        units = wav_units(content, audio.chunk_samples, audio.sample_rate, most)
         return prefix + (most if units is None else units)
     return prefix + most
