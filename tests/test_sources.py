@@ -29,7 +29,7 @@ from uform.enums import LateInteractionSide, Modality, Objective
 from uform.media.image import image_units
 from uform.notices import CapacityWarning, MediaWarning
 from uform.relations import Edges
-from uform.sources import Loader, open_source
+from uform.sources import Loader, merge_states, open_source
 from uform.sources.fields import Fields, read_record
 from uform.sources.manifest import read_csv
 from uform.sources.shards import braces, expand
@@ -342,8 +342,8 @@ def test_two_ranks_steps_together_are_one_ranks_steps(tmp_path: Path, shards: in
         assert whole.contents == parts[0].contents + parts[1].contents
         assert not set(parts[0].records) & set(parts[1].records)
     # A state merged from both ranks resumes a one-process run over the same two devices exactly.
-    merged = ranks[0].state()
-    merged["shares"].update(ranks[1].state()["shares"])
+    merged = merge_states([rank.state() for rank in ranks])
+    assert sorted(merged["shares"]) == ["0", "1"]
     again = Loader.resume(source, config, merged, devices=2, shuffle_buffer=3)
     assert again.next_step().records == one.next_step().records
 
@@ -386,3 +386,18 @@ def test_a_wav_recordings_length_comes_from_its_header() -> None:
         decoded = len(audio_units(data, chunk_samples=160, sample_rate=16000, max_units=63))
         measured = item_length(config, Modality.Audio, data, LateInteractionSide.None_, False) - 1
         assert measured == decoded if rate == 16000 else decoded <= measured <= decoded + 1, (rate, frames)
+
+
+def test_the_counts_travel_with_the_state_by_share() -> None:
+    rows = [{"id": f"r{i}", "q": "a" * (i + 1), "d": "b"} for i in range(5)]
+    rows.append({"id": "huge", "q": "x", "d": "y" * 10, "z": ["z"] * 9})
+    source = open_source(rows, fields={**PAIR, "z": "text"})
+    ranks = [Loader(source, run_config(), rank=r, world=2, shuffle_buffer=2) for r in range(2)]
+    with pytest.warns(CapacityWarning):
+        for _ in range(6):
+            for rank in ranks:
+                rank.next_step()
+    merged = merge_states([rank.state() for rank in ranks])
+    total = {k: ranks[0].counts[k] + ranks[1].counts[k] for k in ranks[0].counts}
+    assert total["too_large"] >= 1 and total["records"] >= 10
+    assert Loader.resume(source, run_config(), merged, devices=2, shuffle_buffer=2).counts == total

@@ -8,8 +8,8 @@ an exactly resumable order (issue 13). Host-side: nothing here imports torch.
 """
 
 from .fields import Fields
-from .loader import Loader
+from .loader import Loader, merge_states
 from .source import Source, open_source
 from .step_input import StepInput
 
-__all__ = ["Fields", "Loader", "Source", "StepInput", "open_source"]
+__all__ = ["Fields", "Loader", "Source", "StepInput", "merge_states", "open_source"]

@@ -39,11 +39,32 @@ from .sizes import item_length
 from .source import Source
 from .step_input import StepInput, assemble, relations_of
 
+COUNTS = ("records", "missing", "too_large", "empty")
+"""What `Loader.counts` counts."""
 STATE_VERSION = 1
 """The version of `Loader.state()`'s layout."""
 
 _QUERY_SIDES = (LateInteractionSide.Query, LateInteractionSide.QueryAndDocument)
 _DOCUMENT_SIDES = (LateInteractionSide.Document, LateInteractionSide.QueryAndDocument)
+
+
+def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """One state from the ranks' `Loader.state()`s of one run (each holds its own shares' positions), which
+    restores a loader over any number of ranks of the same `devices`; `ValueError` where they disagree on
+    the step, seed, devices or shuffle buffer."""
+    if not states:
+        raise ValueError("data states: none to merge")
+    first = states[0]
+    merged = {**first, "shares": {}, "counts": {}}
+    for state in states:
+        for name in ("version", "seed", "devices", "shuffle_buffer", "step"):
+            if state.get(name) != first.get(name):
+                raise ValueError(
+                    f"data states: {name} differs between ranks ({state.get(name)!r} vs {first.get(name)!r})"
+                )
+        merged["shares"].update(state["shares"])
+        merged["counts"].update(state["counts"])
+    return merged
 
 
 class Loader:
@@ -84,9 +105,7 @@ class Loader:
         """The loader's warnings (missing files, records too large), each shown once and counted."""
         held = range(rank * devices // world, (rank + 1) * devices // world)
         self.step = 1
-        self.counts = {"records": 0, "missing": 0, "too_large": 0, "empty": 0}
-        """Records taken into steps, and records skipped by why: a missing file, too large for a step,
-        no item (every field empty)."""
+        self._counts = {d: dict.fromkeys(COUNTS, 0) for d in held}
         at = {d: Position(0, 0) for d in held}
         if state is not None:
             at = self._restored(state, held)
@@ -112,7 +131,7 @@ class Loader:
             "shuffle_buffer": self.shuffle_buffer,
             "step": self.step,
             "shares": {str(d): [s.position().epoch, s.position().index] for d, s in self._streams.items()},
-            "counts": dict(self.counts),
+            "counts": {str(d): dict(c) for d, c in self._counts.items()},
         }
 
     def _restored(self, state: dict[str, Any], held: range) -> dict[int, Position]:
@@ -128,7 +147,9 @@ class Loader:
         if missing:
             raise ValueError(f"data state: holds no position for share(s) {missing} of rank {self.rank}")
         self.step = int(state["step"])
-        self.counts.update({k: int(v) for k, v in state.get("counts", {}).items()})
+        counts = state.get("counts", {})
+        for d in held:
+            self._counts[d].update({k: int(v) for k, v in counts.get(str(d), {}).items()})
         return {d: Position(int(shares[str(d)][0]), int(shares[str(d)][1])) for d in held}
 
     # ---- steps -----------------------------------------------------------------------------------
@@ -144,11 +165,17 @@ class Loader:
         self.step += 1
         return out
 
-    def _read(self, record: Record) -> RecordItems | None:
+    @property
+    def counts(self) -> dict[str, int]:
+        """Records taken into steps (`records`), and records skipped by why: a missing file (`missing`), too
+        large for any step (`too_large`), no item at all (`empty`); over this rank's shares, across resumes."""
+        return {kind: sum(c[kind] for c in self._counts.values()) for kind in COUNTS}
+
+    def _read(self, record: Record, share: int) -> RecordItems | None:
         """The record's items, or None (counted, warned) for a record to skip."""
         items = read_record(record, self.source.fields)
         if items.missing is not None:
-            self.counts["missing"] += 1
+            self._counts[share]["missing"] += 1
             self.notices.warn(
                 "missing",
                 f"uform: record {items.id} names a missing file ({items.missing}); such records are skipped and "
@@ -157,7 +184,7 @@ class Loader:
             )
             return None
         if not items.modalities:
-            self.counts["empty"] += 1
+            self._counts[share]["empty"] += 1
             return None
         return items
 
@@ -179,12 +206,12 @@ class Loader:
                 break  # a step ends with its epoch: a record never meets itself in one step
             if at.epoch > start + 1:
                 raise ValueError("data: every record of a whole epoch was skipped (see Loader.counts)")
-            items = self._read(record)
+            items = self._read(record, stream.share)
             if items is None:
                 stream.take()
                 continue
             cost = self._cost(items)
-            if not self._fits_alone(items, cost, limit):
+            if not self._fits_alone(items, cost, limit, stream.share):
                 stream.take()
                 continue
             if np.any(used + cost > limit):
@@ -195,7 +222,7 @@ class Loader:
         while len(chosen) > 1 and self._drops(chosen):
             stream.give_back([taken.pop()])
             chosen.pop()
-        self.counts["records"] += len(chosen)
+        self._counts[stream.share]["records"] += len(chosen)
         return chosen
 
     def _lengths(self, records: list[RecordItems]) -> np.ndarray:
@@ -215,10 +242,10 @@ class Loader:
         edges = [len(relations.attract.ids), len(relations.repel.ids)]
         return np.array([int(kept.sum()), len(items.modalities), 1, *edges], dtype=np.int64)
 
-    def _fits_alone(self, items: RecordItems, cost: np.ndarray, limit: np.ndarray) -> bool:
+    def _fits_alone(self, items: RecordItems, cost: np.ndarray, limit: np.ndarray, share: int) -> bool:
         too_many = len(items.choices) > self.config.batch.max_choices_per_item
         if too_many or np.any(cost > limit) or self._drops([items]):
-            self.counts["too_large"] += 1
+            self._counts[share]["too_large"] += 1
             self.notices.warn(
                 "too large",
                 f"uform: record {items.id} is too large for any step (its {len(items.modalities)} items take "
