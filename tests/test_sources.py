@@ -401,3 +401,35 @@ def test_the_counts_travel_with_the_state_by_share() -> None:
     total = {k: ranks[0].counts[k] + ranks[1].counts[k] for k in ranks[0].counts}
     assert total["too_large"] >= 1 and total["records"] >= 10
     assert Loader.resume(source, run_config(), merged, devices=2, shuffle_buffer=2).counts == total
+
+
+def test_a_run_stopped_and_resumed_with_its_loader_state_equals_the_straight_run(make_trainer, tmp_path: Path) -> None:
+    import dataclasses
+
+    import torch
+
+    config = run_config(batch=BatchShape(max_rows_per_device=4, max_segments_per_device=8, max_columns_per_row=64))
+    source = open_source(texts(24), fields=PAIR)
+
+    def run(trainer: Any, loader: Loader, steps: int) -> list[list[str]]:
+        seen = []
+        for _ in range(steps):
+            step = loader.next_step()
+            trainer.on(trainer.executor).step(*step)
+            seen.append(step.records)
+        return seen
+
+    straight_trainer = make_trainer(config)
+    straight = run(straight_trainer, Loader(source, config, shuffle_buffer=4), 5)
+    first = make_trainer(config)
+    loader = Loader(source, config, shuffle_buffer=4)
+    head = run(first, loader, 2)
+    first.save(tmp_path / "run.safetensors")
+    state = json.loads(json.dumps(loader.state()))  # what a checkpoint would carry beside the weights
+    resumed = make_trainer(dataclasses.replace(config, resume=tmp_path / "run.safetensors"))
+    tail = run(resumed, Loader.resume(source, config, state, shuffle_buffer=4), 3)
+    assert head + tail == straight
+    a, b = straight_trainer.weights().tensors, resumed.weights().tensors
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    before = first.weights().tensors  # after step 2: the three steps since moved the weights
+    assert not all(torch.equal(before[k], b[k]) for k in b)
