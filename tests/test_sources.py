@@ -433,3 +433,10 @@ def test_a_run_stopped_and_resumed_with_its_loader_state_equals_the_straight_run
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     before = first.weights().tensors  # after step 2: the three steps since moved the weights
     assert not all(torch.equal(before[k], b[k]) for k in b)
+
+
+def test_a_step_ends_with_its_epoch_and_the_next_epoch_fills_its_first_step() -> None:
+    rows = [{"id": f"r{i}", "q": "q", "d": "d"} for i in range(10)]  # 8 segments: 4 records a step
+    loader = Loader(open_source(rows, fields=PAIR), run_config(), shuffle_buffer=3)
+    sizes = [len(set(loader.next_step().records)) for _ in range(6)]
+    assert sizes == [4, 4, 2, 4, 4, 2]

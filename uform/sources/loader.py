@@ -199,10 +199,10 @@ class Loader:
             + [self.config.contrastive.max_edges_per_device] * 2,
             dtype=np.int64,
         )
-        start = stream.position().epoch
+        start = epoch = stream.peek()[0].epoch
         while True:
             at, record = stream.peek()
-            if chosen and at.epoch > start:
+            if chosen and at.epoch > epoch:
                 break  # a step ends with its epoch: a record never meets itself in one step
             if at.epoch > start + 1:
                 raise ValueError("data: every record of a whole epoch was skipped (see Loader.counts)")
@@ -218,6 +218,7 @@ class Loader:
                 break
             taken.append(stream.take())
             chosen.append(items)
+            epoch = at.epoch
             used += cost
         while len(chosen) > 1 and self._drops(chosen):
             stream.give_back([taken.pop()])
