@@ -203,10 +203,15 @@ def test_fsspec_urls_read_through_the_memory_filesystem() -> None:
 
 
 def test_an_unknown_field_is_an_error_naming_it_and_the_record_unless_ignored() -> None:
-    rows = [{"id": "r0", "q": "a", "d": "b", "extra": 1}]
-    loader = Loader(open_source(rows, fields=PAIR), run_config())
-    with pytest.raises(ValueError, match=r"record r0: field 'extra' is not in the field mapping"):
+    rows = [{"id": "r0", "q": "a", "d": "b"}, {"id": "r1", "q": "a", "d": "b", "extra": 1}]
+    loader = Loader(open_source(rows, fields=PAIR), run_config(), shuffle_buffer=1)
+    before = loader.state()
+    with pytest.raises(ValueError, match=r"record r1: field 'extra' is not in the field mapping"):
         loader.next_step()
+    assert loader.state() == before  # the refused step took nothing: r0 comes first again
+    with pytest.raises(ValueError, match=r"record r1: field 'extra'"):
+        loader.next_step()
+    rows = rows[1:]
     step = Loader(open_source(rows, fields={**PAIR, "extra": "ignore"}), run_config()).next_step()
     assert step.contents == [b"a", b"b"]
     with pytest.raises(ValueError, match=r"fields.q: 'txt' is no role"):

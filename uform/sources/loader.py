@@ -157,8 +157,16 @@ class Loader:
     def next_step(self) -> StepInput:
         """This rank's next step: its shares' records, each share filled to one device's capacity."""
         records: list[RecordItems] = []
-        for stream in self._streams.values():
-            records.extend(self._fill(stream))
+        counts = {d: dict(c) for d, c in self._counts.items()}
+        consumed: dict[int, list[tuple[Position, Record]]] = {d: [] for d in self._streams}
+        try:
+            for d, stream in self._streams.items():
+                records.extend(self._fill(stream, consumed[d]))
+        except BaseException:  # a refused record (an unknown field, say) leaves the loader where it was
+            for d, stream in self._streams.items():
+                stream.give_back(consumed[d])
+            self._counts = counts
+            raise
         late = self.source.fields.late
         groups = any(r.kind == "group" for r in self.source.fields.roles.values())
         out = assemble(records, self.step, late=late, groups=groups)
@@ -188,10 +196,11 @@ class Loader:
             return None
         return items
 
-    def _fill(self, stream: ShareStream) -> list[RecordItems]:
+    def _fill(self, stream: ShareStream, consumed: list[tuple[Position, Record]]) -> list[RecordItems]:
+        """One share's records for this step; every record taken from `stream` (kept or skipped) is appended
+        to `consumed`, in order, so that a failing step can hand them all back."""
         b = self.config.batch
         room = b.max_rows_per_device * b.max_columns_per_row
-        taken: list[tuple[Position, Record]] = []
         chosen: list[RecordItems] = []
         used = np.zeros(5, dtype=np.int64)  # positions, segments, bags, attract edges, repel edges
         limit = np.array(
@@ -208,20 +217,20 @@ class Loader:
                 raise ValueError("data: every record of a whole epoch was skipped (see Loader.counts)")
             items = self._read(record, stream.share)
             if items is None:
-                stream.take()
+                consumed.append(stream.take())
                 continue
             cost = self._cost(items)
             if not self._fits_alone(items, cost, limit, stream.share):
-                stream.take()
+                consumed.append(stream.take())
                 continue
             if np.any(used + cost > limit):
                 break
-            taken.append(stream.take())
+            consumed.append(stream.take())
             chosen.append(items)
             epoch = at.epoch
             used += cost
         while len(chosen) > 1 and self._drops(chosen):
-            stream.give_back([taken.pop()])
+            stream.give_back([consumed.pop()])  # the last consumed is the last chosen
             chosen.pop()
         self._counts[stream.share]["records"] += len(chosen)
         return chosen
