@@ -445,3 +445,21 @@ def test_a_step_ends_with_its_epoch_and_the_next_epoch_fills_its_first_step() ->
     loader = Loader(open_source(rows, fields=PAIR), run_config(), shuffle_buffer=3)
     sizes = [len(set(loader.next_step().records)) for _ in range(6)]
     assert sizes == [4, 4, 2, 4, 4, 2]
+
+
+def test_a_dataset_like_iterable_is_a_source_with_image_cells_as_datasets_writes_them() -> None:
+    class Rows:  # what `datasets.Dataset` offers a reader: len and a fresh iterator per pass
+        def __init__(self, rows: list[dict[str, Any]]) -> None:
+            self.rows = rows
+
+        def __len__(self) -> int:
+            return len(self.rows)
+
+        def __iter__(self) -> Iterator[dict[str, Any]]:
+            return iter(self.rows)
+
+    picture = jpeg(16, 16)
+    rows = Rows([{"image": {"bytes": picture, "path": None}, "text": f"caption {i}"} for i in range(3)])
+    step = Loader(open_source(rows, fields={"image": "image", "text": "text"}), run_config()).next_step()
+    assert step.contents.count(picture) == 3 and b"caption 2" in step.contents
+    assert set(step.records) == {"Rows[0]", "Rows[1]", "Rows[2]"}
