@@ -105,6 +105,7 @@ class RecordItems:
 
     @property
     def sides(self) -> list[LateInteractionSide]:
+        """Each item's late-interaction side: Query, Document, or None_ for every other kind."""
         side = {"query": LateInteractionSide.Query, "document": LateInteractionSide.Document}
         return [side.get(k, LateInteractionSide.None_) for k in self.kinds]
 
