@@ -28,6 +28,7 @@ BENEATH = {
     "losses": {"vocabulary"},
     "data": {"vocabulary", "media"},
     "model": {"vocabulary", "media", "data", "losses"},
+    "sources": {"vocabulary", "media", "data"},
 }
 # `uform/runtime/decoders.py` is the decode pool, a process runtime that lives in the media folder today; it is
 # runtime, not media (docs/architecture.md, "Known violations").

@@ -37,6 +37,9 @@ ALLOWED_LOCAL_IMPORTS = {
     ("uform.media.decode", "uform.media.image"): "optional heavy decoders load in the decode workers, on need",
     ("uform.media.decode", "uform.media.video"): "optional heavy decoders load in the decode workers, on need",
     ("uform.demo", "pydoc_data.topics"): "the demo's text (a megabyte of CPython's docs) loads when a demo runs",
+    ("uform.sources.shards", "fsspec"): "an optional extra, imported only for a URL",
+    ("uform.sources.parquet", "pyarrow.parquet"): "an optional extra, imported only for a Parquet shard",
+    ("uform.sources.sizes", "PIL"): "Pillow loads where an image header is read, never for text-only data",
 }
 """Every import inside a function of uform, with why it is there: a new one (one that dodges a loop, say) fails
 `test_no_import_inside_a_function_but_the_listed_ones` until it is listed here with its reason. The lazy names
