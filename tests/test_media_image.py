@@ -37,7 +37,7 @@ from media_samples import (
 from PIL import Image
 
 from uform.media import MediaError, MediaLimits, image_units
-from uform.media._grid import fit_size, grid_of
+from uform.media.grid import fit_size, grid_of
 
 
 def decode(data: bytes, patch_side: int = 16, channels: int = 4, max_units: int = 100_000, **limits: Any):

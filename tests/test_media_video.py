@@ -30,7 +30,7 @@ from media_samples import (
 )
 
 from uform.media import MediaError, MediaLimits, video_units
-from uform.media._grid import fit_size
+from uform.media.grid import fit_size
 
 CONTAINERS = ["mp4", "webm"]
 WIDTH, HEIGHT = VIDEO_SIZE  # 64 x 48: a 3 x 4 grid of 16-pixel patches

@@ -1,7 +1,8 @@
 """No module uses another module's private members (issue 11, item 7), benches included: a name with one
 leading underscore is its own file's business. Read from the source with `ast`: every `something._name` whose
 `_name` is defined in a different file of uform (as a function, class, method, module-level name or `self._name`
-attribute), and every `from uform... import _name`. Privates of other libraries (`torch._dynamo`, `os._exit`)
+attribute), every `from uform... import _name`, and every import from another package's private module
+(`from ..media._x import ...`; a package's own `from ._x import` is its business). Privates of other libraries (`torch._dynamo`, `os._exit`)
 are theirs to judge and are not counted."""
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ def test_no_module_reaches_into_another_modules_privates() -> None:
                 owners = ", ".join(str(p.relative_to(ROOT)) for p in sorted(everywhere[node.attr]))
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)} (defined in {owners})")
             elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("uform", ""):
+                hidden = [part for part in (node.module or "").split(".") if _private(part)]
+                if hidden and (node.level == 0 or node.level > 1):  # a private module of another package
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports from private module {node.module}")
                 for alias in node.names:
                     if _private(alias.name) and alias.name not in own:
                         found.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports {alias.name}")

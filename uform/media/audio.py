@@ -11,7 +11,7 @@ import numpy as np
 import soundfile
 import soxr
 
-from ._grid import check_arguments
+from .grid import check_arguments
 from ._pyav import open_input
 from .limits import MediaError, MediaLimits, describe
 from .sniff import as_bytes, check_complete, expect

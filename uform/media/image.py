@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from ._grid import check_arguments, fit_size, grid_of, positions, tile
+from .grid import check_arguments, fit_size, grid_of, positions, tile
 from .jpeg import check_jpeg
 from .limits import MediaError, MediaLimits, describe
 from .sniff import as_bytes, expect

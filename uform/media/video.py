@@ -7,7 +7,7 @@ from typing import Any
 import av
 import numpy as np
 
-from ._grid import check_arguments, fit_size, grid_of, positions, tile
+from .grid import check_arguments, fit_size, grid_of, positions, tile
 from ._pyav import open_input
 from .limits import MediaError, MediaLimits, describe
 from .sniff import as_bytes, check_complete, expect

@@ -3,7 +3,7 @@
 Text: its prefix and bytes (cut at a row by the packer, as the seed cuts it), plus the appended MASK of an
 item making a choice. An image: its prefix and patch grid, read from the header alone (Pillow opens an
 image lazily: it reads the size and the EXIF orientation, not the pixels), downscaled as the decoder
-downscales it to fit a row (`media._grid.fit_size`; where libjpeg's draft scale applies first, a patch or
+downscales it to fit a row (`media.grid.fit_size`; where libjpeg's draft scale applies first, a patch or
 two may differ). A WAV recording: its frames from the `fmt ` and `data` chunks. Video and other audio
 containers are counted a whole row each, the most a decoded item takes (the decoder downscales and cuts
 them to fit one): a step of them is never overfull, at the price of rows a short clip leaves unused. An
@@ -17,7 +17,7 @@ import io
 from .. import vocab
 from ..config import TrainerInitVramConfig
 from ..enums import LateInteractionSide, Modality
-from ..media._grid import fit_size, grid_of
+from ..media.grid import fit_size, grid_of
 from ..media.sniff import sniff
 
 _SWAPS_SIDES = (5, 6, 7, 8)  # EXIF orientations that turn an image by a quarter turn
