@@ -63,7 +63,7 @@ def test_no_module_reaches_into_another_modules_privates() -> None:
                     continue  # its own file's, or another library's
                 owners = ", ".join(str(p.relative_to(ROOT)) for p in sorted(everywhere[node.attr]))
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)} (defined in {owners})")
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("uform", ""):
+            elif isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").split(".")[0] == "uform"):
                 hidden = [part for part in (node.module or "").split(".") if _private(part)]
                 if hidden and (node.level == 0 or node.level > 1):  # a private module of another package
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports from private module {node.module}")

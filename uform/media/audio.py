@@ -11,8 +11,8 @@ import numpy as np
 import soundfile
 import soxr
 
-from .grid import check_arguments
 from ._pyav import open_input
+from .grid import check_arguments
 from .limits import MediaError, MediaLimits, describe
 from .sniff import as_bytes, check_complete, expect
 from .units import Units

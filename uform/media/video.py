@@ -7,8 +7,8 @@ from typing import Any
 import av
 import numpy as np
 
-from .grid import check_arguments, fit_size, grid_of, positions, tile
 from ._pyav import open_input
+from .grid import check_arguments, fit_size, grid_of, positions, tile
 from .limits import MediaError, MediaLimits, describe
 from .sniff import as_bytes, check_complete, expect
 from .units import Units
