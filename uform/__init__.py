@@ -37,7 +37,7 @@ _WHERE = {
     "PairLossForm": "enums",
     "Scalar": "enums",
     "evaluate_retrieval": "evaluate",
-    "fit": "fit",
+    "fit": "fitting",
     "Executor": "runtime.executor",
     "Mesh": "runtime.mesh",
     "MeshDescription": "runtime.mesh",
@@ -89,7 +89,7 @@ if TYPE_CHECKING:
     )
     from .enums import GPUClass, LateInteractionSide, Modality, MultimemTier, Negatives, Objective, PairLossForm, Scalar
     from .evaluate import evaluate_retrieval
-    from .fit import fit
+    from .fitting import fit
     from .notices import CapacityWarning, MediaWarning, MemoryWarning, NonFiniteWarning, ScheduleWarning, UformWarning
     from .relations import Edges, Relations
     from .replica.checkpoint import CheckpointError, Stopped

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from . import __version__
 from .demo import DEFAULTS, run_demo
-from .fit import fit
+from .fitting import fit
 from .run_config import read_run_config
 from .runtime.executor import Executor
 

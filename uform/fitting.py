@@ -6,7 +6,8 @@
 The loop is the library's own verbs and nothing more: `open_source` and a `Loader` (`uform.sources`) fill each
 step, `Trainer.step` takes it, a `MetricsWriter` logs it, `Trainer.save` writes the checkpoint with the loader's
 state beside the weights (the checkpoint's `uform.data`), so a resume continues with the very record the
-interrupted run would have read next. `uform train` (`uform/cli.py`) is this call behind argv.
+interrupted run would have read next. `uform train` (`uform/cli.py`) is this call behind argv. (The module is not `uform/fit.py`: importing a
+submodule binds its name on the package, which would hide the lazily exported function `uform.fit`.)
 """
 
 from __future__ import annotations
