@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import tomllib
 import warnings
 from pathlib import Path
 from typing import Any
@@ -191,7 +192,7 @@ def test_the_data_slot_round_trips_is_bounded_and_is_absent_from_a_plain_save(tm
         assert read_data_state(tmp_path / "data.safetensors") == {"shares": {"0": [1, 2]}}
         with pytest.raises(ValueError, match="data_state: must be plain JSON"):
             trainer.save(tmp_path / "nan.safetensors", data_state={"x": float("nan")})
-        with pytest.raises(ValueError, match="data_state: .* more than MAX_DATA_BYTES"):
+        with pytest.raises(ValueError, match=r"data_state: .* more than MAX_DATA_BYTES"):
             trainer.save(tmp_path / "big.safetensors", data_state={"x": "y" * 1_000_001})
         with pytest.raises(TypeError, match="data_state: expected a JSON-able dict"):
             trainer.save(tmp_path / "list.safetensors", data_state=[1])  # type: ignore[arg-type]
@@ -207,3 +208,25 @@ def test_a_stored_data_slot_of_another_format_is_refused_from_the_header(tmp_pat
     for text in ("{", json.dumps({"format": "uform.data.9", "state": {}}), json.dumps([1]), "x" * 1_000_001):
         with pytest.raises(CheckpointError, match=DATA_KEY):
             stored_data({DATA_KEY: text}, "f")
+
+
+def test_the_readmes_record_examples_read_by_their_fields(tmp_path: Path) -> None:
+    from test_readme import blocks
+
+    from uform.sources.fields import read_record
+
+    mappings = [b for b in blocks("toml") if b.startswith("fields = ")]
+    records = blocks("jsonl")
+    assert len(mappings) == len(records) == 5
+    for i, (mapping, lines) in enumerate(zip(mappings, records, strict=True)):
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        (folder / "data.jsonl").write_text(lines)
+        for line in lines.splitlines():
+            for value in json.loads(line).values():
+                if isinstance(value, str) and value.startswith("images/"):
+                    (folder / "images").mkdir(exist_ok=True)
+                    Image.new("RGB", (32, 32), (200, 40, 40)).save(folder / value)
+        source = open_source(str(folder / "data.jsonl"), fields=tomllib.loads(mapping)["fields"])
+        read = [read_record(r, source.fields) for r in source.records(0)]
+        assert len(read) == len(lines.splitlines()) and all(r.modalities and r.missing is None for r in read), i
