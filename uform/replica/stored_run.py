@@ -101,7 +101,9 @@ def read_stored_run(path: str | bytes | os.PathLike) -> StoredRun:
     counts = [_counter(metadata, key, shown) for key in COUNTER_KEYS]
     _check_rng(metadata, config, shown)
     _check_layout(config, layout, shown)
-    return StoredRun(target, metadata, config, *counts, data=stored_data(metadata, shown))
+    step, dropped, skipped, nonfinite = counts
+    data = stored_data(metadata, shown)
+    return StoredRun(target, metadata, config, step, dropped, skipped, nonfinite, data)
 
 
 def read_data_state(path: str | bytes | os.PathLike) -> dict[str, Any] | None:
