@@ -230,3 +230,20 @@ def test_the_readmes_record_examples_read_by_their_fields(tmp_path: Path) -> Non
         source = open_source(str(folder / "data.jsonl"), fields=tomllib.loads(mapping)["fields"])
         read = [read_record(r, source.fields) for r in source.records(0)]
         assert len(read) == len(lines.splitlines()) and all(r.modalities and r.missing is None for r in read), i
+
+
+def test_any_iterable_of_records_is_a_source_for_fit(tmp_path: Path) -> None:
+    from uform.run_config import RunConfig
+
+    trainer = read_run_config(PAIRS, ["trainer.schedule.steps=2"]).trainer
+    rows = [{"k": f"r{i}", "a": f"question {i}?", "b": f"answer number {i}."} for i in range(12)]
+    with pytest.raises(ValueError, match=r"data\.train"):
+        uform.fit(RunConfig(trainer), tmp_path / "none", log=None)
+    assert not (tmp_path / "none").exists()
+    seen: list[tuple[int, list[str]]] = []
+    fields = {"k": "id", "a": "text", "b": "text"}
+    summary = uform.fit(
+        RunConfig(trainer), tmp_path / "rows", data=rows, fields=fields, progress=logged(seen), log=None
+    )
+    assert summary.step == 2 and summary.items == sum(len(r) for _, r in seen)
+    assert {r for _, records in seen for r in records} <= {f"r{i}" for i in range(12)}
