@@ -247,3 +247,15 @@ def test_any_iterable_of_records_is_a_source_for_fit(tmp_path: Path) -> None:
     )
     assert summary.step == 2 and summary.items == sum(len(r) for _, r in seen)
     assert {r for _, records in seen for r in records} <= {f"r{i}" for i in range(12)}
+
+
+def test_a_run_refused_at_init_vram_writes_no_folder(tmp_path: Path, capsys: Any) -> None:
+    missing = json.dumps(str(tmp_path / "no-such.safetensors"))
+    out = tmp_path / "run"
+    assert main(["train", PAIRS, "--output", str(out), "--set", f"trainer.init_from={missing}"]) == 2
+    assert "no-such.safetensors" in capsys.readouterr().err
+    assert not out.exists()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    assert main(["train", PAIRS, "--output", str(tmp_path / "full")]) == 2
+    assert "already holds files" in capsys.readouterr().err

@@ -120,8 +120,9 @@ def fit(
     spec, named = _data(run, data, fields)
     source = open_source(spec, fields=named)
 
+    folder: RunDir | None = None
     if resume is None:
-        folder = RunDir.create(output, run)
+        _check_new(output)  # a clash is refused now; the folder is made once the trainer stands
         checkpoint, state = None, None
     else:
         folder = RunDir.open(output)
@@ -139,6 +140,7 @@ def fit(
         loader = Loader(source, run.trainer, devices=len(executor.devices), state=state)
         trainer = Trainer.init_vram(executor, trainer_config, init_from=None if checkpoint else run.init_from)
         try:
+            folder = RunDir.create(output, run) if folder is None else folder
             return _loop(run, folder, trainer, loader, checkpoint is not None, stop_after, progress, log, log_every)
         finally:
             trainer.close()
@@ -155,6 +157,17 @@ def _data(run: RunConfig, data: Any, fields: Mapping[str, Any] | None) -> tuple[
     if not named:
         raise ValueError('data.fields: map each record field to its role (fields = { txt = "text" })')
     return spec, named
+
+
+def _check_new(output: str | os.PathLike) -> None:
+    """`RunDir.create`'s refusals, before anything is built: a refused run writes nothing."""
+    folder = os.fspath(output)
+    if os.path.isdir(folder) and os.listdir(folder):
+        raise FileExistsError(
+            f"output: {os.fsdecode(folder)} already holds files; resume its run (--resume latest) or pick another"
+        )
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise FileExistsError(f"output: {os.fsdecode(folder)} exists and is not a folder")
 
 
 def _default_executor() -> Executor:
