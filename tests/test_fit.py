@@ -79,6 +79,7 @@ def test_the_image_example_holds_what_its_script_draws(tmp_path: Path) -> None:
         ("trainer.objective=contrastiv", "trainer.objective"),
         ("trainer.schedule.steps=many", "trainer.schedule.steps: expected an int"),
         ("data.fields.question=txt", "fields.question: 'txt' is no role"),
+        ("data.held_out=held.jsonl", "data.held_out: evaluation during a run is not wired"),
     ],
 )
 def test_a_config_error_names_the_key_path_and_writes_nothing(

@@ -154,6 +154,8 @@ def _data(run: RunConfig, data: Any, fields: Mapping[str, Any] | None) -> tuple[
     named = fields if fields is not None else (None if run.data is None else dict(run.data.fields))
     if spec is None:
         raise ValueError("data.train: the run file names no training data, and fit was given none (data=)")
+    if run.data is not None and run.data.held_out:  # refused, not ignored: a run would seem evaluated and is not
+        raise ValueError("data.held_out: evaluation during a run is not wired into fit yet; leave it out for now")
     if not named:
         raise ValueError('data.fields: map each record field to its role (fields = { txt = "text" })')
     return spec, named
