@@ -5,9 +5,9 @@ block reads the checkpoint the training block wrote). Each runs as a plain scrip
 with no main guard, exactly as a user saves and runs it (tests/test_script_forms.py covers stdin, `-c` and
 notebook cells); a uform warning (a media item skipped,
 items dropped for room, a memory overshoot) is an error, so a block cannot pass by quietly doing less than it
-says. The two bash commands are not installed
-here (CI runs the test command itself, from `.ci/run`); they are held to what `.ci/run` runs and to the
-console script and defaults `uform demo` runs.
+says. The bash commands are not run here (CI runs the test command itself, from `.ci/run`); they are held to
+what `.ci/run` runs, to the console script and defaults `uform demo` runs, and to the example `uform train`
+runs (tests/test_fit.py runs it shortened, and reads the README's toml/jsonl record examples).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
 DEMO_COMMAND = "python -m pip install torch==2.13.0 . && uform demo"
+TRAIN_COMMAND = "uform train examples/text_pairs.toml --output runs/text_pairs"
 
 
 def blocks(language: str) -> list[str]:
@@ -33,10 +34,15 @@ def blocks(language: str) -> list[str]:
     return [m.group(2) for m in re.finditer(r"^```(\w*)\n(.*?)^```$", text, re.S | re.M) if m.group(1) == language]
 
 
-def test_bash_blocks_are_the_two_commands() -> None:
+def test_bash_blocks_are_the_three_commands() -> None:
     commands = [block.strip() for block in blocks("bash")]
-    assert len(commands) == 2, commands
-    demo, tests = commands
+    assert len(commands) == 3, commands
+    demo, tests, train = commands
+    assert train == TRAIN_COMMAND
+    from uform.cli import build_parser
+
+    args = build_parser().parse_args(train.split()[1:])
+    assert args.command == "train" and (ROOT / args.config).is_file()
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
     assert tests in ci, f"the README's test command {tests!r} is not what .ci/run runs"
     assert tests.endswith('-e ".[test]" && python -m pytest')

@@ -37,6 +37,7 @@ _WHERE = {
     "PairLossForm": "enums",
     "Scalar": "enums",
     "evaluate_retrieval": "evaluate",
+    "fit": "fitting",
     "Executor": "runtime.executor",
     "Mesh": "runtime.mesh",
     "MeshDescription": "runtime.mesh",
@@ -88,6 +89,7 @@ if TYPE_CHECKING:
     )
     from .enums import GPUClass, LateInteractionSide, Modality, MultimemTier, Negatives, Objective, PairLossForm, Scalar
     from .evaluate import evaluate_retrieval
+    from .fitting import fit
     from .notices import CapacityWarning, MediaWarning, MemoryWarning, NonFiniteWarning, ScheduleWarning, UformWarning
     from .relations import Edges, Relations
     from .replica.checkpoint import CheckpointError, Stopped
@@ -139,6 +141,7 @@ __all__ = [
     "UformWarning",
     "VideoShape",
     "evaluate_retrieval",
+    "fit",
     "load",
     "resolve",
 ]

@@ -1,6 +1,8 @@
 """The `uform` command line: a thin layer that parses argv and calls the library.
 
     uform demo [--steps N] [--depth N] [--hidden N] [--seed N] [--cpu] [--quiet] [--save PATH]
+    uform train CONFIG.toml [--output DIR] [--resume PATH|latest] [--stop-after N] [--set KEY=VALUE ...]
+                [--devices 0,1|cpu|cpu:N]
     uform version
 
 `main(argv)` answers the exit status instead of exiting, so it can be called in-process (as the tests
@@ -10,14 +12,17 @@ do); the console script and `python -m uform` pass its answer to `sys.exit`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from . import __version__
 from .demo import DEFAULTS, run_demo
+from .fitting import fit
+from .run_config import read_run_config
 from .runtime.executor import Executor
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "devices_of", "main"]
 
 
 def _positive(text: str) -> int:
@@ -67,8 +72,77 @@ def build_parser() -> argparse.ArgumentParser:
         "--save", metavar="PATH", default=None, help="save the trained run there, load it back and evaluate it too"
     )
 
+    train = commands.add_parser(
+        "train",
+        help="train on your own data, as a run file (TOML) describes",
+        description="Trains the run CONFIG.toml describes ([trainer], [data]) and writes its folder: config.toml, "
+        "metrics.jsonl and checkpoints/step-NNNNNNNN.safetensors.",
+    )
+    train.add_argument("config", metavar="CONFIG.toml", help="the run file")
+    train.add_argument(
+        "--output", metavar="DIR", default=None, help="the run's folder (default: runs/<the file's name>)"
+    )
+    train.add_argument(
+        "--resume", metavar="PATH|latest", default=None, help="continue the run of --output from a checkpoint"
+    )
+    train.add_argument(
+        "--stop-after", metavar="N", type=_positive, default=None, help="take at most N steps, save and exit 0"
+    )
+    train.add_argument(
+        "--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides", help="override a key of the file"
+    )
+    train.add_argument(
+        "--devices",
+        metavar="0,1|cpu|cpu:N",
+        type=devices_of,
+        default=None,
+        help="CUDA devices by index, the CPU, or N CPU devices (default: CUDA 0 where there is one, else the CPU)",
+    )
+
     commands.add_parser("version", help="print the library's version", description="Prints uform's version.")
     return parser
+
+
+def devices_of(text: str) -> list[int] | int:
+    """`--devices`' word, parsed (the executor is made once the run file has been read): "cpu", "cpu:N" or
+    CUDA indices "0,1". Answers the CUDA indices as a list, or the count of CPU devices as an int (0: the CPU
+    driven in this process)."""
+    if text == "cpu":
+        return 0
+    if text.startswith("cpu:"):
+        count = text.removeprefix("cpu:")
+        if not count.isdigit() or int(count) < 1:
+            raise argparse.ArgumentTypeError(f"cpu:N needs a positive count of CPU devices, got {text!r}")
+        return int(count) if int(count) > 1 else 0
+    parts = text.split(",")
+    if not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected cpu, cpu:N or CUDA indices such as 0,1; got {text!r}")
+    return [int(p) for p in parts]
+
+
+def _train(args: argparse.Namespace) -> int:
+    try:
+        config = read_run_config(args.config, args.overrides)  # every key checked before a device is touched
+        output = args.output or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
+        executor = None
+        if isinstance(args.devices, int):
+            executor = Executor.cpu(workers=args.devices)
+        elif args.devices is not None:
+            executor = Executor.for_vram(args.devices)
+        try:
+            summary = fit(config, output, resume=args.resume, stop_after=args.stop_after, devices=executor)
+        finally:
+            if executor is not None:
+                executor.close()
+    except (ValueError, TypeError, OSError) as error:  # a CheckpointError is a ValueError
+        print(f"uform train: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nuform train: interrupted (the last checkpoint written is the one to resume)", file=sys.stderr)
+        return 130
+    state = "done" if summary.step >= summary.steps else f"stopped at step {summary.step} of {summary.steps}"
+    print(f"uform train: {state}; {summary.output}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -82,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "version":
         print(f"uform {__version__}")
         return 0
+    if args.command == "train":
+        return _train(args)
 
     try:
         run_demo(

@@ -116,11 +116,11 @@ class RunDir:
             raise ValueError(f"step: must lie in [0, 2^63), got {step}")
         return os.path.join(self.checkpoints, f"step-{step:08d}.safetensors")
 
-    def save(self, trainer: Trainer, step: int) -> str:
-        """Saves `trainer` as the checkpoint of `step` (`Trainer.save`: written whole, renamed into place);
-        answers its path."""
+    def save(self, trainer: Trainer, step: int, *, data_state: dict[str, Any] | None = None) -> str:
+        """Saves `trainer` as the checkpoint of `step` (`Trainer.save`: written whole, renamed into place), with
+        `data_state` (the loader's position) beside it; answers its path."""
         path = self.checkpoint_path(step)
-        trainer.save(path)
+        trainer.save(path, data_state=data_state)
         return path
 
     def latest(self, notices: Notices | None = None) -> str | None:

@@ -22,6 +22,7 @@ from .media.decode import MediaPolicy
 from .model.network import Network
 from .notices import MediaWarning as MediaWarning  # re-exported: where callers met it first
 from .notices import Notices
+from .replica.checkpoint import data_slot
 from .replica.init_from import StartingWeights, plan_starting_weights
 from .replica.optim import Optimizer
 from .replica.replica import WORLD_COMPILES, Replica, Weights
@@ -179,9 +180,9 @@ class Trainer:
         """One optimizer step on the trainer's own executor, blocking; see `On.step`."""
         return self.on(self.executor).step(modalities, contents, config)
 
-    def save(self, config: Any) -> None:
+    def save(self, config: Any, *, data_state: dict[str, Any] | None = None) -> None:
         """Writes a checkpoint on the trainer's own executor, blocking; see `On.save`."""
-        self.on(self.executor).save(config)
+        self.on(self.executor).save(config, data_state=data_state)
 
     @property
     def steps_taken(self) -> int:
@@ -269,9 +270,10 @@ class Trainer:
         self._check_open()
         return self._backend.submit(modalities, contents, config, copy_buffers, caller_depth=2)  # _submit, On.step
 
-    def _save(self, config: Any) -> Future:
+    def _save(self, config: Any, data_state: dict[str, Any] | None) -> Future:
         self._check_open()
-        return self._backend.save(save_config(config))
+        checked = save_config(config)
+        return self._backend.save(checked, None if data_state is None else data_slot(data_state))
 
 
 class On:
@@ -284,9 +286,11 @@ class On:
         """Applies one optimizer step over the items; answers the arena's embeddings when one is named."""
         return self.trainer._submit(modalities, contents, config, copy_buffers=False).result()
 
-    def save(self, config: Any) -> None:
-        """Writes the checkpoint; `config` is a path or a `TrainerSaveConfig`."""
-        self.trainer._save(config).result()
+    def save(self, config: Any, *, data_state: dict[str, Any] | None = None) -> None:
+        """Writes the checkpoint; `config` is a path or a `TrainerSaveConfig`. `data_state` (a JSON-able dict,
+        such as `uform.sources.Loader.state()`) is stored beside the run (the checkpoint's `uform.data`, at most
+        `checkpoint.MAX_DATA_BYTES`), for `stored_run.read_data_state` to hand a resume."""
+        self.trainer._save(config, data_state).result()
 
 
 class Deferred:
@@ -298,8 +302,8 @@ class Deferred:
     def step(self, modalities: Any, contents: Any, config: TrainerStepConfig | None = None) -> Future:
         return self.trainer._submit(modalities, contents, config, copy_buffers=True)
 
-    def save(self, config: Any) -> Future:
-        return self.trainer._save(config)
+    def save(self, config: Any, *, data_state: dict[str, Any] | None = None) -> Future:
+        return self.trainer._save(config, data_state)
 
 
 def save_config(config: Any) -> TrainerSaveConfig:

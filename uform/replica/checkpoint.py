@@ -58,11 +58,15 @@ import torch
 from ..config import TrainerInitVramConfig, to_dict, to_json
 
 __all__ = [
+    "DATA_FORMAT",
+    "DATA_KEY",
     "DIGEST_KEY",
     "FORMAT",
+    "MAX_DATA_BYTES",
     "RNG_DRAWS",
     "CheckpointError",
     "Stopped",
+    "data_slot",
     "over_stored",
     "read_checkpoint",
     "read_layout",
@@ -72,6 +76,7 @@ __all__ = [
     "run_metadata",
     "run_tensors",
     "same_run",
+    "stored_data",
     "stored_weights",
     "write_checkpoint",
 ]
@@ -640,6 +645,14 @@ RNG_KEY = "uform.rng"
 """A label: `{"draws": RNG_DRAWS, "seed": <the run's seed>}`."""
 COUNTER_KEYS = (STEP_KEY, DROPPED_KEY, SKIPPED_KEY, NONFINITE_KEY)
 """The counters, in `StoredRun`'s order: non-negative decimal integers, zero where absent."""
+DATA_KEY = "uform.data"
+"""Optional (issue 13): where the run's data stood at the save, so a resume reads the very record next. JSON:
+`{"format": DATA_FORMAT, "state": <the loader's state>}`; absent in a checkpoint saved without one (every file
+written before the slot existed), and ignored by a reader that does not look for it."""
+DATA_FORMAT = "uform.data.1"
+"""The version of `DATA_KEY`'s layout (the state inside carries the loader's own version too)."""
+MAX_DATA_BYTES = 1_000_000
+"""The most UTF-8 bytes `DATA_KEY` may hold (a loader's state is a few numbers per device), written or read."""
 
 WEIGHTS = "weights."
 """The prefix of each tensor of the network's state dict."""
@@ -667,10 +680,13 @@ def run_tensors(network: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
 
 
 def run_metadata(
-    config: TrainerInitVramConfig, step: int, dropped: int, skipped: int, nonfinite: int
+    config: TrainerInitVramConfig, step: int, dropped: int, skipped: int, nonfinite: int, data: str | None = None
 ) -> dict[str, str]:
-    """What a save writes beside the tensors: the format, the resolved run and its counters."""
+    """What a save writes beside the tensors: the format, the resolved run, its counters, and `data` (the
+    `DATA_KEY` text of `data_slot`) where given."""
+    extra = {} if data is None else {DATA_KEY: data}
     return {
+        **extra,
         FORMAT_KEY: FORMAT,
         CONFIG_KEY: to_json(config),
         STEP_KEY: str(step),
@@ -679,6 +695,39 @@ def run_metadata(
         NONFINITE_KEY: str(nonfinite),
         RNG_KEY: json.dumps({"draws": RNG_DRAWS, "seed": config.seed}),
     }
+
+
+def data_slot(state: Any) -> str:
+    """The `DATA_KEY` text holding `state` (a JSON-able dict: a data loader's position); `ValueError` / `TypeError`
+    naming `data_state` for one that is not JSON or is larger than `MAX_DATA_BYTES`."""
+    if not isinstance(state, dict):
+        raise TypeError(f"data_state: expected a JSON-able dict, got {type(state).__name__}")
+    try:
+        text = json.dumps({"format": DATA_FORMAT, "state": state}, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"data_state: must be plain JSON (dicts, lists, strings, finite numbers): {error}") from None
+    if len(text.encode()) > MAX_DATA_BYTES:
+        raise ValueError(f"data_state: {len(text.encode())} bytes as JSON, more than MAX_DATA_BYTES={MAX_DATA_BYTES}")
+    return text
+
+
+def stored_data(metadata: Mapping[str, str], shown: str) -> dict[str, Any] | None:
+    """The data state a checkpoint's metadata holds (`DATA_KEY`), or None where it holds none; its size is
+    bounded before it is parsed, and anything but `data_slot`'s layout is a `CheckpointError`."""
+    text = metadata.get(DATA_KEY)
+    if text is None:
+        return None
+    if len(text) > MAX_DATA_BYTES or len(text.encode()) > MAX_DATA_BYTES:
+        raise CheckpointError(f"{shown}: {DATA_KEY} is larger than {MAX_DATA_BYTES} bytes")
+    try:
+        slot = json.loads(text, parse_constant=_no_constants)
+    except ValueError as error:
+        raise CheckpointError(f"{shown}: {DATA_KEY} is not JSON ({error})") from None
+    if not isinstance(slot, dict) or set(slot) != {"format", "state"} or not isinstance(slot["state"], dict):
+        raise CheckpointError(f'{shown}: {DATA_KEY} must be {{"format": ..., "state": {{...}}}}')
+    if slot["format"] != DATA_FORMAT:
+        raise CheckpointError(f"{shown}: {DATA_KEY} has format {slot['format']!r}; this reader knows {DATA_FORMAT!r}")
+    return slot["state"]
 
 
 def stored_weights(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -313,11 +313,12 @@ class Replica:
         self._warn_past_schedule(step, 3 + caller_depth)  # in the caller's thread, where its warning filters apply
         return done
 
-    def save(self, config: TrainerSaveConfig) -> Future:
+    def save(self, config: TrainerSaveConfig, data: str | None = None) -> Future:
         """Queues a checkpoint of the run after every step called before it (only rank 0 writes, in a world);
-        `config` is taken as checked (`trainer.save_config`)."""
+        `config` is taken as checked (`trainer.save_config`), `data` is the data slot's text
+        (`checkpoint.data_slot`) or None."""
         self.check_open()
-        return self._queue.submit(self._run_save, config)
+        return self._queue.submit(self._run_save, config, data)
 
     def weights(self) -> Future:
         """A `Future` of the network's `Weights` after every step called before it."""
@@ -618,7 +619,7 @@ class Replica:
             self._skips = [s for s in self._skips if not since < s <= step]
         return len(mine)
 
-    def _run_save(self, config: TrainerSaveConfig) -> None:
+    def _run_save(self, config: TrainerSaveConfig, data: str | None = None) -> None:
         if self.world is not None and self.world.aborted:
             # The abort may have cut a step's collectives short after its update was launched: the weights
             # may hold part of a step, so they are not written (the last checkpoint is the one to resume).
@@ -640,7 +641,7 @@ class Replica:
             )
         tensors = run_tensors(self.network, self.optimizer)
         counters = (self._step_count, self._dropped, self._skipped, self._nonfinite_total)
-        metadata = run_metadata(self.config, *counters)
+        metadata = run_metadata(self.config, *counters, data=data)
         write_checkpoint(config.path, tensors, metadata, config.progress, config.progress_steps or 10)
 
 

@@ -27,6 +27,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -49,9 +50,10 @@ from .checkpoint import (
     read_checkpoint,
     read_layout,
     same_run,
+    stored_data,
 )
 
-__all__ = ["StoredRun", "read_run_tensors", "read_stored_run", "resolve_run"]
+__all__ = ["StoredRun", "read_data_state", "read_run_tensors", "read_stored_run", "resolve_run"]
 
 _DECIMAL = re.compile(r"0|[1-9][0-9]{0,18}")
 
@@ -74,6 +76,8 @@ class StoredRun:
     """Media items skipped since the last step that read its stats."""
     nonfinite: int
     """Steps skipped whole because their loss or gradients were not finite (numbered, but no update applied)."""
+    data: dict[str, Any] | None = None
+    """Where the run's data stood at the save (`checkpoint.DATA_KEY`, a loader's state), None where not stored."""
 
 
 def read_stored_run(path: str | bytes | os.PathLike) -> StoredRun:
@@ -97,7 +101,15 @@ def read_stored_run(path: str | bytes | os.PathLike) -> StoredRun:
     counts = [_counter(metadata, key, shown) for key in COUNTER_KEYS]
     _check_rng(metadata, config, shown)
     _check_layout(config, layout, shown)
-    return StoredRun(target, metadata, config, *counts)
+    step, dropped, skipped, nonfinite = counts
+    data = stored_data(metadata, shown)
+    return StoredRun(target, metadata, config, step, dropped, skipped, nonfinite, data)
+
+
+def read_data_state(path: str | bytes | os.PathLike) -> dict[str, Any] | None:
+    """The data state a trainer checkpoint stores (`Trainer.save(..., data_state=...)`), or None where it stores
+    none; the header is checked whole first (`read_stored_run`), so a foreign file is a `CheckpointError`."""
+    return read_stored_run(path).data
 
 
 def resolve_run(config: TrainerInitVramConfig) -> tuple[TrainerInitVramConfig, StoredRun | None]:

@@ -183,11 +183,12 @@ class Replicas:
         with self._lock:
             self._steps = steps
 
-    def save(self, config: TrainerSaveConfig) -> Future:
-        """Every worker's replica saves (only rank 0's writes; its progress reports are the ones relayed)."""
+    def save(self, config: TrainerSaveConfig, data: str | None = None) -> Future:
+        """Every worker's replica saves (only rank 0's writes, `data` the data slot's text with it; its progress
+        reports are the ones relayed)."""
         if self.closed:
             raise ValueError("trainer: it was closed")
-        shipped = (dataclasses.replace(config, progress=None), config.progress is not None)
+        shipped = (dataclasses.replace(config, progress=None), config.progress is not None, data)
         relay = self._workers.relay(config.progress)
         futures = self._workers.call([(_worker_save, shipped)] * len(self._workers.devices), relay)
         done: Future = Future()
@@ -312,8 +313,8 @@ def _worker_save(state: dict[str, Any], device: torch.device, argument: Any, pro
     replica = state["trainer"]
     if replica is None:
         raise ValueError("trainer: none was made on this executor")
-    config, relayed = argument
-    replica.save(dataclasses.replace(config, progress=progress if relayed else None)).result()
+    config, relayed, data = argument
+    replica.save(dataclasses.replace(config, progress=progress if relayed else None), data).result()
 
 
 def _worker_weights(state: dict[str, Any], device: torch.device, argument: Any, progress: Any) -> Future:
