@@ -1,5 +1,8 @@
 """The demo: train a small tower contrastively on real text and watch retrieval improve.
 
+This module is the text part; `uform.demo_shapes` is the image-text part (pictures drawn at run time and
+their captions), and `uform demo` runs both by default (`--part text|image|both`), then prints `report`.
+
 The text is CPython's own documentation: the `topics` dict of `pydoc_data/topics.py`, which ships with
 every Python (it backs `help("topics")`). Nobody here wrote it, and it needs no download.
 
