@@ -155,7 +155,16 @@ def test_the_replica_uses_only_the_world_of_the_runtime_and_the_runtime_no_face(
     """face -> runtime -> replica -> pure: a replica is handed its world and its prepare stage, so of the runtime it
     imports the world's collectives alone; the runtime imports nothing of the face."""
     graph, _ = _imports()
-    face = {"uform", "uform.trainer", "uform.serve", "uform.evaluate", "uform.cli", "uform.demo", "uform.__main__"}
+    face = {
+        "uform",
+        "uform.trainer",
+        "uform.serve",
+        "uform.evaluate",
+        "uform.cli",
+        "uform.demo",
+        "uform.demo_shapes",
+        "uform.__main__",
+    }
     for name, targets in graph.items():
         if name.startswith("uform.replica."):
             runtime = {t for t in targets if t.startswith("uform.runtime.")}

@@ -1,6 +1,7 @@
 """The `uform` command line: a thin layer that parses argv and calls the library.
 
-    uform demo [--steps N] [--depth N] [--hidden N] [--seed N] [--cpu] [--quiet] [--save PATH]
+    uform demo [--part text|image|both] [--steps N] [--image-steps N] [--depth N] [--hidden N] [--seed N]
+               [--cpu] [--quiet] [--save PATH]
     uform train CONFIG.toml [--output DIR] [--resume PATH|latest] [--stop-after N] [--set KEY=VALUE ...]
                 [--devices 0,1|cpu|cpu:N]
     uform version
@@ -17,7 +18,8 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
-from .demo import DEFAULTS, run_demo
+from .demo import DEFAULTS, held_out_split, report, run_demo, text_pairs
+from .demo_shapes import IMAGE_DEFAULTS, run_image_demo
 from .fitting import fit
 from .run_config import read_run_config
 from .runtime.executor import Executor
@@ -47,29 +49,55 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "demo",
-        help="train a small model on CPython's documentation and print held-out retrieval before and after",
-        description="Trains a small tower on paragraphs of CPython's pydoc topics and prints held-out "
-        "recall@1, recall@10 and MRR before and after training. Uses the first GPU when there is one.",
+        help="train a small model on CPython's documentation and on drawn pictures with captions, and print "
+        "held-out retrieval before and after",
+        description="Trains a small tower on paragraphs of CPython's pydoc topics (the text part) and on pictures "
+        "of shapes drawn at run time with captions saying what is where (the image part), and prints held-out "
+        "recall and MRR before and after training, with chance. Uses the first GPU when there is one.",
     )
-    demo.add_argument("--steps", type=_positive, default=DEFAULTS["steps"], help="optimizer steps (%(default)s)")
+    demo.add_argument(
+        "--part", choices=("text", "image", "both"), default="both", help="which part to run (%(default)s)"
+    )
+    demo.add_argument(
+        "--steps", type=_positive, default=DEFAULTS["steps"], help="the text part's optimizer steps (%(default)s)"
+    )
+    demo.add_argument(
+        "--image-steps",
+        type=_positive,
+        default=IMAGE_DEFAULTS["steps"],
+        help="the image part's optimizer steps (%(default)s)",
+    )
     demo.add_argument("--depth", type=_positive, default=DEFAULTS["depth"], help="transformer blocks (%(default)s)")
     demo.add_argument(
         "--hidden", type=_positive, default=DEFAULTS["hidden"], help="embedding width, a multiple of 128 (%(default)s)"
     )
-    demo.add_argument("--rows", type=_positive, default=DEFAULTS["rows"], help="rows per step (%(default)s)")
-    demo.add_argument("--columns", type=_positive, default=DEFAULTS["columns"], help="bytes per row (%(default)s)")
     demo.add_argument(
-        "--segments", type=_positive, default=DEFAULTS["segments"], help="items per step, two per pair (%(default)s)"
+        "--rows", type=_positive, default=DEFAULTS["rows"], help="the text part's rows per step (%(default)s)"
     )
     demo.add_argument(
-        "--learning-rate", type=float, default=DEFAULTS["learning_rate"], help="peak learning rate (%(default)s)"
+        "--columns", type=_positive, default=DEFAULTS["columns"], help="the text part's bytes per row (%(default)s)"
+    )
+    demo.add_argument(
+        "--segments",
+        type=_positive,
+        default=DEFAULTS["segments"],
+        help="the text part's items per step, two per pair (%(default)s)",
+    )
+    demo.add_argument(
+        "--learning-rate",
+        type=float,
+        default=DEFAULTS["learning_rate"],
+        help="the text part's peak learning rate (%(default)s)",
     )
     demo.add_argument("--seed", type=_natural, default=DEFAULTS["seed"], help="seed of every draw (%(default)s)")
     demo.add_argument("--max-paragraphs", type=_positive, default=None, help="use only this many paragraphs (all)")
     demo.add_argument("--cpu", action="store_true", help="train on the CPU even when a GPU is present")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     demo.add_argument(
-        "--save", metavar="PATH", default=None, help="save the trained run there, load it back and evaluate it too"
+        "--save",
+        metavar="PATH",
+        default=None,
+        help="save the text part's trained run there, load it back and evaluate it too",
     )
 
     train = commands.add_parser(
@@ -159,21 +187,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "train":
         return _train(args)
 
+    if args.save is not None and args.part == "image":
+        print("uform demo: --save: saves the text part's run; choose --part text or both", file=sys.stderr)
+        return 2
+    executor = Executor.cpu() if args.cpu else None
+    text = images = None
     try:
-        run_demo(
-            steps=args.steps,
-            depth=args.depth,
-            hidden=args.hidden,
-            rows=args.rows,
-            columns=args.columns,
-            segments=args.segments,
-            learning_rate=args.learning_rate,
-            seed=args.seed,
-            max_paragraphs=args.max_paragraphs,
-            executor=Executor.cpu() if args.cpu else None,
-            progress=not args.quiet,
-            checkpoint=args.save,
-        )
+        if args.part in ("text", "both"):
+            text = run_demo(
+                steps=args.steps,
+                depth=args.depth,
+                hidden=args.hidden,
+                rows=args.rows,
+                columns=args.columns,
+                segments=args.segments,
+                learning_rate=args.learning_rate,
+                seed=args.seed,
+                max_paragraphs=args.max_paragraphs,
+                executor=executor,
+                progress=not args.quiet,
+                checkpoint=args.save,
+            )
+        if args.part in ("image", "both"):
+            images = run_image_demo(
+                steps=args.image_steps,
+                depth=args.depth,
+                hidden=args.hidden,
+                seed=args.seed,
+                executor=executor,
+                progress=not args.quiet,
+            )
+        if text is not None and images is not None:
+            held = len(held_out_split(len(text_pairs(args.seed, args.max_paragraphs)[1]), args.seed)[1])
+            print(report(text, images, held))
     except ValueError as error:
         print(f"uform demo: {error}", file=sys.stderr)
         return 2

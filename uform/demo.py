@@ -1,5 +1,8 @@
 """The demo: train a small tower contrastively on real text and watch retrieval improve.
 
+This module is the text part; `uform.demo_shapes` is the image-text part (pictures drawn at run time and
+their captions), and `uform demo` runs both by default (`--part text|image|both`), then prints `report`.
+
 The text is CPython's own documentation: the `topics` dict of `pydoc_data/topics.py`, which ships with
 every Python (it backs `help("topics")`). Nobody here wrote it, and it needs no download.
 
@@ -58,7 +61,7 @@ from .serve import Model, load
 from .trainer import Trainer
 from .vocab import prefix
 
-__all__ = ["held_out_split", "load_pairs", "load_paragraphs", "run_demo"]
+__all__ = ["held_out_split", "load_pairs", "load_paragraphs", "report", "run_demo", "text_pairs"]
 
 DEFAULTS: dict[str, Any] = {
     "steps": 300,
@@ -137,12 +140,47 @@ def held_out_split(count: int, seed: int, fraction: float = 0.1) -> tuple[np.nda
     return np.sort(order[held:]), np.sort(order[:held])
 
 
+def text_pairs(seed: int, max_paragraphs: int | None = None) -> tuple[list[str], list[tuple[str, str]]]:
+    """(paragraphs, pairs) of the text part: every prose paragraph, or a keyed-random `max_paragraphs` of
+    them, and their pairs (`load_pairs`); at least two pairs, for the held-out tenth."""
+    paragraphs = load_paragraphs()
+    if max_paragraphs is not None:
+        if max_paragraphs < 4:
+            raise ValueError(f"max_paragraphs: needs at least 4 paragraphs, got {max_paragraphs}")
+        keep = np.random.default_rng([seed, 0xC0DE]).permutation(len(paragraphs))[:max_paragraphs]
+        paragraphs = [paragraphs[i] for i in sorted(keep)]
+    pairs = load_pairs(paragraphs)
+    if len(pairs) < 2:
+        raise ValueError(
+            f"max_paragraphs: {max_paragraphs} paragraphs make {len(pairs)} pairs; the held-out tenth needs two"
+        )
+    return paragraphs, pairs
+
+
+def report(text: dict[str, dict[str, float]], images: dict[str, Any], text_held: int) -> str:
+    """The closing summary of both parts, after training: `text` as `run_demo` answers it (over `text_held`
+    held-out pairs), `images` as `uform.demo_shapes.run_image_demo` does, each beside its chance level."""
+    after, shapes = text["after"], images["after"]
+    lines = [
+        "held-out retrieval after training (chance in brackets):",
+        f"  text, sentence -> rest of paragraph: recall@1 {after['recall@1']:.3f} ({1 / text_held:.3f})"
+        f"  recall@10 {after['recall@10']:.3f} ({min(1.0, 10 / text_held):.3f})",
+    ]
+    for direction, metrics in shapes.items():
+        lines.append(
+            f"  images, {direction:<11}: recall@1 {metrics['recall@1']:.3f} ({metrics['chance@1']:.3f})"
+            f"  recall@5 {metrics['recall@5']:.3f} ({metrics['chance@5']:.3f})"
+        )
+    return "\n".join(lines)
+
+
 def default_executor() -> Executor:
     """The first GPU when there is one, else the CPU."""
     return Executor.for_vram([0]) if torch.cuda.is_available() else Executor.cpu()
 
 
-def _bar(out: TextIO, done: int, total: int, loss: float, rate: float, width: int = 30) -> None:
+def progress_bar(out: TextIO, done: int, total: int, loss: float, rate: float, width: int = 30) -> None:
+    """Rewrites one line of `out`: a bar of `done` of `total` steps, the last loss and the rate."""
     filled = width * done // max(total, 1)
     out.write(f"\r[{'#' * filled}{'-' * (width - filled)}] {done}/{total} loss {loss:.3f} {rate:.1f} steps/s")
     out.flush()
@@ -189,17 +227,7 @@ def run_demo(
         raise ValueError(f"segments: a step needs at least one pair (two segments), got {segments}")
     executor = default_executor() if executor is None else executor
 
-    paragraphs = load_paragraphs()
-    if max_paragraphs is not None:
-        if max_paragraphs < 4:
-            raise ValueError(f"max_paragraphs: needs at least 4 paragraphs, got {max_paragraphs}")
-        keep = np.random.default_rng([seed, 0xC0DE]).permutation(len(paragraphs))[:max_paragraphs]
-        paragraphs = [paragraphs[i] for i in sorted(keep)]
-    pairs = load_pairs(paragraphs)
-    if len(pairs) < 2:
-        raise ValueError(
-            f"max_paragraphs: {max_paragraphs} paragraphs make {len(pairs)} pairs; the held-out tenth needs two"
-        )
+    paragraphs, pairs = text_pairs(seed, max_paragraphs)
     _, held = held_out_split(len(pairs), seed)
     # Training paragraphs: every prose paragraph but the held-out ones, long enough for two crops.
     held_text = {f"{pairs[i][0]} {pairs[i][1]}" for i in held}
@@ -259,7 +287,7 @@ def run_demo(
             on.step([Modality.Text] * len(contents), contents, step_config)
             dropped += stats.dropped
             if progress and (step == steps or step % max(1, steps // 100) == 0):
-                _bar(out, step, steps, stats.loss, step / max(time.perf_counter() - started, 1e-9))
+                progress_bar(out, step, steps, stats.loss, step / max(time.perf_counter() - started, 1e-9))
         if progress:
             out.write("\n")
         if not math.isfinite(stats.loss):
