@@ -47,6 +47,7 @@ import re
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import numpy as np
@@ -186,6 +187,52 @@ def progress_bar(out: TextIO, done: int, total: int, loss: float, rate: float, w
     out.flush()
 
 
+def train_pairs(
+    trainer: Trainer,
+    executor: Executor,
+    *,
+    steps: int,
+    per_step: int,
+    count: int,
+    pair: Callable[[int, np.random.Generator], tuple[list[Modality], list[Any]]],
+    rng: np.random.Generator,
+    out: TextIO,
+    progress: bool,
+    what: str,
+) -> None:
+    """`steps` steps of `per_step` pairs drawn in epochs over `count` pairs, each epoch in a keyed shuffled order;
+    `pair(i, rng)` answers pair i's two items (item 2k and 2k + 1 of a step attract each other). Writes the
+    progress bar and, after, a warning for a last loss that is not finite and a note of the `what` that found
+    no room. Both parts of the demo train this way."""
+    attract = Relations(attract=Edges(offsets=list(range(2 * per_step + 1)), ids=[i ^ 1 for i in range(2 * per_step)]))
+    order: list[int] = []
+    stats = TrainerStepStats()
+    step_config = TrainerStepConfig(relations=attract, stats=stats)
+    on = trainer.on(executor)
+    started = time.perf_counter()
+    dropped = 0
+    for step in range(1, steps + 1):
+        while len(order) < per_step:
+            order.extend(rng.permutation(count).tolist())
+        chosen, order = order[:per_step], order[per_step:]
+        modalities: list[Modality] = []
+        contents: list[Any] = []
+        for i in chosen:
+            kinds, items = pair(i, rng)
+            modalities += kinds
+            contents += items
+        on.step(modalities, contents, step_config)
+        dropped += stats.dropped
+        if progress and (step == steps or step % max(1, steps // 100) == 0):
+            progress_bar(out, step, steps, stats.loss, step / max(time.perf_counter() - started, 1e-9))
+    if progress:
+        out.write("\n")
+    if not math.isfinite(stats.loss):
+        out.write(f"warning: the last loss is {stats.loss}\n")
+    if dropped:
+        out.write(f"note: {dropped} {what} found no room in their step (raise rows)\n")
+
+
 def _line(label: str, metrics: dict[str, float]) -> str:
     return (
         f"{label}: recall@1 {metrics['recall@1']:.3f}  recall@10 {metrics['recall@10']:.3f}  mrr {metrics['mrr']:.3f}"
@@ -265,35 +312,24 @@ def run_demo(
         out.write(_line("before training", before) + "\n")
         out.flush()
 
-        # Item 2k is pair k's query crop, item 2k + 1 its document crop; they attract each other.
-        attract = Relations(
-            attract=Edges(offsets=list(range(2 * per_step + 1)), ids=[i ^ 1 for i in range(2 * per_step)])
-        )
+        # Item 2k is pair k's query crop, item 2k + 1 its document crop.
+        def crops(i: int, rng: np.random.Generator) -> tuple[list[Modality], list[Any]]:
+            query = _crop(pool[i], QUERY_WORDS, rng).encode()[:room]
+            return [Modality.Text, Modality.Text], [query, _crop(pool[i], DOCUMENT_WORDS, rng).encode()[:room]]
+
         rng = np.random.default_rng([seed, 0xBA7C])
-        order: list[int] = []
-        stats = TrainerStepStats()
-        step_config = TrainerStepConfig(relations=attract, stats=stats)
-        on = trainer.on(executor)
-        started = time.perf_counter()
-        dropped = 0
-        for step in range(1, steps + 1):
-            while len(order) < per_step:  # epochs over the pool, each in a keyed shuffled order
-                order.extend(rng.permutation(len(pool)).tolist())
-            chosen, order = order[:per_step], order[per_step:]
-            contents = []
-            for i in chosen:
-                contents.append(_crop(pool[i], QUERY_WORDS, rng).encode()[:room])
-                contents.append(_crop(pool[i], DOCUMENT_WORDS, rng).encode()[:room])
-            on.step([Modality.Text] * len(contents), contents, step_config)
-            dropped += stats.dropped
-            if progress and (step == steps or step % max(1, steps // 100) == 0):
-                progress_bar(out, step, steps, stats.loss, step / max(time.perf_counter() - started, 1e-9))
-        if progress:
-            out.write("\n")
-        if not math.isfinite(stats.loss):
-            out.write(f"warning: the last loss is {stats.loss}\n")
-        if dropped:
-            out.write(f"note: {dropped} crops found no room in their step (raise rows)\n")
+        train_pairs(
+            trainer,
+            executor,
+            steps=steps,
+            per_step=per_step,
+            count=len(pool),
+            pair=crops,
+            rng=rng,
+            out=out,
+            progress=progress,
+            what="crops",
+        )
         after = evaluate(live)
         out.write(_line("after training ", after) + "\n")
         out.flush()

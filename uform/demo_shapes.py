@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import io
 import itertools
-import math
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -36,13 +34,10 @@ from .config import (
     ImageShape,
     Schedule,
     TrainerInitVramConfig,
-    TrainerStepConfig,
-    TrainerStepStats,
 )
-from .demo import default_executor, progress_bar
+from .demo import default_executor, train_pairs
 from .enums import Modality, Objective, PairLossForm
 from .evaluate import evaluate_retrieval
-from .relations import Edges, Relations
 from .runtime.executor import Executor
 from .serve import Model
 from .trainer import Trainer
@@ -225,35 +220,22 @@ def run_image_demo(
             out.write(_line(f"before training, {direction}", metrics) + "\n")
         out.flush()
 
-        attract = Relations(
-            attract=Edges(offsets=list(range(2 * per_step + 1)), ids=[i ^ 1 for i in range(2 * per_step)])
-        )
+        def scene(i: int, rng: np.random.Generator) -> tuple[list[Modality], list[Any]]:
+            return [Modality.Image, Modality.Text], [draw_scene(train[i], side, rng), train[i].caption]
+
         rng = np.random.default_rng([seed, 0x1A6E])
-        order: list[int] = []
-        stats = TrainerStepStats()
-        step_config = TrainerStepConfig(relations=attract, stats=stats)
-        on = trainer.on(executor)
-        started = time.perf_counter()
-        dropped = 0
-        for step in range(1, steps + 1):
-            while len(order) < per_step:  # epochs over the training captions, each in a keyed shuffled order
-                order.extend(rng.permutation(len(train)).tolist())
-            chosen, order = order[:per_step], order[per_step:]
-            modalities: list[Modality] = []
-            contents: list[bytes | str] = []
-            for i in chosen:
-                modalities += [Modality.Image, Modality.Text]
-                contents += [draw_scene(train[i], side, rng), train[i].caption]
-            on.step(modalities, contents, step_config)
-            dropped += stats.dropped
-            if progress and (step == steps or step % max(1, steps // 100) == 0):
-                progress_bar(out, step, steps, stats.loss, step / max(time.perf_counter() - started, 1e-9))
-        if progress:
-            out.write("\n")
-        if not math.isfinite(stats.loss):
-            out.write(f"warning: the last loss is {stats.loss}\n")
-        if dropped:
-            out.write(f"note: {dropped} items found no room in their step (raise rows)\n")
+        train_pairs(
+            trainer,
+            executor,
+            steps=steps,
+            per_step=per_step,
+            count=len(train),
+            pair=scene,
+            rng=rng,
+            out=out,
+            progress=progress,
+            what="items",
+        )
         after = evaluate()
         for direction, metrics in after.items():
             out.write(_line(f"after training , {direction}", metrics) + "\n")
