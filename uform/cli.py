@@ -3,7 +3,7 @@
     uform demo [--part text|image|both] [--steps N] [--image-steps N] [--depth N] [--hidden N] [--seed N]
                [--cpu] [--quiet] [--save PATH]
     uform train CONFIG.toml [--output DIR] [--resume PATH|latest] [--stop-after N] [--set KEY=VALUE ...]
-                [--devices 0,1|cpu|cpu:N]
+                [--devices 0,1|cpu|cpu:N]            (or under torchrun: one process per device)
     uform version
 
 `main(argv)` answers the exit status instead of exiting, so it can be called in-process (as the tests
@@ -23,6 +23,7 @@ from .demo_shapes import IMAGE_DEFAULTS, run_image_demo
 from .fitting import fit
 from .run_config import read_run_config
 from .runtime.executor import Executor
+from .runtime.mesh import Mesh
 
 __all__ = ["build_parser", "devices_of", "main"]
 
@@ -152,14 +153,23 @@ def _train(args: argparse.Namespace) -> int:
     try:
         config = read_run_config(args.config, args.overrides)  # every key checked before a device is touched
         output = args.output or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
-        executor = None
-        if isinstance(args.devices, int):
+        executor = mesh = None
+        lead = True
+        if Mesh.under_torchrun():  # one process per device, each the device LOCAL_RANK (or the CPU)
+            if args.devices is not None:
+                raise ValueError("--devices: under torchrun every process trains on its own device; leave it out")
+            mesh = Mesh.from_env()
+            lead = mesh.describe().ranks[0] == 0
+        elif isinstance(args.devices, int):
             executor = Executor.cpu(workers=args.devices)
         elif args.devices is not None:
             executor = Executor.for_vram(args.devices)
         try:
-            summary = fit(config, output, resume=args.resume, stop_after=args.stop_after, devices=executor)
+            summary = fit(config, output, resume=args.resume, stop_after=args.stop_after, devices=executor, mesh=mesh)
         finally:
+            if mesh is not None:
+                mesh.close()
+                mesh.executor.close()
             if executor is not None:
                 executor.close()
     except (ValueError, TypeError, OSError) as error:  # a CheckpointError is a ValueError
@@ -169,7 +179,8 @@ def _train(args: argparse.Namespace) -> int:
         print("\nuform train: interrupted (the last checkpoint written is the one to resume)", file=sys.stderr)
         return 130
     state = "done" if summary.step >= summary.steps else f"stopped at step {summary.step} of {summary.steps}"
-    print(f"uform train: {state}; {summary.output}")
+    if lead:
+        print(f"uform train: {state}; {summary.output}")
     return 0
 
 

@@ -12,6 +12,7 @@ submodule binds its name on the package, which would hide the lazily exported fu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -26,7 +27,9 @@ from .config import TrainerStepStats
 from .replica.stored_run import read_data_state
 from .run_config import RunConfig, read_run_config
 from .run_dir import RunDir
+from .run_place import RunPlace
 from .runtime.executor import Executor
+from .runtime.mesh import Mesh
 from .sources import Loader, open_source
 from .trainer import Trainer
 
@@ -47,9 +50,9 @@ class FitStep:
     stats: TrainerStepStats
     """What the trainer reported for it."""
     records: list[str]
-    """The ids of the records it trained on, one per item, in item order (every rank's, in share order)."""
+    """The ids of the records this process's devices trained on, one per item, in item order (share order)."""
     items: int
-    """Items it trained on."""
+    """Items it trained on, the whole world's."""
     seconds: float
     """Its wall time, reading included."""
 
@@ -82,6 +85,7 @@ def fit(
     resume: str | os.PathLike | None = None,
     stop_after: int | None = None,
     devices: Executor | None = None,
+    mesh: Mesh | None = None,
     data: Any = None,
     fields: Mapping[str, Any] | None = None,
     progress: Callable[[FitStep], Any] | None = None,
@@ -95,7 +99,10 @@ def fit(
     weights, optimizer and data position alike; without it `output` must be new or empty. `stop_after` takes at
     most that many steps in this call, then saves and returns (a run split across a scheduler's jobs); the run
     ends at `config.trainer.schedule.steps`. `devices` is the executor (default: CUDA device 0 where there is
-    one, else the CPU); its devices read one share of each global step each (`uform.sources.Loader`).
+    one, else the CPU); its devices read one share of each global step each (`uform.sources.Loader`). `mesh`
+    makes this process one of a run's (`Mesh.from_env()` under torchrun, or `Mesh.bootstrap`): every process
+    calls `fit` alike, reads only its own devices' shares, and the lead (rank 0's process) alone writes the
+    folder, the metrics and the console lines (`uform.run_place.RunPlace`); `devices` is then the mesh's.
     `data` replaces `[data] train` (any re-iterable of records, a `datasets` dataset included, or paths) and
     `fields` `[data] fields`. `progress(FitStep)` is called after every step; `log` gets one line every
     `log_every` steps (None: silent). Everything is checked before anything is written or trained.
@@ -115,33 +122,37 @@ def fit(
         raise TypeError(f"progress: expected None or a callable, got {type(progress).__name__}")
     if devices is not None and not isinstance(devices, Executor):
         raise TypeError(f"devices: expected an Executor, got {type(devices).__name__}")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected None or a Mesh, got {type(mesh).__name__}")
+    if mesh is not None and devices is not None and devices is not mesh.executor:
+        raise ValueError("devices: a run over a mesh trains on the mesh's executor; leave devices out")
     if resume is not None and not isinstance(resume, (str, os.PathLike)):
         raise TypeError(f"resume: expected None, a checkpoint's path or 'latest', got {type(resume).__name__}")
     spec, named = _data(run, data, fields)
     source = open_source(spec, fields=named)
 
-    folder: RunDir | None = None
+    place = RunPlace(mesh)
+    log = log if place.lead else None
     if resume is None:
-        _check_new(output)  # a clash is refused now; the folder is made once the trainer stands
+        place.agree(lambda: _check_new(output))  # a clash is refused now; the folder is made once the trainer stands
         checkpoint, state = None, None
     else:
-        folder = RunDir.open(output)
-        checkpoint = folder.latest() if os.fspath(resume) == "latest" else os.fspath(resume)
-        if checkpoint is None:
-            raise FileNotFoundError(f"resume: {folder.path} holds no whole checkpoint to resume from")
-        state = read_data_state(checkpoint)
-        if state is None:
-            raise ValueError(f"resume: {checkpoint} stores no data position (it was not saved by fit)")
+        checkpoint, state = place.agree(lambda: _resumed(output, resume))
 
-    owned = devices is None
-    executor = _default_executor() if devices is None else devices
-    trainer_config = run.trainer if checkpoint is None else dataclasses.replace(run.trainer, resume=checkpoint)
+    owned = devices is None and mesh is None
+    executor = mesh.executor if mesh is not None else _default_executor() if devices is None else devices
+    trainer_config = run.trainer if mesh is None else dataclasses.replace(run.trainer, mesh=mesh)
+    trainer_config = trainer_config if checkpoint is None else dataclasses.replace(trainer_config, resume=checkpoint)
     try:
-        loader = Loader(source, run.trainer, devices=len(executor.devices), state=state)
+        loader = Loader(source, run.trainer, **place.loader_shares(len(executor.devices)), state=state)
         trainer = Trainer.init_vram(executor, trainer_config, init_from=None if checkpoint else run.init_from)
         try:
-            folder = RunDir.create(output, run) if folder is None else folder
-            return _loop(run, folder, trainer, loader, checkpoint is not None, stop_after, progress, log, log_every)
+            if checkpoint is None:
+                place.agree(lambda: RunDir.create(output, run).path)
+            folder = RunDir.open(output)
+            return _loop(
+                run, folder, place, trainer, loader, checkpoint is not None, stop_after, progress, log, log_every
+            )
         finally:
             trainer.close()
     finally:
@@ -159,6 +170,18 @@ def _data(run: RunConfig, data: Any, fields: Mapping[str, Any] | None) -> tuple[
     if not named:
         raise ValueError('data.fields: map each record field to its role (fields = { txt = "text" })')
     return spec, named
+
+
+def _resumed(output: str | os.PathLike, resume: str | os.PathLike) -> tuple[str, dict[str, Any]]:
+    """The checkpoint `resume` names in the run's folder `output`, and the data position it stores."""
+    folder = RunDir.open(output)
+    checkpoint = folder.latest() if os.fspath(resume) == "latest" else os.fspath(resume)
+    if checkpoint is None:
+        raise FileNotFoundError(f"resume: {folder.path} holds no whole checkpoint to resume from")
+    state = read_data_state(checkpoint)
+    if state is None:
+        raise ValueError(f"resume: {checkpoint} stores no data position (it was not saved by fit)")
+    return checkpoint, state
 
 
 def _check_new(output: str | os.PathLike) -> None:
@@ -179,6 +202,7 @@ def _default_executor() -> Executor:
 def _loop(
     run: RunConfig,
     folder: RunDir,
+    place: RunPlace,
     trainer: Trainer,
     loader: Loader,
     resumed: bool,
@@ -192,7 +216,8 @@ def _loop(
     taken = items = 0
     stats: TrainerStepStats | None = None
     checkpoint = None
-    with folder.metrics(resumed_at=loader.step - 1 if resumed else None) as metrics:
+    writer = folder.metrics(resumed_at=loader.step - 1 if resumed else None) if place.lead else None
+    with writer if writer is not None else contextlib.nullcontext() as metrics:
         while loader.step <= last:
             started = time.perf_counter()
             step_input = loader.next_step()
@@ -200,8 +225,9 @@ def _loop(
             step_input.config.stats = stats
             trainer.step(*step_input)
             seconds = time.perf_counter() - started
-            count = len(step_input.contents)
-            metrics.step(stats, items=count, seconds=seconds)
+            count = place.total(len(step_input.contents))
+            if metrics is not None:
+                metrics.step(stats, items=count, seconds=seconds)
             taken, items = taken + 1, items + count
             if progress is not None:
                 progress(FitStep(step_input.step, steps, stats, list(step_input.records), count, seconds))
@@ -210,7 +236,7 @@ def _loop(
                 log.write(f"step {step_input.step}/{steps}  loss {stats.loss:.4f}  items/s {rate}\n")
                 log.flush()
         if taken:
-            checkpoint = folder.save(trainer, loader.step - 1, data_state=loader.state())
+            checkpoint = folder.save(trainer, loader.step - 1, data_state=place.data_state(loader.state()))
     if log is not None and checkpoint is not None:
         log.write(f"saved {checkpoint}\n")
     return FitSummary(loader.step - 1, steps, taken, items, stats, checkpoint, folder.path)
