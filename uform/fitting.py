@@ -225,7 +225,7 @@ def _loop(
             step_input.config.stats = stats
             trainer.step(*step_input)
             seconds = time.perf_counter() - started
-            count = place.total(len(step_input.contents))
+            count = stats.items  # the world's
             if metrics is not None:
                 metrics.step(stats, items=count, seconds=seconds)
             taken, items = taken + 1, items + count

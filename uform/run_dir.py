@@ -191,7 +191,7 @@ class MetricsWriter:
     """Appends a run's records to its `metrics.jsonl`, one JSON object a line, each flushed as written.
 
     A step record carries every `TrainerStepStats` field by its name, with `kind` "step", `wall_time` (seconds
-    since the epoch), `items` (the world's) and `items_per_second`; an evaluation record `kind` "eval", the step it
+    since the epoch) and `items_per_second`; an evaluation record `kind` "eval", the step it
     evaluated, its results and `wall_time`. A non-finite float is written as the string "nan", "inf" or "-inf" (JSON has no such
     number), which `read_metrics` reads back as a float.
     """
@@ -212,7 +212,6 @@ class MetricsWriter:
         record: dict[str, Any] = {"kind": "step"}
         record.update({name: getattr(stats, name) for name in _STEP_FIELDS})
         record["wall_time"] = time.time() if wall_time is None else float(wall_time)
-        record["items"] = items
         record["items_per_second"] = items / seconds if seconds > 0 else None
         self._write(record)
 

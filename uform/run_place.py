@@ -77,12 +77,6 @@ class RunPlace:
             raise _REFUSALS.get(answer["error"], RuntimeError)(answer["message"])
         return answer["value"]
 
-    def total(self, value: int) -> int:
-        """`value` summed over the run's processes (items a step trained on, world-wide)."""
-        if self.mesh is None:
-            return value
-        return sum(int(v) for v in self._exchange(int(value)))
-
     def data_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """The run's data position from this process's `Loader.state()`: every process's shares merged
         (`merge_states`), so a resume over any number of processes of the same devices continues from it."""
