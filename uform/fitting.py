@@ -17,7 +17,9 @@ import dataclasses
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -30,13 +32,16 @@ from .run_dir import RunDir
 from .run_place import RunPlace
 from .runtime.executor import Executor
 from .runtime.mesh import Mesh
-from .sources import Loader, open_source
+from .sources import Loader, StepInput, open_source
 from .trainer import Trainer
 
 __all__ = ["FitStep", "FitSummary", "fit"]
 
 LOG_EVERY = 10
 """Steps between two console lines (the last step of a call always has one)."""
+IN_FLIGHT = 2
+"""Steps submitted and not yet finished: the next step's records are read, decoded and packed while the device
+runs the one before (`Trainer.deferred`); a save waits for both."""
 
 
 @dataclass(frozen=True)
@@ -216,22 +221,30 @@ def _loop(
     taken = items = 0
     stats: TrainerStepStats | None = None
     checkpoint = None
+    deferred = trainer.deferred(trainer.executor)
+    in_flight: deque[tuple[StepInput, TrainerStepStats, Future]] = deque()
     writer = folder.metrics(resumed_at=loader.step - 1 if resumed else None) if place.lead else None
     with writer if writer is not None else contextlib.nullcontext() as metrics:
-        while loader.step <= last:
-            started = time.perf_counter()
-            step_input = loader.next_step()
-            stats = TrainerStepStats()
-            step_input.config.stats = stats
-            trainer.step(*step_input)
-            seconds = time.perf_counter() - started
+        finished = time.perf_counter()
+        while loader.step <= last or in_flight:
+            if loader.step <= last:  # read and submit the next step while the device runs the ones before
+                step_input = loader.next_step()
+                step_stats = TrainerStepStats()
+                step_input.config.stats = step_stats
+                in_flight.append((step_input, step_stats, deferred.step(*step_input)))
+                if len(in_flight) < IN_FLIGHT and loader.step <= last:
+                    continue
+            step_input, stats, future = in_flight.popleft()
+            future.result()
+            now = time.perf_counter()
+            seconds, finished = now - finished, now  # between two completions: the step's share of the wall
             count = stats.items  # the world's
             if metrics is not None:
                 metrics.step(stats, items=count, seconds=seconds)
             taken, items = taken + 1, items + count
             if progress is not None:
                 progress(FitStep(step_input.step, steps, stats, list(step_input.records), count, seconds))
-            if log is not None and (step_input.step % log_every == 0 or loader.step > last):
+            if log is not None and (step_input.step % log_every == 0 or step_input.step == last):
                 rate = f"{count / seconds:.1f}" if seconds > 0 else "-"
                 log.write(f"step {step_input.step}/{steps}  loss {stats.loss:.4f}  items/s {rate}\n")
                 log.flush()
