@@ -125,11 +125,31 @@ def library_rates(run: Any, executor: Any, args: argparse.Namespace) -> list[flo
     return rates
 
 
-def fit_rates(config: pathlib.Path, output: pathlib.Path, executor: Any) -> list[float]:
+def loader_seconds(run: Any, steps: int) -> tuple[float, float]:
+    """(wall, CPU) seconds per step of the loader alone, reading the shards."""
+    from uform.sources import Loader, open_source
+
+    loader = Loader(open_source(list(run.data.train), fields=dict(run.data.fields)), run.trainer, devices=1)
+    loader.next_step()
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        loader.next_step()
+    return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
+
+
+def fit_rates(config: pathlib.Path, output: pathlib.Path, executor: Any, profile: bool = False) -> list[float]:
     import uform as u
     from uform.run_dir import read_metrics
 
-    u.fit(str(config), output, devices=executor, log=None)
+    if profile:  # the main thread's own time: reading, submitting, waiting
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.runcall(u.fit, str(config), output, devices=executor, log=None)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    else:
+        u.fit(str(config), output, devices=executor, log=None)
     return [r["items_per_second"] / 2 for r in read_metrics(output / "metrics.jsonl") if r["kind"] == "step"]
 
 
@@ -141,6 +161,8 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=8192)
     parser.add_argument("--shards", type=int, default=16)
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="cProfile the fit call's main thread")
+    parser.add_argument("--skip-library", action="store_true")
     args = parser.parse_args()
 
     import torch
@@ -158,8 +180,10 @@ def main() -> None:
     run = read_run_config(config)
     executor = u.Executor.cpu() if args.cpu or not torch.cuda.is_available() else u.Executor.for_vram([0])
     try:
-        library = library_rates(run, executor, args)
-        fitted = fit_rates(config, folder / "run", executor)
+        wall, cpu = loader_seconds(run, 10)
+        print(f"loader alone: {wall * 1e3:.1f} ms/step wall, {cpu * 1e3:.1f} ms/step CPU")
+        library = [float("nan")] * args.steps if args.skip_library else library_rates(run, executor, args)
+        fitted = fit_rates(config, folder / "run", executor, args.profile)
     finally:
         executor.close()
     timed = slice(args.warmup, None)
@@ -173,6 +197,8 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "library_pairs_per_second": statistics.median(library[timed]),
         "fit_pairs_per_second": statistics.median(fitted[timed]),
+        "loader_ms_per_step": wall * 1e3,
+        "loader_cpu_ms_per_step": cpu * 1e3,
     }
     result["ratio"] = result["fit_pairs_per_second"] / result["library_pairs_per_second"]
     print(f"library (deferred, two in flight): {result['library_pairs_per_second']:,.0f} pairs/s")

@@ -31,6 +31,7 @@ from .run_config import RunConfig, read_run_config
 from .run_dir import RunDir
 from .run_place import RunPlace
 from .runtime.executor import Executor
+from .runtime.loading import LoaderProcess, by_path
 from .runtime.mesh import Mesh
 from .sources import Loader, StepInput, open_source
 from .trainer import Trainer
@@ -91,6 +92,7 @@ def fit(
     stop_after: int | None = None,
     devices: Executor | None = None,
     mesh: Mesh | None = None,
+    loader_process: bool | None = None,
     data: Any = None,
     fields: Mapping[str, Any] | None = None,
     progress: Callable[[FitStep], Any] | None = None,
@@ -108,6 +110,9 @@ def fit(
     makes this process one of a run's (`Mesh.from_env()` under torchrun, or `Mesh.bootstrap`): every process
     calls `fit` alike, reads only its own devices' shares, and the lead (rank 0's process) alone writes the
     folder, the metrics and the console lines (`uform.run_place.RunPlace`); `devices` is then the mesh's.
+    `loader_process` reads the data in a process of its own (`uform.runtime.loading.LoaderProcess`: the same
+    steps, none of this process's interpreter time); None chooses it where the devices are GPUs and the data
+    is named by path.
     `data` replaces `[data] train` (any re-iterable of records, a `datasets` dataset included, or paths) and
     `fields` `[data] fields`. `progress(FitStep)` is called after every step; `log` gets one line every
     `log_every` steps (None: silent). Everything is checked before anything is written or trained.
@@ -123,6 +128,8 @@ def fit(
         raise ValueError(f"stop_after: expected None or a positive int, got {stop_after!r}")
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
         raise ValueError(f"log_every: expected a positive int, got {log_every!r}")
+    if loader_process is not None and not isinstance(loader_process, bool):
+        raise TypeError(f"loader_process: expected None or a bool, got {type(loader_process).__name__}")
     if progress is not None and not callable(progress):
         raise TypeError(f"progress: expected None or a callable, got {type(progress).__name__}")
     if devices is not None and not isinstance(devices, Executor):
@@ -148,8 +155,17 @@ def fit(
     executor = mesh.executor if mesh is not None else _default_executor() if devices is None else devices
     trainer_config = run.trainer if mesh is None else dataclasses.replace(run.trainer, mesh=mesh)
     trainer_config = trainer_config if checkpoint is None else dataclasses.replace(trainer_config, resume=checkpoint)
+    shares = place.loader_shares(len(executor.devices))
+    if loader_process is None:
+        loader_process = by_path(spec) and any(torch.device(d).type == "cuda" for d in executor.devices)
+    elif loader_process and not by_path(spec):
+        raise ValueError("loader_process: a loader process reads data named by path, glob or URL, not this source")
+    loader: Loader | LoaderProcess | None = None
     try:
-        loader = Loader(source, run.trainer, **place.loader_shares(len(executor.devices)), state=state)
+        if loader_process:
+            loader = LoaderProcess(spec, named, run.trainer, state=state, **shares)
+        else:
+            loader = Loader(source, run.trainer, state=state, **shares)
         trainer = Trainer.init_vram(executor, trainer_config, init_from=None if checkpoint else run.init_from)
         try:
             if checkpoint is None:
@@ -161,6 +177,8 @@ def fit(
         finally:
             trainer.close()
     finally:
+        if isinstance(loader, LoaderProcess):
+            loader.close()
         if owned:
             executor.close()
 
@@ -209,7 +227,7 @@ def _loop(
     folder: RunDir,
     place: RunPlace,
     trainer: Trainer,
-    loader: Loader,
+    loader: Loader | LoaderProcess,
     resumed: bool,
     stop_after: int | None,
     progress: Callable[[FitStep], Any] | None,
