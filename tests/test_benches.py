@@ -1,6 +1,6 @@
 """The bench scripts that answer numbers run end to end on the CPU at a tiny scale (the lead runs them on a
 GPU at the reference geometry of docs/design.md §1): bench/encode.py; bench/maxsim.py, whose current MaxSim agrees with the previous one it
-keeps as the reference; and bench/scaling.py through an executor of two CPU workers."""
+keeps as the reference; bench/scaling.py through an executor of two CPU workers; and bench/train_shards.py (uform.fit from tar shards against the library loop)."""
 
 from __future__ import annotations
 
@@ -55,3 +55,13 @@ def test_scaling_bench_smoke(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "bench-scaling-executor-blocks.json").read_text())
     assert results["world_compile"] == "blocks" and results["many"]["world_size"] == 2
     assert results["one"]["tokens_per_s"] > 0 and results["many"]["tokens_per_s"] > 0 and results["efficiency"] > 0
+
+
+def test_train_shards_bench_smoke(tmp_path: Path) -> None:
+    tiny = "--depth 1 --hidden 128 --rows 4 --columns 640 --segments 8 --records 32 --shards 2 --steps 3"
+    tiny += " --warmup 1 --cpu"
+    environment = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(BENCH.parent)}
+    subprocess.run([sys.executable, str(BENCH / "train_shards.py"), *tiny.split()], env=environment, check=True)
+    result = json.loads((tmp_path / "bench-train-shards.json").read_text())
+    assert result["library_pairs_per_second"] > 0 and result["fit_pairs_per_second"] > 0
+    assert result["records"] == 32 and result["loader_cpu_ms_per_step"] > 0
