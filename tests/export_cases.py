@@ -4,8 +4,11 @@ manifest of text and image records that includes an undecodable image and a miss
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 from uform.cli import main
@@ -18,10 +21,24 @@ CAPTIONS = ROOT / "examples" / "image_text" / "captions.jsonl"
 EVAL = {"recall@1": 0.25, "mrr": 0.4375}
 
 
+@functools.cache
+def _shared() -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="uform-export-cases-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return _train(folder / "run")
+
+
 def trained_run(folder: Path) -> Path:
-    """The run folder of the image-text example after three steps, an eval record appended; answers its
-    checkpoint."""
-    status = main(["train", str(EXAMPLE), "--output", str(folder), "--set", "trainer.schedule.steps=3", "--devices", "cpu"])
+    """The checkpoint of the image-text example after three steps, its run folder's metrics holding an eval
+    record; trained once per test session (the callers only read it) and copied under `folder`."""
+    shutil.copytree(_shared().parents[1], folder)
+    return folder / "checkpoints" / "step-00000003.safetensors"
+
+
+def _train(folder: Path) -> Path:
+    status = main(
+        ["train", str(EXAMPLE), "--output", str(folder), "--set", "trainer.schedule.steps=3", "--devices", "cpu"]
+    )
     assert status == 0
     with MetricsWriter(folder / "metrics.jsonl") as metrics:
         metrics.eval(3, EVAL)

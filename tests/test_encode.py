@@ -22,9 +22,11 @@ from uform import MediaWarning, Scalar
 from uform.cli import main
 from uform.embedding_writer import sidecars
 from uform.encoding import DEFAULT_FIELDS, encode_records
+from uform.media.decode import MediaPolicy
 from uform.sources.fields import Fields
 
 torch.set_num_threads(2)
+ONE = MediaPolicy(workers=1)  # one decoder process: the tests' images are few and small
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     folder = base / "model"
     uform.export(trained_run(base / "run"), folder)
     path, records = manifest(base / "data")
-    model = uform.load(folder)
+    model = uform.load(folder, media=ONE)
     yield {"base": base, "folder": folder, "manifest": path, "records": records, "model": model}
     model.close()
 
@@ -51,7 +53,9 @@ def expected(setup: dict[str, Any], width: int | None, scalar: Scalar) -> tuple[
     return ids, setup["model"].encode(mods, contents, width, outputs_scalar=scalar)
 
 
-def test_parquet_holds_every_record_in_order_and_null_rows_for_the_broken(setup: dict[str, Any], tmp_path: Path) -> None:
+def test_parquet_holds_every_record_in_order_and_null_rows_for_the_broken(
+    setup: dict[str, Any], tmp_path: Path
+) -> None:
     out = tmp_path / "vectors.parquet"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -77,7 +81,9 @@ def test_parquet_holds_every_record_in_order_and_null_rows_for_the_broken(setup:
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16", "i8"])
-def test_npy_holds_the_rows_ids_and_valid_mask_in_each_scalar(setup: dict[str, Any], tmp_path: Path, dtype: str) -> None:
+def test_npy_holds_the_rows_ids_and_valid_mask_in_each_scalar(
+    setup: dict[str, Any], tmp_path: Path, dtype: str
+) -> None:
     out = tmp_path / "vectors.npy"
     summary = uform.encode_file(setup["model"], setup["manifest"], out, dtype=dtype, batch=4)
     ids_path, valid_path = sidecars(str(out))
@@ -136,13 +142,13 @@ def test_a_record_of_two_items_or_an_unmapped_field_is_refused(setup: dict[str, 
         uform.encode_file(setup["model"], odd, tmp_path / "out.parquet")
     assert not (tmp_path / "out.parquet").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left behind
-    with pytest.raises(ValueError, match="output: .* must end in .parquet or .npy"):
+    with pytest.raises(ValueError, match=r"output: .* must end in \.parquet or \.npy"):
         uform.encode_file(setup["model"], odd, tmp_path / "out.csv")
     with pytest.raises(ValueError, match="dtype: expected one of"):
         uform.encode_file(setup["model"], odd, tmp_path / "out.npy", dtype="f64")
     with pytest.raises(ValueError, match=r"width: must be an int in \[1, hidden = 128\]"):
         uform.encode_file(setup["model"], odd, tmp_path / "out.npy", width=129)
-    with pytest.raises(ValueError, match="fields.colour: 'group' plays no part"):
+    with pytest.raises(ValueError, match=r"fields\.colour: 'group' plays no part"):
         uform.encode_file(setup["model"], odd, tmp_path / "out.npy", fields={"text": "text", "colour": "group"})
 
 
@@ -152,7 +158,7 @@ def test_the_cli_encodes_a_manifest_by_its_fields(setup: dict[str, Any], tmp_pat
     out = tmp_path / "captions.parquet"
     argv = ["encode", str(setup["folder"]), "--input", str(data), "--output", str(out), "--cpu", "--quiet"]
     argv += ["--field", "key=id", "--field", "caption=text", "--field", "note=ignore", "--width", "32"]
-    assert main(argv + ["--dtype", "f16"]) == 0, capsys.readouterr().err
+    assert main([*argv, "--dtype", "f16"]) == 0, capsys.readouterr().err
     assert "2 records, 0 not embedded" in capsys.readouterr().out
     table = pq.read_table(out).to_pylist()
     assert [r["id"] for r in table] == ["k1", "k2"] and len(table[0]["embedding"]) == 32

@@ -18,10 +18,12 @@ import uform
 from uform import CheckpointError
 from uform.cli import main
 from uform.config import to_json
+from uform.media.decode import MediaPolicy
 from uform.replica.checkpoint import MOMENTS, read_layout
 from uform.replica.stored_model import MODEL_FILE
 
 torch.set_num_threads(2)
+ONE = MediaPolicy(workers=1)  # one decoder process: the tests' images are few and small
 
 TEXTS = ["a small red circle at the top left", "a large blue square", "", "x" * 40]
 
@@ -48,7 +50,7 @@ def data_bytes(path: Path) -> int:
 
 def test_the_folder_serves_the_checkpoints_vectors_bitwise(run: dict[str, Any]) -> None:
     mods, contents = items()
-    with uform.load(run["checkpoint"]) as trained, uform.load(run["folder"]) as exported:
+    with uform.load(run["checkpoint"], media=ONE) as trained, uform.load(run["folder"], media=ONE) as exported:
         assert exported.step == trained.step == 3
         assert to_json(exported.config) == to_json(trained.config)
         for width in (None, 64):
@@ -79,7 +81,7 @@ def test_the_folder_has_the_hub_layout_and_a_card_from_the_run(run: dict[str, An
     assert json.loads((folder / "config.json").read_text()) == json.loads(to_json(stored))
     with safe_open(str(folder / MODEL_FILE), "pt") as f:  # the reference reader: plain names, hub metadata
         assert f.metadata()["format"] == "pt"
-        assert "tower.blocks.0.qkv.weight" in f.keys() and not any(k.startswith("moments.") for k in f.keys())
+        assert "tower.blocks.0.qkv.weight" in f and not any(k.startswith("moments.") for k in f)
     card = (folder / "README.md").read_text()
     front = card.split("---\n")[1]
     assert "library_name: uform" in front and "pipeline_tag: feature-extraction" in front
@@ -129,7 +131,7 @@ def test_a_cut_file_is_refused(run: dict[str, Any]) -> None:
     with pytest.raises(CheckpointError, match="truncated"):
         uform.load(folder)
     path.unlink()
-    with pytest.raises(CheckpointError, match="holds model.safetensors; this one does not"):
+    with pytest.raises(CheckpointError, match=r"holds model\.safetensors; this one does not"):
         uform.load(folder)
 
 

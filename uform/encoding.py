@@ -109,7 +109,11 @@ def encode_records(
 
     def flush() -> None:
         nonlocal total, failed
-        ids, modalities, contents, sent, reasons = [], [], [], [], {}
+        ids: list[str] = []
+        modalities: list[Modality] = []
+        contents: list[bytes] = []
+        sent: list[int] = []
+        reasons: dict[int, str] = {}
         for record in pending:
             items = read_record(record, fields)
             count = len(items.modalities) + (items.missing is not None)

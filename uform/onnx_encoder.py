@@ -116,7 +116,7 @@ class OnnxEncoder:
                 out[torch.tensor(members)] = F.normalize(pooled[:, :width], dim=-1)
                 cut += truncated
         advice = f"the graph serves at its run's batch.max_columns_per_row ({self.columns} positions a row)"
-        warn_truncated(self.notices, cut, n, "encode", advice, 3)
+        warn_truncated(self.notices, cut, n, "encode", advice, 2)
         return out
 
     def _decode(self, mods: list[Modality], items: list[Any], chunk: range) -> dict[int, Any]:

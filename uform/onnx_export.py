@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import warnings
 
@@ -116,6 +117,16 @@ def write_onnx(network: Network, path: str | os.PathLike) -> None:
     shapes.append(tuple(media))
     graph = EncodeGraph(network).eval()
     # The exporter warns about axis names it merges and narrates its steps; neither says anything to a user.
+    quiet = logging.getLogger("torch.onnx._internal.exporter._registration")  # "torchvision is not installed"
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        _export(graph, network, path, names, shapes)
+    finally:
+        quiet.setLevel(level)
+
+
+def _export(graph: EncodeGraph, network: Network, path: str | os.PathLike, names: list[str], shapes: list) -> None:
     with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         torch.onnx.export(
@@ -129,4 +140,5 @@ def write_onnx(network: Network, path: str | os.PathLike) -> None:
             dynamo=True,
             external_data=False,  # one file, so the digest's SHA-256 of model.onnx covers every weight in it
             verbose=False,
+            optimize=False,  # onnxruntime optimises the graph as it loads it; the exporter's pass doubles the export
         )
