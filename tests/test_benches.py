@@ -37,6 +37,15 @@ def test_encode_bench_smoke(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "bench-encode.json").read_text())["text"]["items"] == 12
 
 
+def test_encode_bench_times_the_file_path_too(tmp_path: Path) -> None:
+    tiny = "--device cpu --depth 1 --hidden 128 --rows 2 --columns 128 --segments 8 --texts 12 --text-bytes 40"
+    tiny += f" --images 3 --image-side 32 --workers 1 --repeats 1 --file --batch 5 --width 64 --out {tmp_path}"
+    results = load("encode").main(tiny.split())
+    for kind, count in (("text_file", 12), ("image_file", 3)):
+        assert results[kind]["items"] == count and results[kind]["items_per_s"] > 0
+        assert results[kind]["width"] == 64 and results[kind]["dtype"] == "f16"
+
+
 def test_maxsim_bench_smoke(tmp_path: Path) -> None:
     results = load("maxsim").main(f"--device cpu --scale 0.03 --steps 1 --warmup 0 --out {tmp_path}".split())
     runs = results["runs"]

@@ -169,3 +169,15 @@ def test_the_cli_encodes_a_manifest_by_its_fields(setup: dict[str, Any], tmp_pat
     assert main(["encode", str(setup["folder"]), "--input", str(data), "--output", str(out), "--cpu"]) == 2
     assert "field 'key' is not in the field mapping" in capsys.readouterr().err
     assert not math.isnan(table[1]["embedding"][0])
+
+
+def test_the_cli_names_each_broken_record(setup: dict[str, Any], tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "vectors.npy"
+    argv = ["encode", str(setup["folder"]), "--input", str(setup["manifest"]), "--output", str(out), "--cpu"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MediaWarning)
+        assert main([*argv, "--quiet", "--dtype", "i8"]) == 0
+    captured = capsys.readouterr()
+    assert f"{len(setup['records'])} records, 2 not embedded" in captured.out
+    assert "record broken not embedded" in captured.err and "record missing not embedded (missing file" in captured.err
+    assert np.load(out).dtype == np.int8

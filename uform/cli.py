@@ -236,8 +236,8 @@ def _encode(args: argparse.Namespace) -> int:
                 print(f"uform encode: --field: expected NAME=ROLE, got {entry!r}", file=sys.stderr)
                 return 2
             fields[name] = role
+    executor = Executor.cpu() if args.cpu else None
     try:
-        executor = Executor.cpu() if args.cpu else None
         summary = encode_file(
             args.model,
             args.input,
@@ -249,12 +249,17 @@ def _encode(args: argparse.Namespace) -> int:
             executor=executor,
             progress=not args.quiet,
         )
+        for record, reason in summary.failures:
+            print(f"uform encode: record {record} not embedded ({reason}); its row is null", file=sys.stderr)
     except (ValueError, TypeError, OSError, ImportError) as error:
         print(f"uform encode: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\nuform encode: interrupted (the output was not written)", file=sys.stderr)
         return 130
+    finally:
+        if executor is not None:
+            executor.close()
     print(f"uform encode: {summary.records} records, {summary.failed} not embedded; {summary.output}")
     return 0
 
