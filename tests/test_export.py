@@ -11,15 +11,17 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import make_config
 from export_cases import EVAL, IMAGES, trained_run
 from safetensors import safe_open
 
 import uform
-from uform import CheckpointError
+from uform import CheckpointError, LateInteraction
 from uform.cli import main
-from uform.config import to_json
+from uform.config import resolve, to_json
 from uform.media.decode import MediaPolicy
-from uform.replica.checkpoint import MOMENTS, read_layout
+from uform.model.network import Network
+from uform.replica.checkpoint import MOMENTS, read_layout, write_checkpoint
 from uform.replica.stored_model import MODEL_FILE
 
 torch.set_num_threads(2)
@@ -161,3 +163,26 @@ def test_the_cli_exports_and_reports_a_refusal(run: dict[str, Any], tmp_path: Pa
     assert "not an empty folder" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "nothing.safetensors"), str(tmp_path / "other")]) == 2
     assert "uform export:" in capsys.readouterr().err
+
+
+def test_a_late_interaction_run_exports_its_token_head(tmp_path: Path) -> None:
+    """A Joint run with late interaction (written from fresh weights, as the serving tests write one): the
+    folder serves the same token vectors and text choices, and its card names every term."""
+    config = resolve(make_config(late_interaction=LateInteraction(weight=0.5)))
+    network = Network(config)
+    network.initialize(config.seed)
+    checkpoint = tmp_path / "late.safetensors"
+    tensors = {f"weights.{k}": v for k, v in network.state_dict().items()}
+    write_checkpoint(checkpoint, tensors, {"uform.format": "uform.trainer.1", "uform.config": to_json(config)})
+    folder = tmp_path / "late"
+    uform.export(checkpoint, folder)
+    texts = ["what is a tower", "a tower is tall"]
+    with uform.load(checkpoint) as trained, uform.load(folder) as exported:
+        for side in ("query", "document"):
+            a, b = trained.tokens(["text"] * 2, texts, side), exported.tokens(["text"] * 2, texts, side)
+            assert torch.equal(a[0], b[0]) and (a[1] == b[1]).all()
+        p, q = trained.text_choose(texts, [b"AB", b"xyz"]), exported.text_choose(texts, [b"AB", b"xyz"])
+        assert (p[0] == q[0]).all() and len(p[0]) == 5
+    card = (folder / "README.md").read_text()
+    assert "- late-interaction" in card and "late interaction: weight 0.5" in card and "masked text: weight" in card
+    assert "The run logged no evaluation" in card  # not in a run folder
