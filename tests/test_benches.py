@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 
 torch.set_num_threads(2)
@@ -44,6 +45,17 @@ def test_encode_bench_times_the_file_path_too(tmp_path: Path) -> None:
     for kind, count in (("text_file", 12), ("image_file", 3)):
         assert results[kind]["items"] == count and results[kind]["items_per_s"] > 0
         assert results[kind]["width"] == 64 and results[kind]["dtype"] == "f16"
+
+
+def test_onnx_cpu_bench_smoke(tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime")
+    tiny = "--depth 1 --hidden 128 --rows 2 --columns 64 --segments 8 --texts 8 --text-bytes 30 --images 2"
+    results = load("onnx_cpu").main(f"{tiny} --image-side 32 --repeats 1 --out {tmp_path}".split())
+    for kind, count in (("text", 8), ("image", 2)):
+        row = results[kind]
+        assert row["items"] == count and row["torch_items_per_s"] > 0 and row["onnxruntime_items_per_s"] > 0
+        assert row["least_cosine"] > 1 - 1e-4
+    assert json.loads((tmp_path / "bench-onnx-cpu.json").read_text())["text"]["items"] == 8
 
 
 def test_maxsim_bench_smoke(tmp_path: Path) -> None:
