@@ -1,5 +1,5 @@
 """The bench scripts that answer numbers run end to end on the CPU at a tiny scale (the lead runs them on a
-GPU at the reference geometry of docs/design.md §1): bench/encode.py; bench/maxsim.py, whose current MaxSim agrees with the previous one it
+GPU at the reference geometry of docs/design.md §1): bench/encode.py (its --file path too); bench/onnx_cpu.py; bench/maxsim.py, whose current MaxSim agrees with the previous one it
 keeps as the reference; and bench/scaling.py through an executor of two CPU workers."""
 
 from __future__ import annotations
