@@ -50,9 +50,11 @@ def test_a_refused_record_raises_in_the_loop_and_a_bad_state_at_once(tmp_path: P
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps({"q": "a", "a": "b", "surprise": "c"}) + "\n")
     run = read_run_config(PAIRS)
-    with LoaderProcess([str(data)], {"q": "text", "a": "text"}, run.trainer) as process:
-        with pytest.raises(ValueError, match="surprise"):
-            process.next_step()
+    with (
+        LoaderProcess([str(data)], {"q": "text", "a": "text"}, run.trainer) as process,
+        pytest.raises(ValueError, match="surprise"),
+    ):
+        process.next_step()
     with pytest.raises(ValueError, match="loader state"):
         LoaderProcess([str(data)], {"q": "text", "a": "text"}, run.trainer, state={"version": 99})
     with pytest.raises(TypeError, match="path"):
