@@ -173,7 +173,9 @@ def main() -> None:
     folder = pathlib.Path(tempfile.mkdtemp(prefix="uform-shards-"))
     started = time.perf_counter()
     size = write_shards(folder, args.records, args.shards)
-    print(f"{args.records} records in {args.shards} shards, {size / 2**20:.1f} MiB, {time.perf_counter() - started:.1f} s")
+    print(
+        f"{args.records} records in {args.shards} shards, {size / 2**20:.1f} MiB, {time.perf_counter() - started:.1f} s"
+    )
     config = folder / "run.toml"
     geometry = {k: getattr(args, k) for k in ("depth", "hidden", "rows", "columns", "segments")}
     config.write_text(RUN_FILE.format(**geometry, steps=args.steps, first="000", last=f"{args.shards - 1:03d}"))
