@@ -62,10 +62,11 @@ def jpegs(count: int, side: int, seed: int = 0) -> list[bytes]:
     return out
 
 
-def build_model(args: argparse.Namespace, folder: str) -> Any:
+def random_checkpoint(args: argparse.Namespace, folder: str, patch_side: int = 16, name: str = "bench") -> str:
+    """A trainer checkpoint of a freshly initialised network at the bench's geometry (`args`: depth, hidden, rows,
+    columns, segments), written as `folder/<name>.safetensors`."""
     import uform as u
     from uform.config import resolve, to_json
-    from uform.media.decode import MediaPolicy
     from uform.model.network import Network
     from uform.replica.checkpoint import write_checkpoint
 
@@ -78,7 +79,7 @@ def build_model(args: argparse.Namespace, folder: str) -> Any:
                 max_rows_per_device=args.rows,
                 max_segments_per_device=args.segments,
                 max_columns_per_row=args.columns,
-                image=u.ImageShape(patch_side=args.patch_side),
+                image=u.ImageShape(patch_side=patch_side),
             ),
             schedule=u.Schedule(steps=1),
             seed=42,
@@ -86,9 +87,17 @@ def build_model(args: argparse.Namespace, folder: str) -> Any:
     )
     network = Network(config)
     network.initialize(config.seed)
-    path = os.path.join(folder, "bench-encode.safetensors")
+    path = os.path.join(folder, f"{name}.safetensors")
     tensors = {f"weights.{k}": v for k, v in network.state_dict().items()}
     write_checkpoint(path, tensors, {"uform.format": "uform.trainer.1", "uform.config": to_json(config)})
+    return path
+
+
+def build_model(args: argparse.Namespace, folder: str) -> Any:
+    import uform as u
+    from uform.media.decode import MediaPolicy
+
+    path = random_checkpoint(args, folder, args.patch_side, "bench-encode")
     executor = u.Executor.for_vram([0]) if args.device == "cuda" else u.Executor.cpu()
     return u.load(path, executor, media=MediaPolicy(workers=args.workers))
 
