@@ -4,6 +4,8 @@
                [--cpu] [--quiet] [--save PATH]
     uform train CONFIG.toml [--output DIR] [--resume PATH|latest] [--stop-after N] [--set KEY=VALUE ...]
                 [--devices 0,1|cpu|cpu:N]
+    uform serve MODEL [--host 127.0.0.1] [--port 8000] [--cpu] [--name NAME] [--max-inputs N] [--max-body-bytes N]
+                [--max-queue N] [--rows N] [--segments N] [--log-level LEVEL]
     uform version
 
 `main(argv)` answers the exit status instead of exiting, so it can be called in-process (as the tests
@@ -17,12 +19,15 @@ import os
 import sys
 from collections.abc import Sequence
 
+import torch
+
 from . import __version__
 from .demo import DEFAULTS, held_out_split, report, run_demo, text_pairs
 from .demo_shapes import IMAGE_DEFAULTS, run_image_demo
 from .fitting import fit
 from .run_config import read_run_config
 from .runtime.executor import Executor
+from .serve import Model
 
 __all__ = ["build_parser", "devices_of", "main"]
 
@@ -38,6 +43,13 @@ def _natural(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 65535] (0: a free port), got {value}")
     return value
 
 
@@ -127,6 +139,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="CUDA devices by index, the CPU, or N CPU devices (default: CUDA 0 where there is one, else the CPU)",
     )
 
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model's embeddings over HTTP (OpenAI-compatible POST /v1/embeddings)",
+        description="Serves MODEL (a checkpoint, or a model folder uform.load reads) over HTTP: POST /v1/embeddings "
+        "(OpenAI's shape, media items as base64 data URLs), POST /v1/maxsim (late interaction, when the model "
+        "trained it), GET /v1/models, GET /health. Needs the serve extra: pip install 'uform[serve]'. Uses the first "
+        "GPU when there is one. SIGINT or SIGTERM stops it after answering the requests in flight.",
+    )
+    serve.add_argument("model", metavar="MODEL", help="the checkpoint or model folder to serve")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s: this machine only)")
+    serve.add_argument("--port", type=_port, default=8000, help="port to listen on, 0 for a free one (%(default)s)")
+    serve.add_argument("--cpu", action="store_true", help="serve on the CPU even when a GPU is present")
+    serve.add_argument("--name", default=None, help="the model's name in answers (default: the file's name)")
+    serve.add_argument("--max-inputs", type=_positive, default=2048, help="most items a request (%(default)s)")
+    serve.add_argument(
+        "--max-body-bytes", type=_positive, default=32 * 2**20, help="largest request body (%(default)s bytes)"
+    )
+    serve.add_argument(
+        "--max-queue", type=_positive, default=16384, help="most items waiting; past it, 503 (%(default)s)"
+    )
+    serve.add_argument("--rows", type=_natural, default=0, help="rows of one forward (0: the run's)")
+    serve.add_argument("--segments", type=_natural, default=0, help="items of one forward (0: the run's)")
+    serve.add_argument(
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="info",
+        help="uvicorn's log level (%(default)s)",
+    )
+
     commands.add_parser("version", help="print the library's version", description="Prints uform's version.")
     return parser
 
@@ -173,6 +214,47 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from . import server  # the serve extra (fastapi, uvicorn), needed by this command alone
+    except ImportError as error:
+        print(f"uform serve: needs the serve extra (pip install 'uform[serve]'): {error}", file=sys.stderr)
+        return 2
+
+    def ready(url: str, model: Model) -> None:
+        widths = ", ".join(map(str, model.matryoshka_dimensions))
+        print(
+            f"uform serve: {args.name or server.model_name(model)} (depth {model.config.depth}, widths {widths}, "
+            f"on {model.device}) listening on {url}/v1 (Ctrl-C stops)",
+            flush=True,
+        )
+
+    executor = Executor.cpu() if args.cpu or not torch.cuda.is_available() else Executor.for_vram([0])
+    try:
+        limits = server.Limits(
+            max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs, max_queued=args.max_queue
+        )
+        server.serve_http(
+            args.model,
+            host=args.host,
+            port=args.port,
+            executor=executor,
+            name=args.name,
+            limits=limits,
+            log_level=args.log_level,
+            rows=args.rows,
+            segments=args.segments,
+            ready=ready,
+        )
+    except (ValueError, TypeError, OSError) as error:  # a CheckpointError is a ValueError; a port taken, OSError
+        print(f"uform serve: {error}", file=sys.stderr)
+        return 2
+    finally:
+        executor.close()
+    print("uform serve: stopped", flush=True)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command named by `argv` (default `sys.argv[1:]`) and answers its exit status."""
     parser = build_parser()
@@ -186,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "train":
         return _train(args)
+    if args.command == "serve":
+        return _serve(args)
 
     if args.save is not None and args.part == "image":
         print("uform demo: --save: saves the text part's run; choose --part text or both", file=sys.stderr)
