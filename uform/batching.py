@@ -125,7 +125,8 @@ class Batcher(Generic[K, I, R]):
             if not self._pending:
                 return None
             head = self._pending.popleft()
-            group, count, kept = [head], len(head.items), deque()
+            group, count = [head], len(head.items)
+            kept: deque[_Request[K, I, R]] = deque()
             for request in self._pending:
                 if request.key == head.key and count + len(request.items) <= self.capacity:
                     group.append(request)

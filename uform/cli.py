@@ -216,7 +216,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from . import server  # the serve extra (fastapi, uvicorn), needed by this command alone
+        from .server import Limits, model_name, serve_http  # the serve extra (fastapi, uvicorn), for this command alone
     except ImportError as error:
         print(f"uform serve: needs the serve extra (pip install 'uform[serve]'): {error}", file=sys.stderr)
         return 2
@@ -224,17 +224,15 @@ def _serve(args: argparse.Namespace) -> int:
     def ready(url: str, model: Model) -> None:
         widths = ", ".join(map(str, model.matryoshka_dimensions))
         print(
-            f"uform serve: {args.name or server.model_name(model)} (depth {model.config.depth}, widths {widths}, "
+            f"uform serve: {args.name or model_name(model)} (depth {model.config.depth}, widths {widths}, "
             f"on {model.device}) listening on {url}/v1 (Ctrl-C stops)",
             flush=True,
         )
 
     executor = Executor.cpu() if args.cpu or not torch.cuda.is_available() else Executor.for_vram([0])
     try:
-        limits = server.Limits(
-            max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs, max_queued=args.max_queue
-        )
-        server.serve_http(
+        limits = Limits(max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs, max_queued=args.max_queue)
+        serve_http(
             args.model,
             host=args.host,
             port=args.port,

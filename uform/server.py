@@ -382,8 +382,7 @@ def serve_http(
     warmed up first (compiled on CUDA) and closed at the end; `ready(url, model)` is called once the server
     listens. Must run on the main thread (it takes the signals)."""
     owned = not isinstance(model, Model)
-    served = load(model, executor, rows=rows, segments=segments) if owned else model
-    assert isinstance(served, Model)
+    served = model if isinstance(model, Model) else load(model, executor, rows=rows, segments=segments)
     try:
         if owned:
             _warm_up(served)
