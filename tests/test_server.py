@@ -14,6 +14,7 @@ listen and stop cleanly on SIGINT and SIGTERM.
 from __future__ import annotations
 
 import base64
+import importlib.util
 import io
 import json
 import os
@@ -431,3 +432,44 @@ def test_uform_serve_refuses_what_it_cannot_serve(tmp_path: Path, capsys: pytest
     assert main(["serve", str(tmp_path / "junk.safetensors"), "--cpu"]) == 2
     assert "junk.safetensors" in capsys.readouterr().err
     assert main(["serve", "x", "--port", "70000"]) == 2
+
+
+def test_the_serve_bench_runs_on_the_cpu(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("bench_serve", ROOT / "bench" / "serve.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tiny = "--device cpu --depth 1 --hidden 128 --rows 2 --columns 128 --segments 8 --text-bytes 40 --inputs 2"
+    results = bench.main(f"{tiny} --requests 24 --concurrency 4 --warmup 4 --dimensions 64 --out {tmp_path}".split())
+    assert results["requests"] == 24 and results["requests_per_s"] > 0 and results["p99_ms"] >= results["p50_ms"] > 0
+    assert json.loads((tmp_path / "bench-serve.json").read_text())["requests"] == 24
+
+
+def test_a_failing_call_is_a_500_for_its_requests_alone_and_the_server_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = load(write_model(tmp_path / "flaky.safetensors"))
+    encode = model.encode
+
+    def flaky(modalities: Any, contents: Any, *args: Any, **kwargs: Any) -> Any:
+        if b"boom" in contents:
+            raise RuntimeError("the device fell over")
+        return encode(modalities, contents, *args, **kwargs)
+
+    monkeypatch.setattr(model, "encode", flaky)
+    with Server(create_app(model)) as server:
+        failed = httpx.post(f"{server.url}/v1/embeddings", json={"input": ["boom"]}, timeout=60)
+        assert failed.status_code == 500 and "the device fell over" in failed.json()["error"]["message"]
+        answer = httpx.post(f"{server.url}/v1/embeddings", json={"input": ["fine"]}, timeout=60)
+        assert answer.status_code == 200 and len(answer.json()["data"]) == 1
+    model.close()
+
+
+def test_create_app_refuses_what_it_cannot_serve_honestly(tmp_path: Path) -> None:
+    path = write_model(tmp_path / "strict.safetensors")
+    with load(path, media=MediaPolicy(strict=True)) as strict, pytest.raises(ValueError, match="strict=True"):
+        create_app(strict)
+    with pytest.raises(TypeError, match="model: expected a uform Model"):
+        create_app(str(path))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_queued"):
+        Limits(max_inputs=10, max_queued=5)

@@ -129,6 +129,11 @@ def create_app(model: Model, *, name: str | None = None, limits: Limits | None =
     served = name if name is not None else model_name(model)
     if not isinstance(served, str) or not served:
         raise ValueError(f"name: expected a non-empty string, got {served!r}")
+    if model.media.strict:  # strict makes a masked call raise: one broken item would fail its call's neighbours
+        raise ValueError(
+            "model: loaded with MediaPolicy(strict=True); the server answers a broken media item to its own request "
+            "alone, which needs the default policy (uform.load(path) without strict)"
+        )
     widths = model.matryoshka_dimensions
     late = model.config.late_interaction.weight > 0
     live = media_features(model.config)
@@ -150,6 +155,11 @@ def create_app(model: Model, *, name: str | None = None, limits: Limits | None =
         headers = {"Retry-After": "1"} if error.status == 503 else None
         return JSONResponse(error_body(error), status_code=error.status, headers=headers)
 
+    @app.exception_handler(Exception)
+    async def failed(request: Request, error: Exception) -> JSONResponse:  # a bug of ours, logged by uvicorn
+        body = {"error": {"message": f"internal error: {type(error).__name__}: {error}", "type": "server_error"}}
+        return JSONResponse(body, status_code=500)
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {error.detail}"
@@ -169,13 +179,16 @@ def create_app(model: Model, *, name: str | None = None, limits: Limits | None =
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> JSONResponse:
-        body = parse_body(await _read_body(request, limits.max_body_bytes))
-        checked = parse_embedding_request(body, widths=widths, modalities=modalities, max_inputs=limits.max_inputs)
+        raw = await _read_body(request, limits.max_body_bytes)
+        body = await _off_loop(len(raw), parse_body, raw)
+        checked = await _off_loop(
+            len(raw), parse_embedding_request, body, widths=widths, modalities=modalities, max_inputs=limits.max_inputs
+        )
         answers = await run(("encode", checked.width), checked.items)
         _refuse_broken(answers, "input", isinstance(body["input"], list))
         vectors = np.stack(answers)  # [N, W] f32
         usage = _usage(checked.items, model.columns - _prefix_length(late, LateInteractionSide.None_))
-        return JSONResponse(embedding_response(vectors, checked.encoding_format, served, usage))
+        return await _off_loop(vectors.size * 4, _answer, vectors, checked.encoding_format, served, usage)
 
     @app.post("/v1/maxsim")
     async def maxsim(request: Request) -> JSONResponse:
@@ -186,8 +199,11 @@ def create_app(model: Model, *, name: str | None = None, limits: Limits | None =
                 f"/v1/maxsim: the model {served!r} trained no token head (its run's late_interaction.weight is 0); "
                 "late-interaction scores need a model that trained late interaction",
             )
-        body = parse_body(await _read_body(request, limits.max_body_bytes))
-        checked = parse_maxsim_request(body, modalities=modalities, max_inputs=limits.max_inputs)
+        raw = await _read_body(request, limits.max_body_bytes)
+        body = await _off_loop(len(raw), parse_body, raw)
+        checked = await _off_loop(
+            len(raw), parse_maxsim_request, body, modalities=modalities, max_inputs=limits.max_inputs
+        )
         queries, documents = await asyncio.gather(
             run(("tokens", LateInteractionSide.Query), checked.queries),
             run(("tokens", LateInteractionSide.Document), checked.documents),
@@ -216,6 +232,21 @@ def create_app(model: Model, *, name: str | None = None, limits: Limits | None =
         )
 
     return app
+
+
+_ON_LOOP_BYTES = 1 << 16
+"""Bodies and answers up to this size are parsed and written on the event loop; larger ones in a thread, so
+one large request does not stall the others' I/O."""
+
+
+async def _off_loop(size: int, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if size <= _ON_LOOP_BYTES:
+        return call(*args, **kwargs)
+    return await run_in_threadpool(call, *args, **kwargs)
+
+
+def _answer(vectors: np.ndarray, encoding_format: str, served: str, usage: dict[str, int]) -> JSONResponse:
+    return JSONResponse(embedding_response(vectors, encoding_format, served, usage))  # rendered here, once
 
 
 def model_name(model: Model) -> str:
