@@ -19,6 +19,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -432,6 +433,13 @@ def test_uform_serve_refuses_what_it_cannot_serve(tmp_path: Path, capsys: pytest
     assert main(["serve", str(tmp_path / "junk.safetensors"), "--cpu"]) == 2
     assert "junk.safetensors" in capsys.readouterr().err
     assert main(["serve", "x", "--port", "70000"]) == 2
+    capsys.readouterr()
+    with socket.socket() as taken:  # a port another process listens on
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert main(["serve", str(write_model(tmp_path / "ok.safetensors")), "--port", port, "--cpu"]) == 2
+    assert "uform serve:" in capsys.readouterr().err
 
 
 def test_the_serve_bench_runs_on_the_cpu(tmp_path: Path) -> None:
