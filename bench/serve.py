@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -76,7 +77,10 @@ def start_server(args: argparse.Namespace, path: str) -> tuple[subprocess.Popen,
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=environment)
     assert process.stdout is not None
+    deadline = threading.Timer(args.startup_timeout, process.kill)  # a server that never listens is killed
+    deadline.start()
     line = process.stdout.readline()  # printed once the model is loaded, warmed up (compiled) and listening
+    deadline.cancel()
     if "listening on " not in line:
         process.kill()
         raise RuntimeError(f"uform serve did not start (exit {process.wait()}): {line!r}")
@@ -122,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--text-bytes", type=int, default=128)
     parser.add_argument("--dimensions", type=int, default=0, help="Matryoshka width asked (0: the full width)")
     parser.add_argument("--encoding-format", choices=("float", "base64"), default="base64")
+    parser.add_argument("--startup-timeout", type=float, default=1800, help="seconds the server may take to listen")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench-serve.json")
     args = parser.parse_args(argv)
     width = args.dimensions or args.hidden

@@ -390,8 +390,10 @@ def test_serve_http_prints_where_it_listens_and_stops_on_sigint(tmp_path: Path) 
 
     def ready(url: str, model: Model) -> None:
         def ask_then_interrupt() -> None:
-            seen["answer"] = httpx.post(f"{url}/v1/embeddings", json={"input": "a cat"}, timeout=60).json()
-            os.kill(os.getpid(), signal.SIGINT)
+            try:
+                seen["answer"] = httpx.post(f"{url}/v1/embeddings", json={"input": "a cat"}, timeout=60).json()
+            finally:  # stops serve_http whatever the answer was
+                os.kill(os.getpid(), signal.SIGINT)
 
         seen["url"] = url
         threading.Thread(target=ask_then_interrupt, daemon=True).start()
@@ -409,6 +411,8 @@ def test_uform_serve_exits_cleanly_on_sigterm(tmp_path: Path) -> None:
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "uform", "serve", str(path), "--port", "0", "--cpu", "--log-level", "warning"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
+    deadline = threading.Timer(120, process.kill)  # bounds the blocking reads below
+    deadline.start()
     try:
         line = process.stdout.readline()  # the process prints one line once it listens (or exits)
         assert "listening on http://127.0.0.1:" in line, line + process.stderr.read()
@@ -417,6 +421,7 @@ def test_uform_serve_exits_cleanly_on_sigterm(tmp_path: Path) -> None:
         process.send_signal(signal.SIGTERM)
         out, err = process.communicate(timeout=60)
     finally:
+        deadline.cancel()
         if process.poll() is None:
             process.kill()
             process.wait()

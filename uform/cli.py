@@ -247,6 +247,9 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as error:  # a CheckpointError is a ValueError; a port taken, OSError
         print(f"uform serve: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the server listens (loading, warming up); after, SIGINT stops it cleanly
+        print("\nuform serve: interrupted", file=sys.stderr)
+        return 130
     finally:
         executor.close()
     print("uform serve: stopped", flush=True)
