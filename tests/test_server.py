@@ -286,7 +286,10 @@ def test_media_items_as_data_urls_and_a_broken_one_named_by_its_index(served: di
     assert refused.status_code == 400
     error = refused.json()["error"]
     assert error["param"] == "input[1]" and error["message"].startswith("input[1]: ") and len(error["message"]) > 12
-    assert "embedding" not in refused.text
+    assert "embedding" not in refused.text and "more items" not in error["message"]
+    two = {"input": ["fine", {"type": "image", "data": data_url(b"not an image")}, broken["input"][1]]}
+    error = http.post("/v1/embeddings", json=two).json()["error"]
+    assert error["param"] == "input[1]" and error["message"].endswith("(and 1 more items could not be embedded)")
     np.testing.assert_allclose(np.array(answered.json()["data"][0]["embedding"]), want[3], atol=1e-5, rtol=0)
     assert_still_serving(served)
 

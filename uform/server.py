@@ -81,16 +81,14 @@ class Limits:
             )
 
 
-@dataclass(frozen=True)
-class _Broken:
-    """An item the model could not embed, and why."""
-
-    reason: str
+_BROKEN = object()
+"""An item the model could not embed (a media item that failed to decode or broke a limit)."""
 
 
 class _Calls:
-    """The batcher's `run`: one model call over the gathered items of a key, ("encode", width) or ("tokens",
-    side); a media item the model cannot embed answers a `_Broken` with the decoder's reason."""
+    """The batcher's `run`: one model call over the gathered items of a key: ("encode", width) or ("tokens",
+    side) answer each item's vectors, or `_BROKEN` for a media item the model could not embed; ("reason", 0)
+    answers why each (broken) item fails, in the decoder's words."""
 
     def __init__(self, model: Model) -> None:
         self.model = model
@@ -99,6 +97,8 @@ class _Calls:
         verb, arg = key
         modalities = [item.modality for item in items]
         contents = [item.content for item in items]
+        if verb == "reason":
+            return [self._reason(item) for item in items]
         if verb == "encode":
             vectors, valid = self.model.encode(modalities, contents, arg, errors="mask")  # [N, W] f32, [N]
             answers: list[Any] = list(vectors.numpy())
@@ -106,11 +106,12 @@ class _Calls:
             data, offsets, valid = self.model.tokens(modalities, contents, arg, errors="mask")  # [T, W], [N + 1]
             answers = [data[offsets[i] : offsets[i + 1]] for i in range(len(items))]
         for i in np.flatnonzero(~np.asarray(valid)).tolist():
-            answers[i] = _Broken(self._reason(items[i]))
+            answers[i] = _BROKEN
         return answers
 
     def _reason(self, item: Item) -> str:
-        # The masked call keeps no reasons; the broken item alone, asked to raise, says why.
+        # The masked call keeps no reasons; the broken item alone, asked to raise, says why. A call of its own
+        # (key "reason"), so the requests that shared the broken item's call are answered without waiting for it.
         try:
             self.model.encode([item.modality], [item.content], errors="raise")
         except MediaError as error:
@@ -177,6 +178,16 @@ def create_app(model: Model, *, name: str | None = None, limits: Limits | None =
         except BatcherClosed:
             raise RequestError(503, None, "the server is shutting down") from None
 
+    async def refuse_broken(items: list[Item], answers: list[Any], field: str, listed: bool) -> None:
+        """A 400 naming the first item the model could not embed, with its reason (and how many more)."""
+        broken = [i for i, answer in enumerate(answers) if answer is _BROKEN]
+        if not broken:
+            return
+        (reason,) = await run(("reason", 0), [items[broken[0]]])
+        where = f"{field}[{broken[0]}]" if listed else field
+        more = f" (and {len(broken) - 1} more items could not be embedded)" if len(broken) > 1 else ""
+        raise RequestError(400, where, f"{where}: {reason}{more}")
+
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> JSONResponse:
         raw = await _read_body(request, limits.max_body_bytes)
@@ -185,7 +196,7 @@ def create_app(model: Model, *, name: str | None = None, limits: Limits | None =
             len(raw), parse_embedding_request, body, widths=widths, modalities=modalities, max_inputs=limits.max_inputs
         )
         answers = await run(("encode", checked.width), checked.items)
-        _refuse_broken(answers, "input", isinstance(body["input"], list))
+        await refuse_broken(checked.items, answers, "input", isinstance(body["input"], list))
         vectors = np.stack(answers)  # [N, W] f32
         usage = _usage(checked.items, model.columns - _prefix_length(late, LateInteractionSide.None_))
         return await _off_loop(vectors.size * 4, _answer, vectors, checked.encoding_format, served, usage)
@@ -208,8 +219,8 @@ def create_app(model: Model, *, name: str | None = None, limits: Limits | None =
             run(("tokens", LateInteractionSide.Query), checked.queries),
             run(("tokens", LateInteractionSide.Document), checked.documents),
         )
-        _refuse_broken(queries, "queries", True)
-        _refuse_broken(documents, "documents", True)
+        await refuse_broken(checked.queries, queries, "queries", True)
+        await refuse_broken(checked.documents, documents, "documents", True)
         scores = await run_in_threadpool(model.maxsim, _tape(queries), _tape(documents))  # [Q, N]
         room = model.columns - _prefix_length(late, LateInteractionSide.Query)
         usage = _usage([*checked.queries, *checked.documents], room)
@@ -285,13 +296,6 @@ def _usage(items: Sequence[Item], room: int) -> dict[str, int]:
         "media_items": len(items) - len(texts),
         "truncated_inputs": sum(n > room for n in texts),
     }
-
-
-def _refuse_broken(answers: Sequence[Any], field: str, listed: bool) -> None:
-    for i, answer in enumerate(answers):
-        if isinstance(answer, _Broken):
-            where = f"{field}[{i}]" if listed else field
-            raise RequestError(400, where, f"{where}: {answer.reason}")
 
 
 def _tape(answers: Sequence[Any]) -> tuple[Any, np.ndarray]:
