@@ -210,10 +210,10 @@ def _item(value: Any, field: str, modalities: Sequence[Modality]) -> Item:
             raise RequestError(
                 400,
                 f"{field}.{key}",
-                f"{field}.{key}: unknown field of a {kind} item (it takes 'type' and '{payload}')",
+                f"{field}.{key}: unknown field of {_article(kind)} {kind} item (it takes 'type' and '{payload}')",
             )
     if payload not in value:
-        raise RequestError(400, f"{field}.{payload}", f"{field}.{payload}: required for a {kind} item")
+        raise RequestError(400, f"{field}.{payload}", f"{field}.{payload}: required for {_article(kind)} {kind} item")
     if kind == "text":
         text = value["text"]
         if not isinstance(text, str):
@@ -293,3 +293,7 @@ def _json_type(value: Any) -> str:
     if isinstance(value, list):
         return "an array"
     return "an object"
+
+
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
