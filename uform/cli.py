@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_port, default=8000, help="port to listen on, 0 for a free one (%(default)s)")
     serve.add_argument("--cpu", action="store_true", help="serve on the CPU even when a GPU is present")
     serve.add_argument("--name", default=None, help="the model's name in answers (default: the file's name)")
-    serve.add_argument("--max-inputs", type=_positive, default=2048, help="most items a request (%(default)s)")
+    serve.add_argument("--max-inputs", type=_positive, default=2048, help="most items in one request (%(default)s)")
     serve.add_argument(
         "--max-body-bytes", type=_positive, default=32 * 2**20, help="largest request body (%(default)s bytes)"
     )
