@@ -41,6 +41,7 @@ from uform import AudioShape, BatchShape, Contrastive, ImageShape, LateInteracti
 from uform import TrainerInitVramConfig as Config
 from uform.batching import Batcher, Busy
 from uform.config import resolve, to_json
+from uform.exporting import export
 from uform.media.decode import MediaPolicy
 from uform.model.network import Network
 from uform.replica.checkpoint import write_checkpoint
@@ -494,3 +495,17 @@ def test_create_app_refuses_what_it_cannot_serve_honestly(tmp_path: Path) -> Non
         create_app(str(path))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_queued"):
         Limits(max_inputs=10, max_queued=5)
+
+
+def test_an_exported_model_folder_is_served_as_its_checkpoint_under_the_folder_name(tmp_path: Path) -> None:
+    folder = export(write_model(tmp_path / "run.safetensors"), tmp_path / "my-embedder")
+    texts = ["a red circle", "a blue square"]
+    with load(tmp_path / "run.safetensors") as checkpoint:
+        want = checkpoint.encode(["text"] * 2, texts, 64).numpy()
+    for path in (folder, os.path.join(folder, "model.safetensors")):
+        with load(path) as model, Server(create_app(model)) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+            answer = client.embeddings.create(model="x", input=texts, dimensions=64)
+            assert answer.model == "my-embedder" and client.models.list().data[0].id == "my-embedder"
+            np.testing.assert_array_equal(vectors(answer), want)  # the export's weights are the checkpoint's
+            client.close()

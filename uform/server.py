@@ -261,11 +261,15 @@ def _answer(vectors: np.ndarray, encoding_format: str, served: str, usage: dict[
 
 
 def model_name(model: Model) -> str:
-    """The name a served model answers to: its checkpoint's file name without `.safetensors`, or its folder's."""
+    """The name a served model answers to: an exported model's folder name (given the folder or its
+    `model.safetensors`), else the checkpoint's file name without `.safetensors`."""
     if not model.path:
         return "uform"
-    base = os.path.basename(os.path.normpath(model.path))
-    return base.removesuffix(".safetensors") or "uform"
+    path = os.path.abspath(model.path)
+    if os.path.basename(path) == "model.safetensors" and not os.path.isdir(path):
+        path = os.path.dirname(path)
+    base = os.path.basename(path)
+    return (base if os.path.isdir(path) else base.removesuffix(".safetensors")) or "uform"
 
 
 def _card(model: Model, name: str, created: int, modalities: Sequence[Modality], late: bool) -> dict[str, Any]:
