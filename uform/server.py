@@ -425,7 +425,12 @@ def serve_http(
     try:
         if owned:
             _warm_up(served)
-        server = Server(create_app(served, name=name, limits=limits), host, port, log_level=log_level)
+        app = create_app(served, name=name, limits=limits)
+        try:
+            server = Server(app, host, port, log_level=log_level)
+        except BaseException:  # the port taken, say: the app never ran, so its batcher stops here
+            app.state.batcher.close()
+            raise
         stops = 0
 
         def on_signal(signum: int, frame: Any) -> None:
