@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import topic_slices, write_json  # sibling modules, not a package
-from encode import jpegs, random_checkpoint, timed
+from common import random_checkpoint, topic_slices, write_json  # sibling modules, not a package
+from encode import jpegs, timed
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     items = {"text": topic_slices(args.texts, args.text_bytes), "image": jpegs(args.images, args.image_side)}
     with tempfile.TemporaryDirectory() as folder:
         exported = os.path.join(folder, "model")
-        u.export(random_checkpoint(args, folder), exported, onnx=True)
+        u.export(random_checkpoint(args, os.path.join(folder, "bench.safetensors")), exported, onnx=True)
         media = MediaPolicy(workers=1)
         with u.load(exported, media=media) as model, OnnxEncoder(exported, threads=args.threads, media=media) as graph:
             for kind, contents in items.items():

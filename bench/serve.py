@@ -38,36 +38,9 @@ import torch
 # Run as a script, the checkout's uform wins over an installed one; its sibling `common` is found when loaded too.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_geometry, topic_slices, write_json  # sibling modules, not a package
+from common import add_geometry, random_checkpoint, topic_slices, write_json  # sibling modules, not a package
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def write_model(args: argparse.Namespace, path: str) -> None:
-    """A Contrastive run of the geometry with Matryoshka widths 64, 128 and 256 (those narrower than hidden),
-    random weights (seed 42), as a trainer checkpoint at `path`."""
-    import uform as u
-    from uform.config import resolve, to_json
-    from uform.model.network import Network
-    from uform.replica.checkpoint import write_checkpoint
-
-    config = resolve(
-        u.TrainerInitVramConfig(
-            depth=args.depth,
-            hidden=args.hidden,
-            objective=u.Objective.Contrastive,
-            contrastive=u.Contrastive(matryoshka_dimensions=tuple(w for w in (64, 128, 256) if w < args.hidden)),
-            batch=u.BatchShape(
-                max_rows_per_device=args.rows, max_segments_per_device=args.segments, max_columns_per_row=args.columns
-            ),
-            schedule=u.Schedule(steps=1),
-            seed=42,
-        )
-    )
-    network = Network(config)
-    network.initialize(config.seed)
-    tensors = {f"weights.{k}": v for k, v in network.state_dict().items()}
-    write_checkpoint(path, tensors, {"uform.format": "uform.trainer.1", "uform.config": to_json(config)})
 
 
 def start_server(args: argparse.Namespace, path: str) -> tuple[subprocess.Popen, str]:
@@ -145,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     results["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "bench-serve.safetensors")
-        write_model(args, path)
+        random_checkpoint(args, path, patch_side=0, widths=tuple(w for w in (64, 128, 256) if w < args.hidden))
         t0 = time.perf_counter()
         process, url = start_server(args, path)
         results["startup_s"] = time.perf_counter() - t0
