@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -21,6 +22,7 @@ from . import __version__
 from .demo import DEFAULTS, held_out_split, report, run_demo, text_pairs
 from .demo_shapes import IMAGE_DEFAULTS, run_image_demo
 from .fitting import fit
+from .interrupts import exit_status
 from .run_config import read_run_config
 from .runtime.executor import Executor
 
@@ -165,9 +167,12 @@ def _train(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as error:  # a CheckpointError is a ValueError
         print(f"uform train: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, the last whole checkpoint left in place
         print("\nuform train: interrupted (the last checkpoint written is the one to resume)", file=sys.stderr)
-        return 130
+        return exit_status(signal.SIGINT)
+    if summary.interrupted is not None:  # stopped at a step boundary and saved there: the shell's 128 + signal
+        print(f"uform train: interrupted at step {summary.step}; resume with --resume latest; {summary.output}")
+        return exit_status(summary.interrupted)
     state = "done" if summary.step >= summary.steps else f"stopped at step {summary.step} of {summary.steps}"
     print(f"uform train: {state}; {summary.output}")
     return 0

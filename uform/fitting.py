@@ -13,7 +13,9 @@ submodule binds its name on the package, which would hide the lazily exported fu
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,17 +25,20 @@ from typing import Any, TextIO
 import torch
 
 from .config import TrainerStepStats
+from .console import Console, clock
+from .interrupts import Interrupts
+from .notices import Notices
 from .replica.stored_run import read_data_state
+from .rotation import Rotation
 from .run_config import RunConfig, read_run_config
-from .run_dir import RunDir
+from .run_dir import RunDir, read_metrics
 from .runtime.executor import Executor
 from .sources import Loader, open_source
+from .tensorboard import TensorBoard
+from .tensorboard import available as tensorboard_available
 from .trainer import Trainer
 
 __all__ = ["FitStep", "FitSummary", "fit"]
-
-LOG_EVERY = 10
-"""Steps between two console lines (the last step of a call always has one)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,51 @@ class FitSummary:
     """The checkpoint this call wrote (None where it took no step)."""
     output: str
     """The run's folder."""
+    interrupted: int | None = None
+    """The signal that stopped this call at a step boundary (`signal.SIGTERM`, ...), or None; its checkpoint is
+    `checkpoint`, and `resume="latest"` continues from it exactly."""
+    seconds: float = 0.0
+    """This call's wall time, building the trainer excluded."""
+    checkpoints: tuple[str, ...] = ()
+    """The checkpoints the run's folder holds after this call, oldest first (what `[checkpoint]` kept)."""
+    best: tuple[str, int, float] | None = None
+    """`[checkpoint] best`'s name, the step that scored best by it and the score, over the whole run."""
+    best_checkpoint: str | None = None
+    """The checkpoint of the best-scoring step that has one, or None."""
+    warned: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The warnings of this call by kind (`warned/media`, `warned/capacity`, ...), each shown once, all counted."""
+
+    def report(self) -> str:
+        """The run's closing block, for a person: where it stopped, what it saw, what it kept."""
+        if self.interrupted is not None:
+            state = f"interrupted by {signal.Signals(self.interrupted).name} at step {self.step} of {self.steps}"
+        else:
+            state = "done" if self.step >= self.steps else f"stopped at step {self.step} of {self.steps}"
+        rate = f", {self.items / self.seconds:.1f} items/s" if self.seconds > 0 and self.items else ""
+        rows = [("steps", f"{self.taken} this call ({self.step - self.taken + 1}-{self.step})" if self.taken else "0")]
+        rows.append(("items", f"{self.items}{rate}"))
+        rows.append(("wall time", clock(self.seconds)))
+        if self.stats is not None:
+            rows.append(("last loss", f"{self.stats.loss:.4f} at learning rate {self.stats.learning_rate:.2e}"))
+        if self.best is not None:
+            name, step, value = self.best
+            rows.append(("best", f"{name} = {value:.4f} at step {step}"))
+        if self.warned:
+            rows.append(
+                ("warnings", ", ".join(f"{k.removeprefix('warned/')} {v}" for k, v in sorted(self.warned.items())))
+            )
+        folder = os.path.join(self.output, "checkpoints")
+        names = []
+        for path in self.checkpoints:
+            tags = [t for t, p in (("latest", self.checkpoint), ("best", self.best_checkpoint)) if p == path]
+            names.append(os.path.basename(path) + (f" ({', '.join(tags)})" if tags else ""))
+        rows.append(("checkpoints", f"{folder}: {', '.join(names)}" if names else "none"))
+        if self.step < self.steps and self.checkpoint is not None:
+            rows.append(
+                ("resume", f"--resume latest (uform.fit(..., resume='latest')) continues from step {self.step}")
+            )
+        width = max(len(k) for k, _ in rows)
+        return "\n".join([f"uform: run {state}; {self.output}", *(f"  {k:<{width}}  {v}" for k, v in rows)])
 
 
 def fit(
@@ -86,7 +136,8 @@ def fit(
     fields: Mapping[str, Any] | None = None,
     progress: Callable[[FitStep], Any] | None = None,
     log: TextIO | None = sys.stderr,
-    log_every: int = LOG_EVERY,
+    log_every: int | None = None,
+    evaluate: Callable[[int, Trainer], Mapping[str, Any] | None] | None = None,
 ) -> FitSummary:
     """Trains the run `config` describes (a `RunConfig`, or the path of a run file with `--set`-style
     `overrides`) into the folder `output` (`RunDir`: `config.toml`, `metrics.jsonl`, `checkpoints/`).
@@ -97,8 +148,15 @@ def fit(
     ends at `config.trainer.schedule.steps`. `devices` is the executor (default: CUDA device 0 where there is
     one, else the CPU); its devices read one share of each global step each (`uform.sources.Loader`).
     `data` replaces `[data] train` (any re-iterable of records, a `datasets` dataset included, or paths) and
-    `fields` `[data] fields`. `progress(FitStep)` is called after every step; `log` gets one line every
-    `log_every` steps (None: silent). Everything is checked before anything is written or trained.
+    `fields` `[data] fields`. `progress(FitStep)` is called after every step. `log` gets a progress bar where it
+    is a terminal, else one line every `log_every` steps (default `[log] every`), and the run's closing block
+    (`FitSummary.report`); None is silent. `evaluate(step, trainer)`, called after each step, answers results by
+    name (`{"eval/text->image/recall@10": 0.41}`) or None: they go to `metrics.jsonl` (and TensorBoard), and
+    `[checkpoint] best` reads them. `[checkpoint]` says when to save and what to keep (`uform.rotation`).
+
+    SIGINT or SIGTERM while it trains lets the step in flight finish, saves at that step and returns, the summary's
+    `interrupted` naming the signal; a second signal stops at once (`uform.interrupts`). Everything is checked
+    before anything is written or trained.
     """
     run = config if isinstance(config, RunConfig) else None
     if run is None:
@@ -109,10 +167,20 @@ def fit(
         raise ValueError("overrides: apply them to a run file's path (a RunConfig is already resolved)")
     if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
         raise ValueError(f"stop_after: expected None or a positive int, got {stop_after!r}")
+    if log_every is None:
+        log_every = run.log.every
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
         raise ValueError(f"log_every: expected a positive int, got {log_every!r}")
     if progress is not None and not callable(progress):
         raise TypeError(f"progress: expected None or a callable, got {type(progress).__name__}")
+    if evaluate is not None and not callable(evaluate):
+        raise TypeError(f"evaluate: expected None or a callable, got {type(evaluate).__name__}")
+    if run.checkpoint.best is not None and evaluate is None:
+        raise ValueError(f"checkpoint.best: names {run.checkpoint.best!r}, but this run evaluates nothing (evaluate=)")
+    if run.log.tensorboard and not tensorboard_available():
+        raise ValueError(
+            "log.tensorboard: true, but the tensorboard package is missing (pip install 'uform[tensorboard]')"
+        )
     if devices is not None and not isinstance(devices, Executor):
         raise TypeError(f"devices: expected an Executor, got {type(devices).__name__}")
     if resume is not None and not isinstance(resume, (str, os.PathLike)):
@@ -121,12 +189,13 @@ def fit(
     source = open_source(spec, fields=named)
 
     folder: RunDir | None = None
+    notices = Notices()  # the call's own: checkpoints passed over on the way to the latest
     if resume is None:
         _check_new(output)  # a clash is refused now; the folder is made once the trainer stands
         checkpoint, state = None, None
     else:
         folder = RunDir.open(output)
-        checkpoint = folder.latest() if os.fspath(resume) == "latest" else os.fspath(resume)
+        checkpoint = folder.latest(notices) if os.fspath(resume) == "latest" else os.fspath(resume)
         if checkpoint is None:
             raise FileNotFoundError(f"resume: {folder.path} holds no whole checkpoint to resume from")
         state = read_data_state(checkpoint)
@@ -141,7 +210,19 @@ def fit(
         trainer = Trainer.init_vram(executor, trainer_config, init_from=None if checkpoint else run.init_from)
         try:
             folder = RunDir.create(output, run) if folder is None else folder
-            return _loop(run, folder, trainer, loader, checkpoint is not None, stop_after, progress, log, log_every)
+            return _loop(
+                run,
+                folder,
+                trainer,
+                loader,
+                checkpoint is not None,
+                stop_after,
+                progress,
+                log,
+                log_every,
+                notices,
+                evaluate,
+            )
         finally:
             trainer.close()
     finally:
@@ -186,31 +267,110 @@ def _loop(
     progress: Callable[[FitStep], Any] | None,
     log: TextIO | None,
     log_every: int,
+    notices: Notices,
+    evaluate: Callable[[int, Trainer], Mapping[str, Any] | None] | None = None,
 ) -> FitSummary:
+    """The steps of one call: each taken, logged (metrics.jsonl, TensorBoard, the console), saved on the
+    `[checkpoint]` policy; a signal stops it at the next step boundary with a save there."""
+    begun = time.perf_counter()
     steps = run.trainer.schedule.steps
-    last = min(steps, loader.step - 1 + stop_after) if stop_after is not None else steps
+    first = loader.step
+    last = min(steps, first - 1 + stop_after) if stop_after is not None else steps
+    resumed_at = first - 1 if resumed else None
     taken = items = 0
     stats: TrainerStepStats | None = None
-    checkpoint = None
-    with folder.metrics(resumed_at=loader.step - 1 if resumed else None) as metrics:
-        while loader.step <= last:
-            started = time.perf_counter()
-            step_input = loader.next_step()
-            stats = TrainerStepStats()
-            step_input.config.stats = stats
-            trainer.step(*step_input)
-            seconds = time.perf_counter() - started
-            count = len(step_input.contents)
-            metrics.step(stats, items=count, seconds=seconds)
-            taken, items = taken + 1, items + count
-            if progress is not None:
-                progress(FitStep(step_input.step, steps, stats, list(step_input.records), count, seconds))
-            if log is not None and (step_input.step % log_every == 0 or loader.step > last):
-                rate = f"{count / seconds:.1f}" if seconds > 0 else "-"
-                log.write(f"step {step_input.step}/{steps}  loss {stats.loss:.4f}  items/s {rate}\n")
-                log.flush()
-        if taken:
-            checkpoint = folder.save(trainer, loader.step - 1, data_state=loader.state())
-    if log is not None and checkpoint is not None:
-        log.write(f"saved {checkpoint}\n")
-    return FitSummary(loader.step - 1, steps, taken, items, stats, checkpoint, folder.path)
+    checkpoint: str | None = None
+    saved_at = -1
+    board = _board(run, folder, resumed_at)
+    try:
+        with (
+            folder.metrics(resumed_at=resumed_at) as metrics,
+            Console(log, steps=steps, first=first, last=last, every=log_every) as console,
+            Interrupts() as interrupts,
+        ):
+            history = [r for r in read_metrics(folder.metrics_path) if r["kind"] == "eval"] if resumed else []
+            rotation = Rotation(folder, run.checkpoint, history)
+
+            def warned() -> dict[str, int]:
+                counts: dict[str, int] = {}
+                for source in (trainer.notices.counts(), loader.notices.counts(), notices.counts()):
+                    for kind, count in source.items():
+                        key = "warned/" + kind.replace(" ", "_").replace("-", "_")
+                        counts[key] = counts.get(key, 0) + count
+                return counts
+
+            def on_eval(step: int, results: Mapping[str, Any]) -> bool:
+                """The evaluation's way in (issue 14 item 1): its record logged, its `best` score noted; answers
+                whether the step scored a new best, which the loop then saves."""
+                metrics.eval(step, results)
+                if board is not None:
+                    board.scalars(step, results)
+                return rotation.evaluated(step, results)
+
+            def save(step: int) -> str:
+                path = folder.save(trainer, step, data_state=loader.state())
+                removed = rotation.saved(step)
+                gone = f"; removed {', '.join(os.path.basename(p) for p in removed)}" if removed else ""
+                console.note(f"saved {path}{gone}")
+                return path
+
+            announced = False
+            while loader.step <= last and interrupts.signal is None:
+                started = time.perf_counter()
+                step_input = loader.next_step()
+                stats = TrainerStepStats()
+                step_input.config.stats = stats
+                trainer.step(*step_input)
+                seconds = time.perf_counter() - started
+                count, step = len(step_input.contents), step_input.step
+                counts = warned()
+                metrics.step(stats, items=count, seconds=seconds, counts=counts)
+                if board is not None:
+                    record = dataclasses.asdict(stats)
+                    record["items_per_second"] = count / seconds if seconds > 0 else math.nan
+                    board.scalars(step, record, prefix="train/")
+                    board.scalars(step, counts)
+                taken, items = taken + 1, items + count
+                console.step(step, stats, items=count, seconds=seconds)
+                if progress is not None:
+                    progress(FitStep(step, steps, stats, list(step_input.records), count, seconds))
+                results = None if evaluate is None else evaluate(step, trainer)
+                best = results is not None and on_eval(step, results)
+                if rotation.due(step) or best:
+                    checkpoint, saved_at = save(step), step
+                if interrupts.signal is not None and not announced:
+                    announced = True
+                    console.note(
+                        f"uform: {interrupts.name}: stopping after step {step}, saving there (again: stop now)"
+                    )
+            if taken and saved_at != loader.step - 1:
+                checkpoint = save(loader.step - 1)
+            kept = tuple(path for _, path in folder.saved())
+            best_step = rotation.best()
+            summary = FitSummary(
+                step=loader.step - 1,
+                steps=steps,
+                taken=taken,
+                items=items,
+                stats=stats,
+                checkpoint=checkpoint,
+                output=folder.path,
+                interrupted=interrupts.signal,
+                seconds=time.perf_counter() - begun,
+                checkpoints=kept,
+                best=None if best_step is None or run.checkpoint.best is None else (run.checkpoint.best, *best_step),
+                best_checkpoint=rotation.best_checkpoint(),
+                warned=warned(),
+            )
+            console.note(summary.report())
+            return summary
+    finally:
+        if board is not None:
+            board.close()
+
+
+def _board(run: RunConfig, folder: RunDir, resumed_at: int | None) -> TensorBoard | None:
+    wanted = run.log.tensorboard
+    if wanted is False or (wanted is None and not tensorboard_available()):
+        return None
+    return TensorBoard(folder.path, resumed_at=resumed_at)
