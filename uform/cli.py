@@ -4,6 +4,7 @@
                [--cpu] [--quiet] [--save PATH]
     uform train CONFIG.toml [--output DIR] [--resume PATH|latest] [--stop-after N] [--set KEY=VALUE ...]
                 [--devices 0,1|cpu|cpu:N]
+    uform plot RUN_DIR [--output FILE_OR_DIR]
     uform version
 
 `main(argv)` answers the exit status instead of exiting, so it can be called in-process (as the tests
@@ -23,6 +24,7 @@ from .demo import DEFAULTS, held_out_split, report, run_demo, text_pairs
 from .demo_shapes import IMAGE_DEFAULTS, run_image_demo
 from .fitting import fit
 from .interrupts import exit_status
+from .plotting import plot_run
 from .run_config import read_run_config
 from .runtime.executor import Executor
 
@@ -129,6 +131,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="CUDA devices by index, the CPU, or N CPU devices (default: CUDA 0 where there is one, else the CPU)",
     )
 
+    plot = commands.add_parser(
+        "plot",
+        help="draw a run's curves (losses, learning rate, throughput, evaluations) into a PNG",
+        description="Reads RUN_DIR/metrics.jsonl (while the run trains or after) and draws its losses, learning "
+        "rate, items per second, held-out evaluations and warnings against the step, into one PNG. Needs "
+        "matplotlib (pip install 'uform[plot]').",
+    )
+    plot.add_argument("run", metavar="RUN_DIR", help="a run's folder (uform train --output)")
+    plot.add_argument(
+        "--output",
+        metavar="FILE_OR_DIR",
+        default=None,
+        help="the PNG, or a folder for metrics.png (RUN_DIR/metrics.png)",
+    )
+
     commands.add_parser("version", help="print the library's version", description="Prints uform's version.")
     return parser
 
@@ -191,6 +208,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "train":
         return _train(args)
+    if args.command == "plot":
+        try:
+            print(plot_run(args.run, args.output))
+        except (ValueError, OSError, ImportError) as error:
+            print(f"uform {error}", file=sys.stderr)  # its messages start "plot: "
+            return 2
+        return 0
 
     if args.save is not None and args.part == "image":
         print("uform demo: --save: saves the text part's run; choose --part text or both", file=sys.stderr)

@@ -362,6 +362,7 @@ def _loop(
                 best_checkpoint=rotation.best_checkpoint(),
                 warned=warned(),
             )
+            console.close()  # the bar ends first: the block is printed under it, not through it
             console.note(summary.report())
             return summary
     finally:
