@@ -218,7 +218,7 @@ def test_the_log_and_checkpoint_tables_read_by_key_and_round_trip() -> None:
     written = dump_run_config(run)
     assert load_run_config(written) == run and dump_run_config(load_run_config(written)) == written
     assert 'best = "eval/text->image/recall@10"' in written and 'mode = "max"' in written
-    plain = load_run_config(TEXT)  # the defaults: the console every 10 steps, TensorBoard when installed, a save a call
+    plain = load_run_config(TEXT)  # the defaults: the console every 25 steps, TensorBoard when installed, a save a call
     assert plain.log == LogConfig() and plain.log.tensorboard is None and plain.checkpoint == CheckpointConfig()
     assert load_run_config(dump_run_config(plain)) == plain and "tensorboard" not in dump_run_config(plain)
     assert CheckpointConfig(best="eval/held_out/masked_loss").mode == "min"

@@ -64,7 +64,7 @@ class DataConfig:
 class LogConfig:
     """The `[log]` table: what a run shows while it runs (`metrics.jsonl` is always written)."""
 
-    every: int = 10
+    every: int = 25
     """Steps between two plain console lines when the stream is not a terminal (a terminal gets a progress bar);
     the last step of a call always has one."""
     tensorboard: bool | None = None
