@@ -28,6 +28,7 @@ from uform.fitting import FitStep
 from uform.interrupts import Interrupts, exit_status
 from uform.notices import CheckpointWarning, MediaWarning
 from uform.replica.checkpoint import read_checkpoint
+from uform.replica.stored_run import read_data_state
 from uform.run_config import CheckpointConfig
 from uform.run_dir import RunDir, latest, read_metrics
 
@@ -416,3 +417,33 @@ def test_sigterm_to_uform_train_mid_run_then_resume_latest_equals_the_uninterrup
     whole = uform.fit(PAIRS, tmp_path / "straight", overrides=overrides, log=None)
     assert whole.checkpoint is not None
     assert_same_tensors(tensors(run / "checkpoints" / f"step-{steps:08d}.safetensors"), tensors(whole.checkpoint))
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_process_group_of_a_two_device_run_saves_at_a_step_boundary(tmp_path: Path) -> None:
+    # A terminal's Ctrl-C reaches every process of the group: the device workers leave it to the trainer's process.
+    run = tmp_path / "run"
+    sets = [arg for o in [*TINY, "trainer.schedule.steps=40"] for arg in ("--set", o)]
+    child = subprocess.Popen(
+        [sys.executable, "-m", "uform", "train", PAIRS, "--output", str(run), "--devices", "cpu:2", *sets],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own group, as a shell gives a job
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    metrics = run / "metrics.jsonl"
+    try:
+        while child.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            time.sleep(0.005)
+        os.killpg(child.pid, signal.SIGINT)
+        _, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 130, err
+    stopped = latest(run)
+    assert stopped is not None and "SIGINT: stopping after step" in err
+    at = int(Path(stopped).stem.removeprefix("step-"))
+    assert 2 <= at < 40 and read_data_state(stopped)["step"] == at + 1
