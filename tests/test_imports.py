@@ -40,6 +40,9 @@ ALLOWED_LOCAL_IMPORTS = {
     ("uform.sources.shards", "fsspec"): "an optional extra, imported only for a URL",
     ("uform.sources.parquet", "pyarrow.parquet"): "an optional extra, imported only for a Parquet shard",
     ("uform.sources.sizes", "PIL"): "Pillow loads where an image header is read, never for text-only data",
+    ("uform.tensorboard", "torch.utils.tensorboard"): "an optional extra, imported only where a run writes its board",
+    ("uform.plotting", "matplotlib.backends.backend_agg"): "an optional extra, imported only by uform plot",
+    ("uform.plotting", "matplotlib.figure"): "an optional extra, imported only by uform plot",
 }
 """Every import inside a function of uform, with why it is there: a new one (one that dodges a loop, say) fails
 `test_no_import_inside_a_function_but_the_listed_ones` until it is listed here with its reason. The lazy names

@@ -114,9 +114,13 @@ def broken_image_records(folder: Path) -> Path:
 def test_metrics_carry_the_stats_by_name_and_every_warning_counted_and_shown_once(tmp_path: Path) -> None:
     data = broken_image_records(tmp_path)
     overrides = [*TINY, "trainer.schedule.steps=8", f"data.train={json.dumps(str(data))}"]
+    config = str(EXAMPLES / "image_text.toml")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        summary = uform.fit(str(EXAMPLES / "image_text.toml"), tmp_path / "run", overrides=overrides, log=None)
+        first = uform.fit(config, tmp_path / "run", overrides=overrides, stop_after=4, log=None)
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        summary = uform.fit(config, tmp_path / "run", overrides=overrides, resume="latest", log=None)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     fields = [f.name for f in dataclasses.fields(TrainerStepStats)]
     assert [r["step"] for r in records] == list(range(1, 9))
@@ -128,12 +132,13 @@ def test_metrics_carry_the_stats_by_name_and_every_warning_counted_and_shown_onc
     assert last["warned/media"] == sum(r["skipped"] for r in records) >= 4
     for name in ("warned/missing", "warned/media"):
         counts = [r.get(name, 0) for r in records]
-        assert counts == sorted(counts)  # counted so far, never less
-        assert summary.warned[name] == counts[-1]
+        assert counts == sorted(counts) and counts[3] < counts[-1]  # counted over the run, the resume adding on
+        assert first.warned[name] == counts[3] and summary.warned[name] == counts[-1]
     shown = [w for w in caught if issubclass(w.category, uform.UformWarning)]
     assert sum("missing file" in str(w.message) for w in shown) == 1  # shown once, however many
     assert sum(issubclass(w.category, MediaWarning) and "missing" not in str(w.message) for w in shown) == 1
     assert "warnings     media" in summary.report() and "missing" in summary.report()
+    assert sum("missing file" in str(w.message) for w in again) == 1  # a new call shows it once more
 
 
 # --------------------------------------------------------------------------------------------------

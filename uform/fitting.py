@@ -89,7 +89,8 @@ class FitSummary:
     best_checkpoint: str | None = None
     """The checkpoint of the best-scoring step that has one, or None."""
     warned: dict[str, int] = dataclasses.field(default_factory=dict)
-    """The warnings of this call by kind (`warned/media`, `warned/capacity`, ...), each shown once, all counted."""
+    """The warnings by kind (`warned/media`, `warned/capacity`, ...) over the whole run (a resumed run's counts add
+    to those its folder's metrics hold), each kind shown once per call, every occurrence counted."""
 
     def report(self) -> str:
         """The run's closing block, for a person: where it stopped, what it saw, what it kept."""
@@ -288,11 +289,14 @@ def _loop(
             Console(log, steps=steps, first=first, last=last, every=log_every) as console,
             Interrupts() as interrupts,
         ):
-            history = [r for r in read_metrics(folder.metrics_path) if r["kind"] == "eval"] if resumed else []
-            rotation = Rotation(folder, run.checkpoint, history)
+            earlier = read_metrics(folder.metrics_path) if resumed else []
+            rotation = Rotation(folder, run.checkpoint, [r for r in earlier if r["kind"] == "eval"])
+            # Counts run over the whole run: a resume adds to what its last step's record holds.
+            stepped = [r for r in earlier if r["kind"] == "step"]
+            base = {k: int(v) for k, v in (stepped[-1] if stepped else {}).items() if k.startswith("warned/")}
 
             def warned() -> dict[str, int]:
-                counts: dict[str, int] = {}
+                counts: dict[str, int] = dict(base)
                 for source in (trainer.notices.counts(), loader.notices.counts(), notices.counts()):
                     for kind, count in source.items():
                         key = "warned/" + kind.replace(" ", "_").replace("-", "_")

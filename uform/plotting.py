@@ -77,7 +77,7 @@ def plot_run(run_folder: str | os.PathLike, output: str | os.PathLike | None = N
     return target
 
 
-Line = tuple[str, Sequence[float], Sequence[float]]
+Line = tuple[str, list[float], list[float]]
 
 
 def _panels(steps: list[dict[str, Any]], evals: list[dict[str, Any]]) -> list[tuple[str, list[Line], dict[str, Any]]]:
