@@ -330,7 +330,7 @@ def _loop(
                 counts = warned()
                 metrics.step(stats, items=count, seconds=seconds, counts=counts)
                 if board is not None:
-                    record = dataclasses.asdict(stats)
+                    record = {k: v for k, v in dataclasses.asdict(stats).items() if k != "step"}  # the x axis already
                     record["items_per_second"] = count / seconds if seconds > 0 else math.nan
                     board.scalars(step, record, prefix="train/")
                     board.scalars(step, counts)
