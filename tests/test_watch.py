@@ -35,7 +35,13 @@ from uform.run_dir import RunDir, latest, read_metrics
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 PAIRS = str(EXAMPLES / "text_pairs.toml")
-TINY = ["trainer.depth=1", "log.tensorboard=false"]
+TINY = [
+    "trainer.depth=1",
+    "trainer.batch.max_rows_per_device=4",
+    "trainer.batch.max_segments_per_device=8",
+    "trainer.batch.max_columns_per_row=64",
+    "log.tensorboard=false",
+]
 
 
 def tensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -389,7 +395,7 @@ def test_handlers_live_only_inside_fit_and_only_in_the_main_thread(tmp_path: Pat
 
 
 def test_sigterm_to_uform_train_mid_run_then_resume_latest_equals_the_uninterrupted_run(tmp_path: Path) -> None:
-    steps = 40
+    steps = 100  # far more than the 3 steps waited for: the signal lands mid-run even on a loaded machine
     overrides = [*TINY, f"trainer.schedule.steps={steps}"]
     sets = [arg for o in overrides for arg in ("--set", o)]
     run = tmp_path / "run"

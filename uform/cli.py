@@ -7,6 +7,9 @@
     uform plot RUN_DIR [--output FILE_OR_DIR]
     uform version
 
+`uform train` exits 0 when done (or stopped by --stop-after), 2 on a refused run, and 128 + the signal (130 for
+SIGINT, 143 for SIGTERM) when a signal stopped it after saving at a step boundary.
+
 `main(argv)` answers the exit status instead of exiting, so it can be called in-process (as the tests
 do); the console script and `python -m uform` pass its answer to `sys.exit`.
 """
@@ -108,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="train on your own data, as a run file (TOML) describes",
         description="Trains the run CONFIG.toml describes ([trainer], [data]) and writes its folder: config.toml, "
-        "metrics.jsonl and checkpoints/step-NNNNNNNN.safetensors.",
+        "metrics.jsonl and checkpoints/step-NNNNNNNN.safetensors. SIGINT (Ctrl-C) or SIGTERM finishes the step in "
+        "flight, saves there and exits 130 or 143 (128 + the signal; --resume latest continues exactly); a second "
+        "signal stops at once. Exits 2 on a refused run file or folder.",
     )
     train.add_argument("config", metavar="CONFIG.toml", help="the run file")
     train.add_argument(
