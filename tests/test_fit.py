@@ -137,7 +137,9 @@ def test_two_cpu_devices_read_the_global_records_of_two_ranks_and_train(tmp_path
     finally:
         executor.close()
     assert summary.step == 3
-    assert all(math.isfinite(r["loss"]) for r in read_metrics(tmp_path / "two" / "metrics.jsonl"))
+    metrics = read_metrics(tmp_path / "two" / "metrics.jsonl")
+    assert all(math.isfinite(r["loss"]) for r in metrics)
+    assert [r["items"] for r in metrics] == [len(records) for _, records in seen]  # both devices' items a step
 
     # What two processes of one device each read (the loader's rank rule), together, step by step.
     assert run.data is not None

@@ -43,6 +43,11 @@ ALLOWED_LOCAL_IMPORTS = {
     ("uform.tensorboard", "torch.utils.tensorboard"): "an optional extra, imported only where a run writes its board",
     ("uform.plotting", "matplotlib.backends.backend_agg"): "an optional extra, imported only by uform plot",
     ("uform.plotting", "matplotlib.figure"): "an optional extra, imported only by uform plot",
+    ("uform.sources.sizes", "soundfile"): "libsndfile loads where an audio header is read, never for text or images",
+    ("uform.sources.sizes", "uform.media.video"): "PyAV loads where a video header is read, never for other data",
+    ("uform.embedding_writer", "pyarrow"): "an optional extra, imported only for a Parquet output",
+    ("uform.embedding_writer", "pyarrow.parquet"): "an optional extra, imported only for a Parquet output",
+    ("uform.onnx_encoder", "onnxruntime"): "the onnx extra, imported only where an ONNX graph is run",
 }
 """Every import inside a function of uform, with why it is there: a new one (one that dodges a loop, say) fails
 `test_no_import_inside_a_function_but_the_listed_ones` until it is listed here with its reason. The lazy names

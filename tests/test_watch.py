@@ -350,10 +350,11 @@ def test_a_signal_saves_at_the_step_boundary_and_the_resume_is_bitwise(tmp_path:
     out = io.StringIO()
     stopped = uform.fit(PAIRS, tmp_path / "split", overrides=overrides, progress=raise_at(2, signal.SIGTERM), log=out)
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before  # nothing left behind
-    assert stopped.interrupted == signal.SIGTERM and (stopped.step, stopped.taken) == (2, 2)
-    assert stopped.checkpoint == str(tmp_path / "split" / "checkpoints" / "step-00000002.safetensors")
-    assert "SIGTERM: stopping after step 2" in out.getvalue()
-    assert stopped.report().startswith("uform: run interrupted by SIGTERM at step 2 of 5")
+    # Step 3 was in flight when step 2 reported (fit keeps two): it finishes, and the run stops after it.
+    assert stopped.interrupted == signal.SIGTERM and (stopped.step, stopped.taken) == (3, 3)
+    assert stopped.checkpoint == str(tmp_path / "split" / "checkpoints" / "step-00000003.safetensors")
+    assert "SIGTERM: stopping after step 3" in out.getvalue()
+    assert stopped.report().startswith("uform: run interrupted by SIGTERM at step 3 of 5")
     assert "--resume latest" in stopped.report()
     rest = uform.fit(PAIRS, tmp_path / "split", overrides=overrides, resume="latest", log=None)
     whole = uform.fit(PAIRS, tmp_path / "straight", overrides=overrides, log=None)

@@ -12,13 +12,16 @@ submodule binds its name on the package, which would hide the lazily exported fu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -32,13 +35,23 @@ from .replica.stored_run import read_data_state
 from .rotation import Rotation
 from .run_config import RunConfig, read_run_config
 from .run_dir import RunDir, read_metrics
+from .run_place import RunPlace
 from .runtime.executor import Executor
-from .sources import Loader, open_source
+from .runtime.loading import LoaderProcess, by_path
+from .runtime.mesh import Mesh
+from .sources import Loader, StepInput, open_source
 from .tensorboard import TensorBoard
 from .tensorboard import available as tensorboard_available
 from .trainer import Trainer
 
 __all__ = ["FitStep", "FitSummary", "fit"]
+
+IN_FLIGHT = 2
+"""Steps submitted and not yet finished: the next step's records are read, decoded and packed while the device
+runs the one before (`Trainer.deferred`); a save, an evaluation and a stop wait for both."""
+STOP_CHECK_EVERY = 10
+"""On a mesh, steps between two checks of whether any process caught a signal (each check drains the steps in
+flight and exchanges a flag, so every process stops at the same step)."""
 
 
 @dataclass(frozen=True)
@@ -52,9 +65,9 @@ class FitStep:
     stats: TrainerStepStats
     """What the trainer reported for it."""
     records: list[str]
-    """The ids of the records it trained on, one per item, in item order (every rank's, in share order)."""
+    """The ids of the records this process's devices trained on, one per item, in item order (share order)."""
     items: int
-    """Items it trained on."""
+    """Items it trained on, the whole world's."""
     seconds: float
     """Its wall time, reading included."""
 
@@ -133,6 +146,8 @@ def fit(
     resume: str | os.PathLike | None = None,
     stop_after: int | None = None,
     devices: Executor | None = None,
+    mesh: Mesh | None = None,
+    loader_process: bool | None = None,
     data: Any = None,
     fields: Mapping[str, Any] | None = None,
     progress: Callable[[FitStep], Any] | None = None,
@@ -147,7 +162,13 @@ def fit(
     weights, optimizer and data position alike; without it `output` must be new or empty. `stop_after` takes at
     most that many steps in this call, then saves and returns (a run split across a scheduler's jobs); the run
     ends at `config.trainer.schedule.steps`. `devices` is the executor (default: CUDA device 0 where there is
-    one, else the CPU); its devices read one share of each global step each (`uform.sources.Loader`).
+    one, else the CPU); its devices read one share of each global step each (`uform.sources.Loader`). `mesh`
+    makes this process one of a run's (`Mesh.from_env()` under torchrun, or `Mesh.bootstrap`): every process
+    calls `fit` alike, reads only its own devices' shares, and the lead (rank 0's process) alone writes the
+    folder, the metrics and the console lines (`uform.run_place.RunPlace`); `devices` is then the mesh's.
+    `loader_process` reads the data in a process of its own (`uform.runtime.loading.LoaderProcess`: the same
+    steps, none of this process's interpreter time); None chooses it where the devices are GPUs and the data
+    is named by path.
     `data` replaces `[data] train` (any re-iterable of records, a `datasets` dataset included, or paths) and
     `fields` `[data] fields`. `progress(FitStep)` is called after every step. `log` gets a progress bar where it
     is a terminal, else one line every `log_every` steps (default `[log] every`), and the run's closing block
@@ -172,6 +193,8 @@ def fit(
         log_every = run.log.every
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
         raise ValueError(f"log_every: expected a positive int, got {log_every!r}")
+    if loader_process is not None and not isinstance(loader_process, bool):
+        raise TypeError(f"loader_process: expected None or a bool, got {type(loader_process).__name__}")
     if progress is not None and not callable(progress):
         raise TypeError(f"progress: expected None or a callable, got {type(progress).__name__}")
     if evaluate is not None and not callable(evaluate):
@@ -184,36 +207,48 @@ def fit(
         )
     if devices is not None and not isinstance(devices, Executor):
         raise TypeError(f"devices: expected an Executor, got {type(devices).__name__}")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected None or a Mesh, got {type(mesh).__name__}")
+    if mesh is not None and devices is not None and devices is not mesh.executor:
+        raise ValueError("devices: a run over a mesh trains on the mesh's executor; leave devices out")
     if resume is not None and not isinstance(resume, (str, os.PathLike)):
         raise TypeError(f"resume: expected None, a checkpoint's path or 'latest', got {type(resume).__name__}")
     spec, named = _data(run, data, fields)
     source = open_source(spec, fields=named)
 
-    folder: RunDir | None = None
+    place = RunPlace(mesh)
+    log = log if place.lead else None
     notices = Notices()  # the call's own: checkpoints passed over on the way to the latest
     if resume is None:
-        _check_new(output)  # a clash is refused now; the folder is made once the trainer stands
+        place.agree(lambda: _check_new(output))  # a clash is refused now; the folder is made once the trainer stands
         checkpoint, state = None, None
     else:
-        folder = RunDir.open(output)
-        checkpoint = folder.latest(notices) if os.fspath(resume) == "latest" else os.fspath(resume)
-        if checkpoint is None:
-            raise FileNotFoundError(f"resume: {folder.path} holds no whole checkpoint to resume from")
-        state = read_data_state(checkpoint)
-        if state is None:
-            raise ValueError(f"resume: {checkpoint} stores no data position (it was not saved by fit)")
+        checkpoint, state = place.agree(lambda: _resumed(output, resume, notices))
 
-    owned = devices is None
-    executor = _default_executor() if devices is None else devices
-    trainer_config = run.trainer if checkpoint is None else dataclasses.replace(run.trainer, resume=checkpoint)
+    owned = devices is None and mesh is None
+    executor = mesh.executor if mesh is not None else _default_executor() if devices is None else devices
+    trainer_config = run.trainer if mesh is None else dataclasses.replace(run.trainer, mesh=mesh)
+    trainer_config = trainer_config if checkpoint is None else dataclasses.replace(trainer_config, resume=checkpoint)
+    shares = place.loader_shares(len(executor.devices))
+    if loader_process is None:
+        loader_process = by_path(spec) and any(torch.device(d).type == "cuda" for d in executor.devices)
+    elif loader_process and not by_path(spec):
+        raise ValueError("loader_process: a loader process reads data named by path, glob or URL, not this source")
+    loader: Loader | LoaderProcess | None = None
     try:
-        loader = Loader(source, run.trainer, devices=len(executor.devices), state=state)
+        if loader_process:
+            loader = LoaderProcess(spec, named, run.trainer, state=state, **shares)
+        else:
+            loader = Loader(source, run.trainer, state=state, **shares)
         trainer = Trainer.init_vram(executor, trainer_config, init_from=None if checkpoint else run.init_from)
         try:
-            folder = RunDir.create(output, run) if folder is None else folder
+            if checkpoint is None:
+                place.agree(lambda: RunDir.create(output, run).path)
+            folder = RunDir.open(output)
             return _loop(
                 run,
                 folder,
+                place,
                 trainer,
                 loader,
                 checkpoint is not None,
@@ -227,6 +262,8 @@ def fit(
         finally:
             trainer.close()
     finally:
+        if isinstance(loader, LoaderProcess):
+            loader.close()
         if owned:
             executor.close()
 
@@ -241,6 +278,18 @@ def _data(run: RunConfig, data: Any, fields: Mapping[str, Any] | None) -> tuple[
     if not named:
         raise ValueError('data.fields: map each record field to its role (fields = { txt = "text" })')
     return spec, named
+
+
+def _resumed(output: str | os.PathLike, resume: str | os.PathLike, notices: Notices) -> tuple[str, dict[str, Any]]:
+    """The checkpoint `resume` names in the run's folder `output`, and the data position it stores."""
+    folder = RunDir.open(output)
+    checkpoint = folder.latest(notices) if os.fspath(resume) == "latest" else os.fspath(resume)
+    if checkpoint is None:
+        raise FileNotFoundError(f"resume: {folder.path} holds no whole checkpoint to resume from")
+    state = read_data_state(checkpoint)
+    if state is None:
+        raise ValueError(f"resume: {checkpoint} stores no data position (it was not saved by fit)")
+    return checkpoint, state
 
 
 def _check_new(output: str | os.PathLike) -> None:
@@ -261,8 +310,9 @@ def _default_executor() -> Executor:
 def _loop(
     run: RunConfig,
     folder: RunDir,
+    place: RunPlace,
     trainer: Trainer,
-    loader: Loader,
+    loader: Loader | LoaderProcess,
     resumed: bool,
     stop_after: int | None,
     progress: Callable[[FitStep], Any] | None,
@@ -282,14 +332,18 @@ def _loop(
     stats: TrainerStepStats | None = None
     checkpoint: str | None = None
     saved_at = -1
-    board = _board(run, folder, resumed_at)
+    lead = place.lead  # the lead alone writes the folder: metrics, TensorBoard, deletions, the console
+    board = _board(run, folder, resumed_at) if lead else None
+    deferred = trainer.deferred(trainer.executor)
+    in_flight: deque[tuple[StepInput, TrainerStepStats, Future]] = deque()
+    writer = folder.metrics(resumed_at=resumed_at) if lead else None
     try:
         with (
-            folder.metrics(resumed_at=resumed_at) as metrics,
+            writer if writer is not None else contextlib.nullcontext() as metrics,
             Console(log, steps=steps, first=first, last=last, every=log_every) as console,
             Interrupts() as interrupts,
         ):
-            earlier = read_metrics(folder.metrics_path) if resumed else []
+            earlier = read_metrics(folder.metrics_path) if resumed and lead else []
             rotation = Rotation(folder, run.checkpoint, [r for r in earlier if r["kind"] == "eval"])
             # Counts run over the whole run: a resume adds to what its last step's record holds.
             stepped = [r for r in earlier if r["kind"] == "step"]
@@ -297,38 +351,57 @@ def _loop(
 
             def warned() -> dict[str, int]:
                 counts: dict[str, int] = dict(base)
-                for source in (trainer.notices.counts(), loader.notices.counts(), notices.counts()):
+                own = loader.notices.counts() if isinstance(loader, Loader) else {}  # a loader process warns there
+                for source in (trainer.notices.counts(), own, notices.counts()):
                     for kind, count in source.items():
                         key = "warned/" + kind.replace(" ", "_").replace("-", "_")
                         counts[key] = counts.get(key, 0) + count
                 return counts
 
             def on_eval(step: int, results: Mapping[str, Any]) -> bool:
-                """The evaluation's way in (issue 14 item 1): its record logged, its `best` score noted; answers
-                whether the step scored a new best, which the loop then saves."""
-                metrics.eval(step, results)
+                """The evaluation's way in (issue 14 item 1), between steps with none in flight: its record
+                logged, its `best` score noted; answers (the lead's verdict, on every process) whether the step
+                scored a new best, which the loop then saves."""
+                if metrics is not None:
+                    metrics.eval(step, results)
                 if board is not None:
                     board.scalars(step, results)
-                return rotation.evaluated(step, results)
+                return place.agree(lambda: rotation.evaluated(step, results))
 
             def save(step: int) -> str:
-                path = folder.save(trainer, step, data_state=loader.state())
-                removed = rotation.saved(step)
+                path = folder.save(trainer, step, data_state=place.data_state(loader.state()))
+                removed = rotation.saved(step) if lead else []
                 gone = f"; removed {', '.join(os.path.basename(p) for p in removed)}" if removed else ""
                 console.note(f"saved {path}{gone}")
                 return path
 
+            def boundary(step: int) -> bool:
+                """Whether the loop must stand still after `step` (nothing read past it): its save, its
+                evaluation, a mesh's signal check, or the call's end."""
+                check = place.mesh is not None and step % STOP_CHECK_EVERY == 0
+                return step >= last or rotation.due(step) or evaluate is not None or check
+
+            stopped_by: int | None = None  # the signal the loop stops for (on a mesh: any process's)
             announced = False
-            while loader.step <= last and interrupts.signal is None:
-                started = time.perf_counter()
-                step_input = loader.next_step()
-                stats = TrainerStepStats()
-                step_input.config.stats = stats
-                trainer.step(*step_input)
-                seconds = time.perf_counter() - started
-                count, step = len(step_input.contents), step_input.step
+            finished = time.perf_counter()
+            while True:
+                if loader.step <= last and stopped_by is None and not (in_flight and boundary(in_flight[-1][0].step)):
+                    step_input = loader.next_step()  # read and submitted while the device runs the one before
+                    step_stats = TrainerStepStats()
+                    step_input.config.stats = step_stats
+                    in_flight.append((step_input, step_stats, deferred.step(*step_input)))
+                    if len(in_flight) < IN_FLIGHT and loader.step <= last and not boundary(step_input.step):
+                        continue
+                if not in_flight:
+                    break
+                step_input, stats, future = in_flight.popleft()
+                future.result()
+                now = time.perf_counter()
+                seconds, finished = now - finished, now  # between two completions: the step's share of the wall
+                count, step = stats.items, step_input.step  # the world's items
                 counts = warned()
-                metrics.step(stats, items=count, seconds=seconds, counts=counts)
+                if metrics is not None:
+                    metrics.step(stats, items=count, seconds=seconds, counts=counts)
                 if board is not None:
                     record = {k: v for k, v in dataclasses.asdict(stats).items() if k != "step"}  # the x axis already
                     record["items_per_second"] = count / seconds if seconds > 0 else math.nan
@@ -338,18 +411,23 @@ def _loop(
                 console.step(step, stats, items=count, seconds=seconds)
                 if progress is not None:
                     progress(FitStep(step, steps, stats, list(step_input.records), count, seconds))
-                results = None if evaluate is None else evaluate(step, trainer)
-                best = results is not None and on_eval(step, results)
-                if rotation.due(step) or best:
-                    checkpoint, saved_at = save(step), step
-                if interrupts.signal is not None and not announced:
+                if not in_flight:  # a boundary: the trainer's weights are this step's
+                    results = None if evaluate is None else evaluate(step, trainer)
+                    best = results is not None and on_eval(step, results)
+                    if rotation.due(step) or best:
+                        checkpoint, saved_at = save(step), step
+                if place.mesh is None:
+                    stopped_by = interrupts.signal
+                elif not in_flight and boundary(step) and stopped_by is None:  # every process stops at one step
+                    stopped_by = place.first_set(interrupts.signal)
+                if stopped_by is not None and not announced:
                     announced = True
-                    console.note(
-                        f"uform: {interrupts.name}: stopping after step {step}, saving there (again: stop now)"
-                    )
+                    why = signal.Signals(stopped_by).name
+                    upto = in_flight[-1][0].step if in_flight else step  # the steps in flight finish
+                    console.note(f"uform: {why}: stopping after step {upto}, saving there (again: stop now)")
             if taken and saved_at != loader.step - 1:
                 checkpoint = save(loader.step - 1)
-            kept = tuple(path for _, path in folder.saved())
+            kept = tuple(path for _, path in folder.saved()) if lead else ()
             best_step = rotation.best()
             summary = FitSummary(
                 step=loader.step - 1,
@@ -359,11 +437,11 @@ def _loop(
                 stats=stats,
                 checkpoint=checkpoint,
                 output=folder.path,
-                interrupted=interrupts.signal,
+                interrupted=stopped_by,
                 seconds=time.perf_counter() - begun,
                 checkpoints=kept,
                 best=None if best_step is None or run.checkpoint.best is None else (run.checkpoint.best, *best_step),
-                best_checkpoint=rotation.best_checkpoint(),
+                best_checkpoint=rotation.best_checkpoint() if lead else None,
                 warned=warned(),
             )
             console.close()  # the bar ends first: the block is printed under it, not through it
