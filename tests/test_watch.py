@@ -459,3 +459,37 @@ def test_ctrl_c_to_the_process_group_of_a_two_device_run_saves_at_a_step_boundar
     assert stopped is not None and "SIGINT: stopping after step" in err
     at = int(Path(stopped).stem.removeprefix("step-"))
     assert 2 <= at < 40 and read_data_state(stopped)["step"] == at + 1
+
+
+@pytest.mark.slow
+def test_sigterm_under_torchrun_stops_every_process_at_one_step_and_saves_there(tmp_path: Path) -> None:
+    # torchrun forwards the signal to each process; they agree on the step (a check every STOP_CHECK_EVERY steps).
+    from uform.fitting import STOP_CHECK_EVERY
+
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    sets = [arg for o in [*TINY, "trainer.schedule.steps=60"] for arg in ("--set", o)]
+    child = subprocess.Popen(
+        [*command, "-m", "uform", "train", PAIRS, "--output", "run", *sets],
+        cwd=tmp_path,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        while child.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+            time.sleep(0.005)
+        child.send_signal(signal.SIGTERM)
+        out, err = child.communicate(timeout=200)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    stopped = latest(tmp_path / "run")
+    assert stopped is not None, err[-4000:]
+    at = int(Path(stopped).stem.removeprefix("step-"))
+    assert at % STOP_CHECK_EVERY == 0 and at < 60 and f"interrupted at step {at}" in out
+    assert sorted(read_data_state(stopped)["shares"]) == ["0", "1"]  # both processes' positions, merged
+    assert [r["step"] for r in read_metrics(metrics)] == list(range(1, at + 1))
