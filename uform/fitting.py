@@ -87,7 +87,7 @@ class FitSummary:
     stats: TrainerStepStats | None
     """The last step's stats (None where this call took none)."""
     checkpoint: str | None
-    """The checkpoint this call wrote (None where it took no step)."""
+    """The last checkpoint this call wrote, the run's latest (None where it took no step)."""
     output: str
     """The run's folder."""
     interrupted: int | None = None
