@@ -117,8 +117,18 @@ def test_a_file_reads_into_the_resolved_config_the_library_call_makes() -> None:
         ("seed=3", "seed: unknown key (did you mean trainer.seed?)"),
         ("trainr.seed=3", "trainr: unknown key (did you mean trainer?)"),
         ("eval.every=10", "eval: not a table of this version's run file (evaluation settings"),
-        ("checkpoint.every=10", "checkpoint: not a table of this version's run file"),
-        ("log.every=10", "log: not a table of this version's run file"),
+        ("checkpoint.every=-1", "checkpoint.every: expected a non-negative int, got -1"),
+        ("checkpoint.keep_last=1.5", "checkpoint.keep_last: expected an int, got 1.5"),
+        ("checkpoint.keep=3", "checkpoint.keep: unknown key (did you mean checkpoint.keep_last?)"),
+        ("checkpoint.best=3", "checkpoint.best: expected a string, got 3"),
+        ("checkpoint.mode=max", "checkpoint.mode: 'max' needs checkpoint.best"),
+        ("checkpoint.best=eval/speed", "checkpoint.mode: cannot tell from 'eval/speed' whether more is better"),
+        ("checkpoint={best='eval/a/recall@1', mode='most'}", "checkpoint.mode: expected 'max' or 'min', got 'most'"),
+        ("log.every=0", "log.every: expected a positive int"),
+        ("log.every=true", "log.every: expected an int, got True"),
+        ("log.tensorboard=1", "log.tensorboard: expected true or false, got 1"),
+        ("log.bar=true", "log.bar: unknown key (log: known keys are every, tensorboard)"),
+        ("log=3", "log: expected a table ([log]), got 3"),
         ("data.trian='x'", "data.trian: unknown key (did you mean data.train?)"),
         ("data.train=[]", "data.train: an empty list names no records"),
         ("data.train=3", "data.train: expected a string or an array of strings, got 3"),
@@ -194,6 +204,29 @@ def test_dump_reads_back_to_an_equal_config() -> None:
         TEXT.split("[data]")[0].replace('init_from = "runs/base/checkpoints/step-00000100.safetensors"', "")
     )
     assert load_run_config(dump_run_config(plain)) == plain and "init_from" not in dump_run_config(plain)
+
+
+def test_the_log_and_checkpoint_tables_read_by_key_and_round_trip() -> None:
+    from uform.run_config import CheckpointConfig, LogConfig
+
+    run = load_run_config(
+        TEXT
+        + '[log]\nevery = 50\ntensorboard = false\n[checkpoint]\nevery = 100\nkeep_last = 3\nbest = "eval/text->image/recall@10"\n'
+    )
+    assert run.log == LogConfig(every=50, tensorboard=False)
+    assert run.checkpoint == CheckpointConfig(every=100, keep_last=3, best="eval/text->image/recall@10", mode="max")
+    written = dump_run_config(run)
+    assert load_run_config(written) == run and dump_run_config(load_run_config(written)) == written
+    assert 'best = "eval/text->image/recall@10"' in written and 'mode = "max"' in written
+    plain = load_run_config(TEXT)  # the defaults: the console every 25 steps, TensorBoard when installed, a save a call
+    assert plain.log == LogConfig() and plain.log.tensorboard is None and plain.checkpoint == CheckpointConfig()
+    assert load_run_config(dump_run_config(plain)) == plain and "tensorboard" not in dump_run_config(plain)
+    assert CheckpointConfig(best="eval/held_out/masked_loss").mode == "min"
+    assert CheckpointConfig(best="eval/choices/kl", mode="max").mode == "max"  # stated wins over the name
+    with pytest.raises(TypeError, match="log: expected a LogConfig"):
+        RunConfig(trainer=run.trainer, log={"every": 5})  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        LogConfig(5)  # type: ignore[misc]  # keyword-only: a table's keys, not positions
 
 
 def test_strings_with_quotes_and_control_characters_round_trip() -> None:

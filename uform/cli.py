@@ -4,12 +4,16 @@
                [--cpu] [--quiet] [--save PATH]
     uform train CONFIG.toml [--output DIR] [--resume PATH|latest] [--stop-after N] [--set KEY=VALUE ...]
                 [--devices 0,1|cpu|cpu:N]            (or under torchrun: one process per device)
+    uform plot RUN_DIR [--output FILE_OR_DIR]
     uform export CHECKPOINT OUT_DIR [--onnx]
     uform encode MODEL --input FILE --output FILE [--field NAME=ROLE ...] [--width N] [--dtype f32|f16|bf16|i8]
                  [--batch N] [--cpu] [--quiet]
     uform serve MODEL [--host 127.0.0.1] [--port 8000] [--cpu] [--name NAME] [--max-inputs N] [--max-body-bytes N]
                 [--max-queue N] [--rows N] [--segments N] [--log-level LEVEL]
     uform version
+
+`uform train` exits 0 when done (or stopped by --stop-after), 2 on a refused run, and 128 + the signal (130 for
+SIGINT, 143 for SIGTERM) when a signal stopped it after saving at a step boundary.
 
 `main(argv)` answers the exit status instead of exiting, so it can be called in-process (as the tests
 do); the console script and `python -m uform` pass its answer to `sys.exit`.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -30,6 +35,8 @@ from .demo_shapes import IMAGE_DEFAULTS, run_image_demo
 from .encoding import encode_file
 from .exporting import export
 from .fitting import fit
+from .interrupts import exit_status
+from .plotting import plot_run
 from .run_config import read_run_config
 from .runtime.executor import Executor
 from .runtime.mesh import Mesh
@@ -122,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="train on your own data, as a run file (TOML) describes",
         description="Trains the run CONFIG.toml describes ([trainer], [data]) and writes its folder: config.toml, "
-        "metrics.jsonl and checkpoints/step-NNNNNNNN.safetensors.",
+        "metrics.jsonl and checkpoints/step-NNNNNNNN.safetensors. SIGINT (Ctrl-C) or SIGTERM finishes the step in "
+        "flight, saves there and exits 130 or 143 (128 + the signal; --resume latest continues exactly); a second "
+        "signal stops at once. Exits 2 on a refused run file or folder.",
     )
     train.add_argument("config", metavar="CONFIG.toml", help="the run file")
     train.add_argument(
@@ -145,6 +154,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="CUDA devices by index, the CPU, or N CPU devices (default: CUDA 0 where there is one, else the CPU)",
     )
 
+    plot = commands.add_parser(
+        "plot",
+        help="draw a run's curves (losses, learning rate, throughput, evaluations) into a PNG",
+        description="Reads RUN_DIR/metrics.jsonl (while the run trains or after) and draws its losses, learning "
+        "rate, items per second, held-out evaluations and warnings against the step, into one PNG. Needs "
+        "matplotlib (pip install 'uform[plot]').",
+    )
+    plot.add_argument("run", metavar="RUN_DIR", help="a run's folder (uform train --output)")
+    plot.add_argument(
+        "--output",
+        metavar="FILE_OR_DIR",
+        default=None,
+        help="the PNG, or a folder for metrics.png (RUN_DIR/metrics.png)",
+    )
     export = commands.add_parser(
         "export",
         help="write a trainer checkpoint as a model folder (weights only, config.json, a model card)",
@@ -259,9 +282,13 @@ def _train(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as error:  # a CheckpointError is a ValueError
         print(f"uform train: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, the last whole checkpoint left in place
         print("\nuform train: interrupted (the last checkpoint written is the one to resume)", file=sys.stderr)
-        return 130
+        return exit_status(signal.SIGINT)
+    if summary.interrupted is not None:  # stopped at a step boundary and saved there: the shell's 128 + signal
+        if lead:
+            print(f"uform train: interrupted at step {summary.step}; resume with --resume latest; {summary.output}")
+        return exit_status(summary.interrupted)
     state = "done" if summary.step >= summary.steps else f"stopped at step {summary.step} of {summary.steps}"
     if lead:
         print(f"uform train: {state}; {summary.output}")
@@ -371,6 +398,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "train":
         return _train(args)
+    if args.command == "plot":
+        try:
+            print(plot_run(args.run, args.output))
+        except (ValueError, OSError, ImportError) as error:
+            print(f"uform {error}", file=sys.stderr)  # its messages start "plot: "
+            return 2
+        return 0
     if args.command == "export":
         return _export(args)
     if args.command == "encode":

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -26,30 +28,40 @@ from typing import Any, TextIO
 import torch
 
 from .config import TrainerStepStats
+from .console import Console, clock
+from .interrupts import Interrupts
+from .notices import Notices
 from .replica.stored_run import read_data_state
+from .rotation import Rotation
 from .run_config import RunConfig, read_run_config
-from .run_dir import RunDir
+from .run_dir import RunDir, read_metrics
 from .run_place import RunPlace
 from .runtime.executor import Executor
 from .runtime.loading import LoaderProcess, by_path
 from .runtime.mesh import Mesh
 from .sources import Loader, StepInput, open_source
+from .tensorboard import TensorBoard
+from .tensorboard import available as tensorboard_available
 from .trainer import Trainer
 
 __all__ = ["FitStep", "FitSummary", "fit", "steps_in_flight"]
 
-LOG_EVERY = 10
-"""Steps between two console lines (the last step of a call always has one)."""
 IN_FLIGHT = 2
 """Steps submitted and not yet finished, at least: the next step's records are read, decoded and packed while the
-device runs the one before (`Trainer.deferred`); a save waits for all of them. A trainer of several preparer
-processes keeps one more in flight than it has of them (`steps_in_flight`), so that every one has a step."""
+device runs the one before (`Trainer.deferred`); a save, an evaluation and a stop wait for all of them. A trainer
+of several preparer processes keeps one more in flight than it has of them (`steps_in_flight`), so that every one
+has a step."""
 
 
 def steps_in_flight(trainer: Trainer) -> int:
     """How many steps `fit` keeps submitted and unfinished on `trainer`: `IN_FLIGHT`, or one more than its
     preparer processes (each prepares a step while the device runs another)."""
     return max(IN_FLIGHT, trainer.host_processes + 1)
+
+
+STOP_CHECK_EVERY = 10
+"""On a mesh, steps between two checks of whether any process caught a signal (each check drains the steps in
+flight and exchanges a flag, so every process stops at the same step)."""
 
 
 @dataclass(frozen=True)
@@ -85,9 +97,55 @@ class FitSummary:
     stats: TrainerStepStats | None
     """The last step's stats (None where this call took none)."""
     checkpoint: str | None
-    """The checkpoint this call wrote (None where it took no step)."""
+    """The last checkpoint this call wrote, the run's latest (None where it took no step)."""
     output: str
     """The run's folder."""
+    interrupted: int | None = None
+    """The signal that stopped this call at a step boundary (`signal.SIGTERM`, ...), or None; its checkpoint is
+    `checkpoint`, and `resume="latest"` continues from it exactly."""
+    seconds: float = 0.0
+    """This call's wall time, building the trainer excluded."""
+    checkpoints: tuple[str, ...] = ()
+    """The checkpoints the run's folder holds after this call, oldest first (what `[checkpoint]` kept)."""
+    best: tuple[str, int, float] | None = None
+    """`[checkpoint] best`'s name, the step that scored best by it and the score, over the whole run."""
+    best_checkpoint: str | None = None
+    """The checkpoint of the best-scoring step that has one, or None."""
+    warned: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The warnings by kind (`warned/media`, `warned/capacity`, ...) over the whole run (a resumed run's counts add
+    to those its folder's metrics hold), each kind shown once per call, every occurrence counted."""
+
+    def report(self) -> str:
+        """The run's closing block, for a person: where it stopped, what it saw, what it kept."""
+        if self.interrupted is not None:
+            state = f"interrupted by {signal.Signals(self.interrupted).name} at step {self.step} of {self.steps}"
+        else:
+            state = "done" if self.step >= self.steps else f"stopped at step {self.step} of {self.steps}"
+        rate = f", {self.items / self.seconds:.1f} items/s" if self.seconds > 0 and self.items else ""
+        rows = [("steps", f"{self.taken} this call ({self.step - self.taken + 1}-{self.step})" if self.taken else "0")]
+        rows.append(("items", f"{self.items}{rate}"))
+        rows.append(("wall time", clock(self.seconds)))
+        if self.stats is not None:
+            rows.append(("last loss", f"{self.stats.loss:.4f} at learning rate {self.stats.learning_rate:.2e}"))
+        if self.best is not None:
+            name, step, value = self.best
+            rows.append(("best", f"{name} = {value:.4f} at step {step}"))
+        if self.warned:
+            rows.append(
+                ("warnings", ", ".join(f"{k.removeprefix('warned/')} {v}" for k, v in sorted(self.warned.items())))
+            )
+        folder = os.path.join(self.output, "checkpoints")
+        names = []
+        for path in self.checkpoints:
+            tags = [t for t, p in (("latest", self.checkpoint), ("best", self.best_checkpoint)) if p == path]
+            names.append(os.path.basename(path) + (f" ({', '.join(tags)})" if tags else ""))
+        rows.append(("checkpoints", f"{folder}: {', '.join(names)}" if names else "none"))
+        if self.step < self.steps and self.checkpoint is not None:
+            rows.append(
+                ("resume", f"--resume latest (uform.fit(..., resume='latest')) continues from step {self.step}")
+            )
+        width = max(len(k) for k, _ in rows)
+        return "\n".join([f"uform: run {state}; {self.output}", *(f"  {k:<{width}}  {v}" for k, v in rows)])
 
 
 def fit(
@@ -104,7 +162,8 @@ def fit(
     fields: Mapping[str, Any] | None = None,
     progress: Callable[[FitStep], Any] | None = None,
     log: TextIO | None = sys.stderr,
-    log_every: int = LOG_EVERY,
+    log_every: int | None = None,
+    evaluate: Callable[[int, Trainer], Mapping[str, Any] | None] | None = None,
 ) -> FitSummary:
     """Trains the run `config` describes (a `RunConfig`, or the path of a run file with `--set`-style
     `overrides`) into the folder `output` (`RunDir`: `config.toml`, `metrics.jsonl`, `checkpoints/`).
@@ -121,8 +180,15 @@ def fit(
     steps, none of this process's interpreter time); None chooses it where the devices are GPUs and the data
     is named by path.
     `data` replaces `[data] train` (any re-iterable of records, a `datasets` dataset included, or paths) and
-    `fields` `[data] fields`. `progress(FitStep)` is called after every step; `log` gets one line every
-    `log_every` steps (None: silent). Everything is checked before anything is written or trained.
+    `fields` `[data] fields`. `progress(FitStep)` is called after every step. `log` gets a progress bar where it
+    is a terminal, else one line every `log_every` steps (default `[log] every`), and the run's closing block
+    (`FitSummary.report`); None is silent. `evaluate(step, trainer)`, called after each step, answers results by
+    name (`{"eval/text->image/recall@10": 0.41}`) or None: they go to `metrics.jsonl` (and TensorBoard), and
+    `[checkpoint] best` reads them. `[checkpoint]` says when to save and what to keep (`uform.rotation`).
+
+    SIGINT or SIGTERM while it trains lets the step in flight finish, saves at that step and returns, the summary's
+    `interrupted` naming the signal; a second signal stops at once (`uform.interrupts`). Everything is checked
+    before anything is written or trained.
     """
     run = config if isinstance(config, RunConfig) else None
     if run is None:
@@ -133,12 +199,22 @@ def fit(
         raise ValueError("overrides: apply them to a run file's path (a RunConfig is already resolved)")
     if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
         raise ValueError(f"stop_after: expected None or a positive int, got {stop_after!r}")
+    if log_every is None:
+        log_every = run.log.every
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
         raise ValueError(f"log_every: expected a positive int, got {log_every!r}")
     if loader_process is not None and not isinstance(loader_process, bool):
         raise TypeError(f"loader_process: expected None or a bool, got {type(loader_process).__name__}")
     if progress is not None and not callable(progress):
         raise TypeError(f"progress: expected None or a callable, got {type(progress).__name__}")
+    if evaluate is not None and not callable(evaluate):
+        raise TypeError(f"evaluate: expected None or a callable, got {type(evaluate).__name__}")
+    if run.checkpoint.best is not None and evaluate is None:
+        raise ValueError(f"checkpoint.best: names {run.checkpoint.best!r}, but this run evaluates nothing (evaluate=)")
+    if run.log.tensorboard and not tensorboard_available():
+        raise ValueError(
+            "log.tensorboard: true, but the tensorboard package is missing (pip install 'uform[tensorboard]')"
+        )
     if devices is not None and not isinstance(devices, Executor):
         raise TypeError(f"devices: expected an Executor, got {type(devices).__name__}")
     if mesh is not None and not isinstance(mesh, Mesh):
@@ -152,11 +228,12 @@ def fit(
 
     place = RunPlace(mesh)
     log = log if place.lead else None
+    notices = Notices()  # the call's own: checkpoints passed over on the way to the latest
     if resume is None:
         place.agree(lambda: _check_new(output))  # a clash is refused now; the folder is made once the trainer stands
         checkpoint, state = None, None
     else:
-        checkpoint, state = place.agree(lambda: _resumed(output, resume))
+        checkpoint, state = place.agree(lambda: _resumed(output, resume, notices))
 
     owned = devices is None and mesh is None
     executor = mesh.executor if mesh is not None else _default_executor() if devices is None else devices
@@ -179,7 +256,18 @@ def fit(
                 place.agree(lambda: RunDir.create(output, run).path)
             folder = RunDir.open(output)
             return _loop(
-                run, folder, place, trainer, loader, checkpoint is not None, stop_after, progress, log, log_every
+                run,
+                folder,
+                place,
+                trainer,
+                loader,
+                checkpoint is not None,
+                stop_after,
+                progress,
+                log,
+                log_every,
+                notices,
+                evaluate,
             )
         finally:
             trainer.close()
@@ -202,10 +290,10 @@ def _data(run: RunConfig, data: Any, fields: Mapping[str, Any] | None) -> tuple[
     return spec, named
 
 
-def _resumed(output: str | os.PathLike, resume: str | os.PathLike) -> tuple[str, dict[str, Any]]:
+def _resumed(output: str | os.PathLike, resume: str | os.PathLike, notices: Notices) -> tuple[str, dict[str, Any]]:
     """The checkpoint `resume` names in the run's folder `output`, and the data position it stores."""
     folder = RunDir.open(output)
-    checkpoint = folder.latest() if os.fspath(resume) == "latest" else os.fspath(resume)
+    checkpoint = folder.latest(notices) if os.fspath(resume) == "latest" else os.fspath(resume)
     if checkpoint is None:
         raise FileNotFoundError(f"resume: {folder.path} holds no whole checkpoint to resume from")
     state = read_data_state(checkpoint)
@@ -240,42 +328,143 @@ def _loop(
     progress: Callable[[FitStep], Any] | None,
     log: TextIO | None,
     log_every: int,
+    notices: Notices,
+    evaluate: Callable[[int, Trainer], Mapping[str, Any] | None] | None = None,
 ) -> FitSummary:
+    """The steps of one call: each taken, logged (metrics.jsonl, TensorBoard, the console), saved on the
+    `[checkpoint]` policy; a signal stops it at the next step boundary with a save there."""
+    begun = time.perf_counter()
     steps = run.trainer.schedule.steps
-    last = min(steps, loader.step - 1 + stop_after) if stop_after is not None else steps
+    first = loader.step
+    last = min(steps, first - 1 + stop_after) if stop_after is not None else steps
+    resumed_at = first - 1 if resumed else None
     taken = items = 0
     stats: TrainerStepStats | None = None
-    checkpoint = None
+    checkpoint: str | None = None
+    saved_at = -1
+    lead = place.lead  # the lead alone writes the folder: metrics, TensorBoard, deletions, the console
+    board = _board(run, folder, resumed_at) if lead else None
     deferred = trainer.deferred(trainer.executor)
     depth = steps_in_flight(trainer)
     in_flight: deque[tuple[StepInput, TrainerStepStats, Future]] = deque()
-    writer = folder.metrics(resumed_at=loader.step - 1 if resumed else None) if place.lead else None
-    with writer if writer is not None else contextlib.nullcontext() as metrics:
-        finished = time.perf_counter()
-        while loader.step <= last or in_flight:
-            if loader.step <= last:  # read and submit the next step while the device runs the ones before
-                step_input = loader.next_step()
-                step_stats = TrainerStepStats()
-                step_input.config.stats = step_stats
-                in_flight.append((step_input, step_stats, deferred.step(*step_input)))
-                if len(in_flight) < depth and loader.step <= last:
-                    continue
-            step_input, stats, future = in_flight.popleft()
-            future.result()
-            now = time.perf_counter()
-            seconds, finished = now - finished, now  # between two completions: the step's share of the wall
-            count = stats.items  # the world's
-            if metrics is not None:
-                metrics.step(stats, items=count, seconds=seconds)
-            taken, items = taken + 1, items + count
-            if progress is not None:
-                progress(FitStep(step_input.step, steps, stats, list(step_input.records), count, seconds))
-            if log is not None and (step_input.step % log_every == 0 or step_input.step == last):
-                rate = f"{count / seconds:.1f}" if seconds > 0 else "-"
-                log.write(f"step {step_input.step}/{steps}  loss {stats.loss:.4f}  items/s {rate}\n")
-                log.flush()
-        if taken:
-            checkpoint = folder.save(trainer, loader.step - 1, data_state=place.data_state(loader.state()))
-    if log is not None and checkpoint is not None:
-        log.write(f"saved {checkpoint}\n")
-    return FitSummary(loader.step - 1, steps, taken, items, stats, checkpoint, folder.path)
+    writer = folder.metrics(resumed_at=resumed_at) if lead else None
+    try:
+        with (
+            writer if writer is not None else contextlib.nullcontext() as metrics,
+            Console(log, steps=steps, first=first, last=last, every=log_every) as console,
+            Interrupts() as interrupts,
+        ):
+            earlier = read_metrics(folder.metrics_path) if resumed and lead else []
+            rotation = Rotation(folder, run.checkpoint, [r for r in earlier if r["kind"] == "eval"])
+            # Counts run over the whole run: a resume adds to what its last step's record holds.
+            stepped = [r for r in earlier if r["kind"] == "step"]
+            base = {k: int(v) for k, v in (stepped[-1] if stepped else {}).items() if k.startswith("warned/")}
+
+            def warned() -> dict[str, int]:
+                counts: dict[str, int] = dict(base)
+                own = loader.notices.counts() if isinstance(loader, Loader) else {}  # a loader process warns there
+                for source in (trainer.notices.counts(), own, notices.counts()):
+                    for kind, count in source.items():
+                        key = "warned/" + kind.replace(" ", "_").replace("-", "_")
+                        counts[key] = counts.get(key, 0) + count
+                return counts
+
+            def on_eval(step: int, results: Mapping[str, Any]) -> bool:
+                """The evaluation's way in (issue 14 item 1), between steps with none in flight: its record
+                logged, its `best` score noted; answers (the lead's verdict, on every process) whether the step
+                scored a new best, which the loop then saves."""
+                if metrics is not None:
+                    metrics.eval(step, results)
+                if board is not None:
+                    board.scalars(step, results)
+                return place.agree(lambda: rotation.evaluated(step, results))
+
+            def save(step: int) -> str:
+                path = folder.save(trainer, step, data_state=place.data_state(loader.state()))
+                removed = rotation.saved(step) if lead else []
+                gone = f"; removed {', '.join(os.path.basename(p) for p in removed)}" if removed else ""
+                console.note(f"saved {path}{gone}")
+                return path
+
+            def boundary(step: int) -> bool:
+                """Whether the loop must stand still after `step` (nothing read past it): its save, its
+                evaluation, a mesh's signal check, or the call's end."""
+                check = place.mesh is not None and step % STOP_CHECK_EVERY == 0
+                return step >= last or rotation.due(step) or evaluate is not None or check
+
+            stopped_by: int | None = None  # the signal the loop stops for (on a mesh: any process's)
+            announced = False
+            finished = time.perf_counter()
+            while True:
+                if loader.step <= last and stopped_by is None and not (in_flight and boundary(in_flight[-1][0].step)):
+                    step_input = loader.next_step()  # read and submitted while the device runs the one before
+                    step_stats = TrainerStepStats()
+                    step_input.config.stats = step_stats
+                    in_flight.append((step_input, step_stats, deferred.step(*step_input)))
+                    if len(in_flight) < depth and loader.step <= last and not boundary(step_input.step):
+                        continue
+                if not in_flight:
+                    break
+                step_input, stats, future = in_flight.popleft()
+                future.result()
+                now = time.perf_counter()
+                seconds, finished = now - finished, now  # between two completions: the step's share of the wall
+                count, step = stats.items, step_input.step  # the world's items
+                counts = warned()
+                if metrics is not None:
+                    metrics.step(stats, items=count, seconds=seconds, counts=counts)
+                if board is not None:
+                    record = {k: v for k, v in dataclasses.asdict(stats).items() if k != "step"}  # the x axis already
+                    record["items_per_second"] = count / seconds if seconds > 0 else math.nan
+                    board.scalars(step, record, prefix="train/")
+                    board.scalars(step, counts)
+                taken, items = taken + 1, items + count
+                console.step(step, stats, items=count, seconds=seconds)
+                if progress is not None:
+                    progress(FitStep(step, steps, stats, list(step_input.records), count, seconds))
+                if not in_flight:  # a boundary: the trainer's weights are this step's
+                    results = None if evaluate is None else evaluate(step, trainer)
+                    best = results is not None and on_eval(step, results)
+                    if rotation.due(step) or best:
+                        checkpoint, saved_at = save(step), step
+                if place.mesh is None:
+                    stopped_by = interrupts.signal
+                elif not in_flight and boundary(step) and stopped_by is None:  # every process stops at one step
+                    stopped_by = place.first_set(interrupts.signal)
+                if stopped_by is not None and not announced:
+                    announced = True
+                    why = signal.Signals(stopped_by).name
+                    upto = in_flight[-1][0].step if in_flight else step  # the steps in flight finish
+                    console.note(f"uform: {why}: stopping after step {upto}, saving there (again: stop now)")
+            if taken and saved_at != loader.step - 1:
+                checkpoint = save(loader.step - 1)
+            kept = tuple(path for _, path in folder.saved()) if lead else ()
+            best_step = rotation.best()
+            summary = FitSummary(
+                step=loader.step - 1,
+                steps=steps,
+                taken=taken,
+                items=items,
+                stats=stats,
+                checkpoint=checkpoint,
+                output=folder.path,
+                interrupted=stopped_by,
+                seconds=time.perf_counter() - begun,
+                checkpoints=kept,
+                best=None if best_step is None or run.checkpoint.best is None else (run.checkpoint.best, *best_step),
+                best_checkpoint=rotation.best_checkpoint() if lead else None,
+                warned=warned(),
+            )
+            console.close()  # the bar ends first: the block is printed under it, not through it
+            console.note(summary.report())
+            return summary
+    finally:
+        if board is not None:
+            board.close()
+
+
+def _board(run: RunConfig, folder: RunDir, resumed_at: int | None) -> TensorBoard | None:
+    wanted = run.log.tensorboard
+    if wanted is False or (wanted is None and not tensorboard_available()):
+        return None
+    return TensorBoard(folder.path, resumed_at=resumed_at)

@@ -6,7 +6,9 @@ is refused by the same rules as the library call, each error naming the key path
 Beside the struct's fields `[trainer]` takes `init_from`, the checkpoint whose weights a new run starts from
 (`Trainer.init_vram(init_from=...)`); `resume`, `mesh` and `progress` belong to an invocation, not to a file.
 `[data]` names the records (`train`, `held_out`) and maps their fields to modalities (`fields`); only its shape is
-checked here, the readers (`uform.sources`) check what it names. Any other table is refused by name.
+checked here, the readers (`uform.sources`) check what it names. `[log]` (`LogConfig`: the console, TensorBoard)
+and `[checkpoint]` (`CheckpointConfig`: how often a run saves, which checkpoints it keeps) mirror their dataclasses
+key by key. Any other table is refused by name.
 
 Relative local paths (`init_from`, `data.train`, `data.held_out`) are relative to the folder of the file that
 names them, and are held joined to it, so that the `config.toml` a run writes elsewhere names the same files.
@@ -29,7 +31,9 @@ from typing import Any
 from .config import TrainerInitVramConfig, resolve, to_dict
 
 __all__ = [
+    "CheckpointConfig",
     "DataConfig",
+    "LogConfig",
     "RunConfig",
     "RunConfigError",
     "apply_overrides",
@@ -56,6 +60,77 @@ class DataConfig:
     """Records kept for evaluation, written like `train`; empty holds none out."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    """The `[log]` table: what a run shows while it runs (`metrics.jsonl` is always written)."""
+
+    every: int = 25
+    """Steps between two plain console lines when the stream is not a terminal (a terminal gets a progress bar);
+    the last step of a call always has one."""
+    tensorboard: bool | None = None
+    """TensorBoard scalars in `DIR/tensorboard`: True writes them (refused at the start when the `tensorboard`
+    package is missing), False never, None (the key left out) writes them when the package is installed."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"log.every: expected a positive int (steps between console lines), got {self.every!r}")
+        if self.tensorboard is not None and not isinstance(self.tensorboard, bool):
+            raise ValueError(
+                f"log.tensorboard: expected true or false (or no key: when installed), got {self.tensorboard!r}"
+            )
+
+
+MODES = ("max", "min")
+_MORE_IS_BETTER = ("recall", "mrr", "ndcg", "accuracy", "precision", "map")
+_LESS_IS_BETTER = ("loss", "kl", "error", "perplexity")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """The `[checkpoint]` table: when a run saves and which of its checkpoints it keeps (`uform.rotation`).
+
+    A call of `fit` always saves at its last step (the schedule's end, `stop_after`, a signal); `every` adds a save
+    each `every` steps. After each save the folder keeps the `keep_last` newest checkpoints and, with `best`, the
+    one whose evaluation scored best; others are deleted, and only once the new one is whole on disk."""
+
+    every: int = 0
+    """Steps between two saves; 0 saves only at the end of each call."""
+    keep_last: int = 0
+    """The newest checkpoints kept; 0 keeps every one."""
+    best: str | None = None
+    """An evaluation result's name (`"eval/text->image/recall@10"`): the checkpoint of the step that scored best by
+    it is kept too, and a step that scores a new best is saved."""
+    mode: str | None = None
+    """"max" or "min": whether more of `best` is better; left out, it is told from the name (recall, mrr, ndcg,
+    accuracy: max; loss, kl, error: min). None where `best` is None."""
+
+    def __post_init__(self) -> None:
+        for name in ("every", "keep_last"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"checkpoint.{name}: expected a non-negative int, got {value!r}")
+        if self.best is None:
+            if self.mode is not None:
+                raise ValueError(f"checkpoint.mode: {self.mode!r} needs checkpoint.best (the result it orders by)")
+            return
+        if not isinstance(self.best, str) or not self.best:
+            raise ValueError(f"checkpoint.best: expected an evaluation result's name, got {self.best!r}")
+        if self.mode is None:
+            object.__setattr__(self, "mode", _mode_of(self.best))
+        elif self.mode not in MODES:
+            raise ValueError(f"checkpoint.mode: expected 'max' or 'min', got {self.mode!r}")
+
+
+def _mode_of(name: str) -> str:
+    """Whether more of the result `name` is better, from its last part (`recall@10` of `eval/text->image/recall@10`)."""
+    last = name.rsplit("/", 1)[-1].lower()
+    if any(word in last for word in _LESS_IS_BETTER):
+        return "min"
+    if any(word in last for word in _MORE_IS_BETTER):
+        return "max"
+    raise ValueError(f'checkpoint.mode: cannot tell from {name!r} whether more is better; set mode = "max" or "min"')
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """A run file, checked: the resolved trainer config, the weights it starts from, and its data."""
@@ -66,6 +141,16 @@ class RunConfig:
     """`trainer.init_from`: the checkpoint whose tower a new run starts from; None starts from the seed."""
     data: DataConfig | None = None
     """The `[data]` table; None where the file has none (the library call passes its records itself)."""
+    log: LogConfig = dataclasses.field(default_factory=LogConfig, kw_only=True)
+    """The `[log]` table."""
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig, kw_only=True)
+    """The `[checkpoint]` table."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.log, LogConfig):
+            raise TypeError(f"log: expected a LogConfig, got {type(self.log).__name__}")
+        if not isinstance(self.checkpoint, CheckpointConfig):
+            raise TypeError(f"checkpoint: expected a CheckpointConfig, got {type(self.checkpoint).__name__}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -79,11 +164,9 @@ _INVOCATION_KEYS = {
 }
 _LATER_TABLES = {
     "eval": "evaluation settings",
-    "log": "logging settings",
-    "checkpoint": "checkpoint settings",
 }
 _DATA_KEYS = ("train", "fields", "held_out")
-_TOP_KEYS = ("trainer", "data")
+_TOP_KEYS = ("trainer", "data", "log", "checkpoint")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
@@ -203,7 +286,32 @@ def _build(table: dict[str, Any]) -> RunConfig:
     except (ValueError, TypeError) as error:
         raise RunConfigError(f"trainer.{error}") from None
     data = None if "data" not in table else _data(table["data"])
-    return RunConfig(trainer=resolved, init_from=init_from, data=data)
+    log = _keyed(LogConfig, table.get("log", {}), "log", {"every": int, "tensorboard": bool})
+    checkpoint = _keyed(
+        CheckpointConfig,
+        table.get("checkpoint", {}),
+        "checkpoint",
+        {"every": int, "keep_last": int, "best": str, "mode": str},
+    )
+    return RunConfig(trainer=resolved, init_from=init_from, data=data, log=log, checkpoint=checkpoint)
+
+
+def _keyed(kind: type, table: dict[str, Any], prefix: str, types: dict[str, type]) -> Any:
+    """A small table's dataclass, each key known and of its TOML type, then the dataclass's own checks."""
+    for key, value in table.items():
+        if key not in types:
+            known = list(types)
+            raise RunConfigError(
+                f"{prefix}.{key}: unknown key ({_hint(_suggest(key, known, prefix + '.'), known, prefix)})"
+            )
+        want = types[key]
+        if (want is int and (isinstance(value, bool) or not isinstance(value, int))) or not isinstance(value, want):
+            word = {int: "an int", bool: "true or false", str: "a string"}[want]
+            raise RunConfigError(f"{prefix}.{key}: expected {word}, got {_shown(value)}")
+    try:
+        return kind(**table)
+    except ValueError as error:
+        raise RunConfigError(str(error)) from None
 
 
 def _struct(kind: type, values: dict[str, Any], prefix: str) -> Any:
@@ -336,6 +444,8 @@ def dump_run_config(config: RunConfig) -> str:
             data["held_out"] = list(config.data.held_out)
         data["fields"] = dict(config.data.fields)
         table["data"] = data
+    table["log"] = {k: v for k, v in dataclasses.asdict(config.log).items() if v is not None}
+    table["checkpoint"] = {k: v for k, v in dataclasses.asdict(config.checkpoint).items() if v is not None}
     lines: list[str] = []
     _write_table(table, (), lines)
     return "\n".join(lines).lstrip("\n") + "\n"

@@ -116,6 +116,12 @@ class RunDir:
             raise ValueError(f"step: must lie in [0, 2^63), got {step}")
         return os.path.join(self.checkpoints, f"step-{step:08d}.safetensors")
 
+    def saved(self) -> list[tuple[int, str]]:
+        """The checkpoints in `DIR/checkpoints` by their names, as (step, path), oldest first; whole or not (see
+        `latest` for the newest whole one)."""
+        found = [(_CHECKPOINT_NAME.fullmatch(name), name) for name in os.listdir(self.checkpoints)]
+        return sorted((int(m.group(1)), os.path.join(self.checkpoints, name)) for m, name in found if m is not None)
+
     def save(self, trainer: Trainer, step: int, *, data_state: dict[str, Any] | None = None) -> str:
         """Saves `trainer` as the checkpoint of `step` (`Trainer.save`: written whole, renamed into place), with
         `data_state` (the loader's position) beside it; answers its path."""
@@ -201,8 +207,17 @@ class MetricsWriter:
         """The file appended to."""
         self._file: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
 
-    def step(self, stats: TrainerStepStats, *, items: int, seconds: float, wall_time: float | None = None) -> None:
-        """Writes the record of one step: its `stats`, and `items` trained over `seconds` as items/s."""
+    def step(
+        self,
+        stats: TrainerStepStats,
+        *,
+        items: int,
+        seconds: float,
+        wall_time: float | None = None,
+        counts: Mapping[str, int] | None = None,
+    ) -> None:
+        """Writes the record of one step: its `stats`, and `items` trained over `seconds` as items/s; `counts`
+        (the warnings counted so far, `warned/<kind>`, say) are added by name."""
         if not isinstance(stats, TrainerStepStats):
             raise TypeError(f"stats: expected a TrainerStepStats, got {type(stats).__name__}")
         if isinstance(items, bool) or not isinstance(items, int) or items < 0:
@@ -213,6 +228,12 @@ class MetricsWriter:
         record.update({name: getattr(stats, name) for name in _STEP_FIELDS})
         record["wall_time"] = time.time() if wall_time is None else float(wall_time)
         record["items_per_second"] = items / seconds if seconds > 0 else None
+        for name, value in (counts or {}).items():
+            if not isinstance(name, str) or name in record:
+                raise ValueError(f"counts: {name!r} is not a count's name (it is a field of the step's record)")
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"counts[{name!r}]: expected an int, got {type(value).__name__}")
+            record[name] = value
         self._write(record)
 
     def eval(self, step: int, results: Mapping[str, Any], *, wall_time: float | None = None) -> None:

@@ -77,6 +77,12 @@ class RunPlace:
             raise _REFUSALS.get(answer["error"], RuntimeError)(answer["message"])
         return answer["value"]
 
+    def first_set(self, value: int | None) -> int | None:
+        """The first process's `value` that is not None (a signal one of them caught, say), on every process."""
+        if self.mesh is None:
+            return value
+        return next((v for v in self._exchange(value) if v is not None), None)
+
     def data_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """The run's data position from this process's `Loader.state()`: every process's shares merged
         (`merge_states`), so a resume over any number of processes of the same devices continues from it."""

@@ -50,6 +50,7 @@ import functools
 import gc
 import itertools
 import queue
+import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -450,6 +451,11 @@ def run_worker(link: Link, device_name: str, threads: int) -> None:
 
     A command's verb is a `Verb`: the module that sends it owns what it does (the mesh joins and leaves a world,
     the trainer builds, steps and saves), so this loop knows none of them."""
+    # A Ctrl-C reaches the whole process group, a scheduler's SIGTERM often every process of the job: stopping is
+    # the calling process's to decide (`uform.interrupts`: finish the step, save), and a worker whose caller is
+    # gone ends on its pipe's EOF.
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, signal.SIG_IGN)
     if threads:
         torch.set_num_threads(threads)
     device = torch.device(device_name)
