@@ -1,4 +1,5 @@
-"""The run file: a TOML description of a training run (`[trainer]`, `[data]`), read, checked and written back.
+"""The run file: a TOML description of a training run (`[trainer]`, `[data]`, `[eval]`), read, checked and written
+back.
 
 `[trainer]` mirrors `TrainerInitVramConfig` field by field, its structs as nested tables (`[trainer.batch.image]`,
 `[trainer.schedule]`, ...) and its enums as their lower-case words; it goes through `config.resolve()`, so a file
@@ -6,7 +7,9 @@ is refused by the same rules as the library call, each error naming the key path
 Beside the struct's fields `[trainer]` takes `init_from`, the checkpoint whose weights a new run starts from
 (`Trainer.init_vram(init_from=...)`); `resume`, `mesh` and `progress` belong to an invocation, not to a file.
 `[data]` names the records (`train`, `held_out`) and maps their fields to modalities (`fields`); only its shape is
-checked here, the readers (`uform.sources`) check what it names. Any other table is refused by name.
+checked here, the readers (`uform.sources`) check what it names. `[eval]` mirrors `EvalConfig` key by key (when
+and how the held-out records are scored, `uform.held_out`), checked against the trainer's table by `check_eval`.
+Any other table is refused by name.
 
 Relative local paths (`init_from`, `data.train`, `data.held_out`) are relative to the folder of the file that
 names them, and are held joined to it, so that the `config.toml` a run writes elsewhere names the same files.
@@ -30,9 +33,11 @@ from .config import TrainerInitVramConfig, resolve, to_dict
 
 __all__ = [
     "DataConfig",
+    "EvalConfig",
     "RunConfig",
     "RunConfigError",
     "apply_overrides",
+    "check_eval",
     "dump_run_config",
     "load_run_config",
     "read_run_config",
@@ -56,6 +61,23 @@ class DataConfig:
     """Records kept for evaluation, written like `train`; empty holds none out."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """The `[eval]` table: when a run scores its held-out records (`[data] held_out`) and at what
+    (`uform.held_out.HeldOut`); checked against the run's trainer by `check_eval`."""
+
+    every: int = 0
+    """Steps between two evaluations (at steps `every`, `2 every`, ...); the last step of every `fit` call is
+    evaluated too. 0: only after the last step."""
+    records: int = 1024
+    """The most held-out records read (in the source's order, once, when the run starts)."""
+    widths: Sequence[int] = ()
+    """The Matryoshka widths pooled retrieval is scored at; empty: the run's `contrastive.matryoshka_dimensions`
+    and the full `hidden`."""
+    batch: int = 0
+    """Items one evaluation forward carries at most; 0: the run's `batch.max_segments_per_device`."""
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """A run file, checked: the resolved trainer config, the weights it starts from, and its data."""
@@ -66,6 +88,34 @@ class RunConfig:
     """`trainer.init_from`: the checkpoint whose tower a new run starts from; None starts from the seed."""
     data: DataConfig | None = None
     """The `[data]` table; None where the file has none (the library call passes its records itself)."""
+    eval: EvalConfig = EvalConfig()
+    """The `[eval]` table (its defaults where the file has none)."""
+
+
+def check_eval(config: EvalConfig, trainer: TrainerInitVramConfig) -> EvalConfig:
+    """`config` checked against the resolved `trainer` and with its derived values filled in (`widths` from the
+    run's Matryoshka dimensions); `RunConfigError` naming the key path (`eval.widths[1]`) and the rule."""
+    if not isinstance(config, EvalConfig):
+        raise TypeError(f"eval: expected an EvalConfig, got {type(config).__name__}")
+    for key in ("every", "records", "batch"):
+        value = getattr(config, key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RunConfigError(f"eval.{key}: expected an int, got {_shown(value)}")
+        least = 1 if key == "records" else 0
+        if value < least:
+            rule = "must be positive" if least else "must not be negative"
+            raise RunConfigError(f"eval.{key}: {rule}, got {value}")
+    if isinstance(config.widths, (str, bytes)) or not isinstance(config.widths, Sequence):
+        raise RunConfigError(f"eval.widths: expected an array of ints, got {_shown(config.widths)}")
+    for i, width in enumerate(config.widths):
+        if isinstance(width, bool) or not isinstance(width, int):
+            raise RunConfigError(f"eval.widths[{i}]: expected an int, got {_shown(width)}")
+        if not 1 <= width <= trainer.hidden:
+            raise RunConfigError(f"eval.widths[{i}]: must lie in [1, trainer.hidden = {trainer.hidden}], got {width}")
+        if width in config.widths[:i]:
+            raise RunConfigError(f"eval.widths[{i}]: {width} is named twice")
+    widths = tuple(config.widths) or tuple(sorted({*trainer.contrastive.matryoshka_dimensions, trainer.hidden}))
+    return dataclasses.replace(config, widths=widths)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -78,12 +128,11 @@ _INVOCATION_KEYS = {
     "progress": "a progress callback is a library argument, not a file key",
 }
 _LATER_TABLES = {
-    "eval": "evaluation settings",
     "log": "logging settings",
     "checkpoint": "checkpoint settings",
 }
 _DATA_KEYS = ("train", "fields", "held_out")
-_TOP_KEYS = ("trainer", "data")
+_TOP_KEYS = ("trainer", "data", "eval")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
@@ -203,7 +252,11 @@ def _build(table: dict[str, Any]) -> RunConfig:
     except (ValueError, TypeError) as error:
         raise RunConfigError(f"trainer.{error}") from None
     data = None if "data" not in table else _data(table["data"])
-    return RunConfig(trainer=resolved, init_from=init_from, data=data)
+    evaluation = EvalConfig()
+    if "eval" in table:
+        evaluation = _struct(EvalConfig, table["eval"], "eval")
+        check_eval(evaluation, resolved)  # checked, kept as written (empty widths stay derived)
+    return RunConfig(trainer=resolved, init_from=init_from, data=data, eval=evaluation)
 
 
 def _struct(kind: type, values: dict[str, Any], prefix: str) -> Any:
@@ -336,6 +389,8 @@ def dump_run_config(config: RunConfig) -> str:
             data["held_out"] = list(config.data.held_out)
         data["fields"] = dict(config.data.fields)
         table["data"] = data
+    if config.eval != EvalConfig() or (config.data is not None and config.data.held_out):
+        table["eval"] = {f.name: getattr(config.eval, f.name) for f in dataclasses.fields(EvalConfig)}
     lines: list[str] = []
     _write_table(table, (), lines)
     return "\n".join(lines).lstrip("\n") + "\n"
