@@ -6,7 +6,10 @@
 The loop is the library's own verbs and nothing more: `open_source` and a `Loader` (`uform.sources`) fill each
 step, `Trainer.step` takes it, a `MetricsWriter` logs it, `Trainer.save` writes the checkpoint with the loader's
 state beside the weights (the checkpoint's `uform.data`), so a resume continues with the very record the
-interrupted run would have read next. `uform train` (`uform/cli.py`) is this call behind argv. (The module is not `uform/fit.py`: importing a
+interrupted run would have read next. With held-out records (`[data] held_out`) a `uform.held_out.HeldOut`, read
+once before the first step, scores the trainer's current weights every `eval.every` steps and after the last step
+of the call, each evaluation a record of `metrics.jsonl` (`MetricsWriter.eval`), the last on `FitSummary.eval`.
+`uform train` (`uform/cli.py`) is this call behind argv. (The module is not `uform/fit.py`: importing a
 submodule binds its name on the package, which would hide the lazily exported function `uform.fit`.)
 """
 
@@ -23,8 +26,9 @@ from typing import Any, TextIO
 import torch
 
 from .config import TrainerStepStats
+from .held_out import HeldOut
 from .replica.stored_run import read_data_state
-from .run_config import RunConfig, read_run_config
+from .run_config import EvalConfig, RunConfig, read_run_config
 from .run_dir import RunDir
 from .runtime.executor import Executor
 from .sources import Loader, open_source
@@ -72,6 +76,8 @@ class FitSummary:
     """The checkpoint this call wrote (None where it took no step)."""
     output: str
     """The run's folder."""
+    eval: dict[str, float] | None = None
+    """The last evaluation's figures by name (`uform.held_out`), None where the run holds no records out."""
 
 
 def fit(
@@ -84,6 +90,7 @@ def fit(
     devices: Executor | None = None,
     data: Any = None,
     fields: Mapping[str, Any] | None = None,
+    held_out: Any = None,
     progress: Callable[[FitStep], Any] | None = None,
     log: TextIO | None = sys.stderr,
     log_every: int = LOG_EVERY,
@@ -97,7 +104,8 @@ def fit(
     ends at `config.trainer.schedule.steps`. `devices` is the executor (default: CUDA device 0 where there is
     one, else the CPU); its devices read one share of each global step each (`uform.sources.Loader`).
     `data` replaces `[data] train` (any re-iterable of records, a `datasets` dataset included, or paths) and
-    `fields` `[data] fields`. `progress(FitStep)` is called after every step; `log` gets one line every
+    `fields` `[data] fields`; `held_out` replaces `[data] held_out` (as `data`), scored as `[eval]` says
+    (`uform.held_out`). `progress(FitStep)` is called after every step; `log` gets one line every
     `log_every` steps (None: silent). Everything is checked before anything is written or trained.
     """
     run = config if isinstance(config, RunConfig) else None
@@ -117,8 +125,9 @@ def fit(
         raise TypeError(f"devices: expected an Executor, got {type(devices).__name__}")
     if resume is not None and not isinstance(resume, (str, os.PathLike)):
         raise TypeError(f"resume: expected None, a checkpoint's path or 'latest', got {type(resume).__name__}")
-    spec, named = _data(run, data, fields)
+    spec, named, held_spec = _data(run, data, fields, held_out)
     source = open_source(spec, fields=named)
+    held = None if held_spec is None else HeldOut.read(held_spec, named, run.trainer, run.eval)
 
     folder: RunDir | None = None
     if resume is None:
@@ -141,24 +150,31 @@ def fit(
         trainer = Trainer.init_vram(executor, trainer_config, init_from=None if checkpoint else run.init_from)
         try:
             folder = RunDir.create(output, run) if folder is None else folder
-            return _loop(run, folder, trainer, loader, checkpoint is not None, stop_after, progress, log, log_every)
+            return _loop(
+                run, folder, trainer, loader, checkpoint is not None, stop_after, progress, log, log_every, held
+            )
         finally:
+            if held is not None:
+                held.close()
             trainer.close()
     finally:
         if owned:
             executor.close()
 
 
-def _data(run: RunConfig, data: Any, fields: Mapping[str, Any] | None) -> tuple[Any, Mapping[str, Any]]:
+def _data(
+    run: RunConfig, data: Any, fields: Mapping[str, Any] | None, held_out: Any
+) -> tuple[Any, Mapping[str, Any], Any]:
     spec = data if data is not None else (None if run.data is None else list(run.data.train))
     named = fields if fields is not None else (None if run.data is None else dict(run.data.fields))
+    held = held_out if held_out is not None else (list(run.data.held_out) if run.data and run.data.held_out else None)
     if spec is None:
         raise ValueError("data.train: the run file names no training data, and fit was given none (data=)")
-    if run.data is not None and run.data.held_out:  # refused, not ignored: a run would seem evaluated and is not
-        raise ValueError("data.held_out: evaluation during a run is not wired into fit yet; leave it out for now")
+    if held is None and run.eval != EvalConfig():  # refused, not ignored: a run would seem evaluated and is not
+        raise ValueError("eval: the run sets [eval], but holds no records out to evaluate on ([data] held_out)")
     if not named:
         raise ValueError('data.fields: map each record field to its role (fields = { txt = "text" })')
-    return spec, named
+    return spec, named, held
 
 
 def _check_new(output: str | os.PathLike) -> None:
@@ -186,12 +202,15 @@ def _loop(
     progress: Callable[[FitStep], Any] | None,
     log: TextIO | None,
     log_every: int,
+    held: HeldOut | None = None,
 ) -> FitSummary:
     steps = run.trainer.schedule.steps
     last = min(steps, loader.step - 1 + stop_after) if stop_after is not None else steps
     taken = items = 0
     stats: TrainerStepStats | None = None
     checkpoint = None
+    results: dict[str, float] | None = None
+    every = run.eval.every
     with folder.metrics(resumed_at=loader.step - 1 if resumed else None) as metrics:
         while loader.step <= last:
             started = time.perf_counter()
@@ -209,8 +228,11 @@ def _loop(
                 rate = f"{count / seconds:.1f}" if seconds > 0 else "-"
                 log.write(f"step {step_input.step}/{steps}  loss {stats.loss:.4f}  items/s {rate}\n")
                 log.flush()
+            if held is not None and ((every and step_input.step % every == 0) or loader.step > last):
+                results = held.evaluate(trainer)
+                metrics.eval(step_input.step, results)
         if taken:
             checkpoint = folder.save(trainer, loader.step - 1, data_state=loader.state())
     if log is not None and checkpoint is not None:
         log.write(f"saved {checkpoint}\n")
-    return FitSummary(loader.step - 1, steps, taken, items, stats, checkpoint, folder.path)
+    return FitSummary(loader.step - 1, steps, taken, items, stats, checkpoint, folder.path, results)

@@ -130,7 +130,9 @@ class FleetWork:
         self._shares: list[dict[str, Any]] | None = [_share(job, d, self.devices) for d in range(self.devices)]
 
     def run(self) -> dict[str, Any]:
-        shares: list[dict[str, Any] | None] = list(self._shares or [None] * self.devices)
+        shares: list[dict[str, Any] | None] = [None] * self.devices
+        if self._shares is not None:
+            shares = list(self._shares)
         futures = self.workers.call(
             [(_worker_held_out, (self.key, self.media, self.segments, share)) for share in shares]
         )
