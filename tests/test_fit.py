@@ -79,7 +79,9 @@ def test_the_image_example_holds_what_its_script_draws(tmp_path: Path) -> None:
         ("trainer.objective=contrastiv", "trainer.objective"),
         ("trainer.schedule.steps=many", "trainer.schedule.steps: expected an int"),
         ("data.fields.question=txt", "fields.question: 'txt' is no role"),
-        ("data.held_out=held.jsonl", "data.held_out: evaluation during a run is not wired"),
+        ("data.held_out=no-such-file.jsonl", "data.held_out: [Errno 2] No such file"),
+        ("eval.every=-1", "eval.every: must not be negative, got -1"),
+        ("eval.widths=[512]", "eval.widths[0]: must lie in [1, trainer.hidden = 128], got 512"),
     ],
 )
 def test_a_config_error_names_the_key_path_and_writes_nothing(

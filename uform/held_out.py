@@ -126,28 +126,29 @@ class HeldOut:
         run = resolve(config)
         checked = check_eval(EvalConfig() if eval_config is None else eval_config, run)
         notices = Notices() if notices is None else notices
-        try:
-            source = open_source(spec, fields=fields)
-        except (ValueError, TypeError) as error:
-            raise type(error)(f"data.held_out: {error}") from None
         raw: list[dict[str, Any]] = []
         records: list[RecordItems] = []
-        for shard in range(len(source.shards)):
-            for record in source.records(shard):
+        try:  # every refusal of the readers names the table it came from
+            source = open_source(spec, fields=fields)
+            for shard in range(len(source.shards)):
                 if len(raw) == checked.records:
                     break
-                items = read_record(record, source.fields)
-                if items.missing is not None:
-                    notices.warn(
-                        "held_out.missing",
-                        f"uform: held-out record {items.id} names a missing file ({items.missing}); such records "
-                        "are left out of evaluation and counted",
-                        MediaWarning,
-                    )
-                    continue
-                if items.modalities:
-                    raw.append(record)
-                    records.append(items)
+                for record in source.records(shard):
+                    if len(raw) == checked.records:
+                        break
+                    items = read_record(record, source.fields)
+                    if items.missing is not None:
+                        notices.warn(
+                            "held_out.missing",
+                            f"uform: held-out record {items.id} names a missing file ({items.missing}); such "
+                            "records are left out of evaluation and counted",
+                            MediaWarning,
+                        )
+                    elif items.modalities:
+                        raw.append(record)
+                        records.append(items)
+        except (OSError, ValueError, TypeError) as error:
+            raise type(error)(f"data.held_out: {error}") from error
         if not records:
             raise ValueError("data.held_out: names no record with an item to evaluate on")
         held = cls(run, checked, records, notices)
