@@ -248,7 +248,16 @@ def test_eval_settings_without_held_out_records_are_refused_before_anything_is_w
     with pytest.raises(ValueError, match=r"^eval: the run sets \[eval\], but holds no records out"):
         uform.fit(run, tmp_path / "run", log=None)
     assert not (tmp_path / "run").exists()
-    with pytest.raises(ValueError, match="^data.held_out: names no record"):
+    with pytest.raises(ValueError, match=r"^data\.held_out: names no record"):
         HeldOut.read([{"q": []}], {"q": "text"}, config(), EvalConfig())
-    with pytest.raises(ValueError, match="^data.held_out: no record holds two positives"):
+    with pytest.raises(ValueError, match=r"^data\.held_out: no record holds two positives"):
         HeldOut.read([{"q": "alone"}], {"q": "text"}, config(objective=Objective.Contrastive))
+
+
+def test_the_readmes_eval_table_is_the_example_runs() -> None:
+    from test_readme import blocks
+
+    (table,) = [b for b in blocks("toml") if "[eval]" in b]
+    example = Path(PAIRS).read_text().split("[data]")[0]
+    run = uform.run_config.load_run_config(example + table, base=str(ROOT / "examples"))
+    assert run == read_run_config(PAIRS)
