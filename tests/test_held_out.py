@@ -261,3 +261,29 @@ def test_the_readmes_eval_table_is_the_example_runs() -> None:
     example = Path(PAIRS).read_text().split("[data]")[0]
     run = uform.run_config.load_run_config(example + table, base=str(ROOT / "examples"))
     assert run == read_run_config(PAIRS)
+
+
+def test_media_are_decoded_once_across_evaluations(make_trainer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import uform.serve
+
+    run = read_run_config(str(ROOT / "examples" / "image_text.toml"))
+    assert run.data is not None
+    held = HeldOut.read(list(run.data.train), dict(run.data.fields), run.trainer, EvalConfig(records=4))
+    decoded: list[int] = []
+    real = uform.serve.decode_items
+
+    def counted(*args: Any) -> Any:
+        decoded.append(len(args[5]))  # the items it was asked to decode
+        return real(*args)
+
+    monkeypatch.setattr(uform.serve, "decode_items", counted)
+    trainer = make_trainer(run.trainer)
+    try:
+        first = held.evaluate(trainer)
+        assert sum(decoded) == 4  # the four images, once
+        again = held.evaluate(trainer)
+    finally:
+        held.close()
+    assert sum(decoded) == 4
+    assert {"eval/text->image/recall@1", "eval/image->text/mrr"} <= set(first)
+    assert all(again[k] == first[k] for k in first if k != "eval/seconds")
