@@ -126,8 +126,11 @@ def test_stop_at_k_and_resume_latest_equals_the_straight_run_bitwise_data_includ
     assert whole.checkpoint is not None and rest.checkpoint is not None
     assert_same_tensors(run_tensors(rest.checkpoint), run_tensors(whole.checkpoint))
     assert read_data_state(rest.checkpoint) == read_data_state(whole.checkpoint)
-    losses = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "split" / "metrics.jsonl")]
-    assert losses == [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "straight" / "metrics.jsonl")]
+
+    def losses(run: str) -> list[tuple[int, float]]:  # the step records (the example's evaluations beside them)
+        return [(r["step"], r["loss"]) for r in read_metrics(tmp_path / run / "metrics.jsonl") if r["kind"] == "step"]
+
+    assert losses("split") == losses("straight")
 
 
 def test_two_cpu_devices_read_the_global_records_of_two_ranks_and_train(tmp_path: Path) -> None:
@@ -139,7 +142,9 @@ def test_two_cpu_devices_read_the_global_records_of_two_ranks_and_train(tmp_path
     finally:
         executor.close()
     assert summary.step == 3
-    assert all(math.isfinite(r["loss"]) for r in read_metrics(tmp_path / "two" / "metrics.jsonl"))
+    records = read_metrics(tmp_path / "two" / "metrics.jsonl")
+    assert all(math.isfinite(r["loss"]) for r in records if r["kind"] == "step")
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [3]  # the held-out pairs, through both workers
 
     # What two processes of one device each read (the loader's rank rule), together, step by step.
     assert run.data is not None

@@ -172,8 +172,8 @@ class HeldOut:
         for a in present:
             for b in present:
                 documents = [j for j, m in enumerate(self.modalities) if m == b]
-                self._pair(f"{a}->{b}", record_of, [i for i, m in enumerate(self.modalities) if m == a and positive[i]],
-                           documents, positive, self.pooled)  # fmt: skip
+                queries = [i for i, m in enumerate(self.modalities) if m == a and positive[i]]
+                self._pair(f"{a}->{b}", record_of, queries, documents, positive, self.pooled)
                 if self.config.late_interaction.weight > 0:
                     queries = [i for i, m in enumerate(self.modalities) if m == a and self.kinds[i] == "query"]
                     late_documents = [j for j in documents if self.kinds[j] == "document"]
@@ -192,9 +192,13 @@ class HeldOut:
         name: str, record_of: np.ndarray, queries: list[int], documents: list[int], positive: list[bool], out: list
     ) -> None:
         at = {j: n for n, j in enumerate(documents)}
+        of_record: dict[int, list[int]] = {}
+        for j in documents:
+            if positive[j]:
+                of_record.setdefault(int(record_of[j]), []).append(j)
         kept, relevant, exclude = [], [], []
         for i in queries:
-            mine = [at[j] for j in documents if j != i and positive[j] and record_of[j] == record_of[i]]
+            mine = [at[j] for j in of_record.get(int(record_of[i]), []) if j != i]
             if mine:
                 kept.append(i)
                 relevant.append(mine)

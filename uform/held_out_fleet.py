@@ -92,7 +92,7 @@ class LocalWork:
 
 
 def _split(items: list[Any], parts: int) -> list[list[Any]]:
-    """`items` in `parts` contiguous runs, the first ones a longer by one where they do not divide."""
+    """`items` in `parts` contiguous runs of lengths that differ by one at most."""
     bounds = np.linspace(0, len(items), parts + 1).round().astype(int)
     return [items[a:b] for a, b in itertools.pairwise(bounds.tolist())]
 

@@ -340,9 +340,7 @@ class Model:
         """A model over one device's replica (`uform.replica.replica.Replica`: a device worker's, evaluating
         through the fleet), serving its live network as `from_trainer` does on one device; its warnings are
         the replica's (`Replica.notices`)."""
-        return cls._over(
-            replica.network, replica.config, replica.device, media, replica.notices, segments, 0, replica
-        )
+        return cls._over(replica.network, replica.config, replica.device, media, replica.notices, segments, 0, replica)
 
     @classmethod
     def _over(
