@@ -231,8 +231,22 @@ def _loop(
             if held is not None and ((every and step_input.step % every == 0) or loader.step > last):
                 results = held.evaluate(trainer)
                 metrics.eval(step_input.step, results)
+                if log is not None:
+                    log.write(f"eval {step_input.step}/{steps}  {_headline(results)}\n")
+                    log.flush()
         if taken:
             checkpoint = folder.save(trainer, loader.step - 1, data_state=loader.state())
     if log is not None and checkpoint is not None:
         log.write(f"saved {checkpoint}\n")
     return FitSummary(loader.step - 1, steps, taken, items, stats, checkpoint, folder.path, results)
+
+
+def _headline(results: Mapping[str, float]) -> str:
+    """The figures a console line shows: recall@10 and MRR at the full width, choices' accuracy, the losses."""
+    shown = [
+        (name.removeprefix("eval/"), value)
+        for name, value in results.items()
+        if ("@" not in name.split("/")[1] and name.endswith(("/recall@10", "/mrr")))
+        or name.startswith(("eval/loss/", "eval/choices/accuracy"))
+    ]
+    return "  ".join(f"{name} {value:.4f}" for name, value in shown)
