@@ -185,10 +185,22 @@ def test_an_evaluation_changes_nothing_of_the_training_that_follows(make_trainer
     assert all(torch.equal(plain[k], evaluated[k]) for k in plain)
 
 
-def test_two_cpu_devices_evaluate_what_one_does() -> None:
+def test_two_cpu_devices_evaluate_what_one_does_and_train_on_unchanged() -> None:
     run = rich_run()
     one, two = Executor.cpu(), Executor.cpu(workers=2)
+    texts = [f"what is {w}?" for w in WORDS]
     results = []
+
+    def train(trainer: Trainer, held: HeldOut | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+        losses = []
+        for _ in range(2):
+            if held is not None:
+                held.evaluate(trainer)
+            stats = uform.TrainerStepStats()
+            trainer.step([Modality.Text] * len(texts), texts, uform.TrainerStepConfig(stats=stats))
+            losses.append(stats.loss)
+        return losses, trainer.weights().tensors
+
     try:
         for executor in (one, two):
             held = HeldOut.read(rich_records(), RICH_FIELDS, run)
@@ -200,8 +212,21 @@ def test_two_cpu_devices_evaluate_what_one_does() -> None:
             finally:
                 held.close()
                 trainer.close()
+        # Through the fleet too, steps after evaluations are the steps without them.
+        runs = []
+        for evaluator in (HeldOut.read(rich_records(), RICH_FIELDS, run), None):
+            trainer = Trainer.init_vram(two, run)  # one trainer at a time on an executor's mesh
+            try:
+                runs.append(train(trainer, evaluator))
+            finally:
+                if evaluator is not None:
+                    evaluator.close()
+                trainer.close()
+        evaluated, plain = runs
     finally:
         two.close()
+    assert evaluated[0] == plain[0]
+    assert all(torch.equal(evaluated[1][k], plain[1][k]) for k in plain[1])
     (a, a_again), (b, b_again) = results
     names = sorted(k for k in a if k != "eval/seconds")
     assert names == sorted(k for k in b if k != "eval/seconds")

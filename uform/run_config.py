@@ -75,7 +75,8 @@ class EvalConfig:
     """The Matryoshka widths pooled retrieval is scored at; empty: the run's `contrastive.matryoshka_dimensions`
     and the full `hidden`."""
     batch: int = 0
-    """Items one evaluation forward carries at most; 0: the run's `batch.max_segments_per_device`."""
+    """Items one forward of the retrieval and choice scoring carries at most; 0: the run's
+    `batch.max_segments_per_device` (the masked terms take steps of one device's room, as training does)."""
 
 
 @dataclass(frozen=True)
