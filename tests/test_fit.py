@@ -64,12 +64,16 @@ def test_the_image_example_holds_what_its_script_draws(tmp_path: Path) -> None:
     draw = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(draw)
     draw.main(str(tmp_path))
-    ours = (EXAMPLES / "image_text" / "captions.jsonl").read_text()
-    assert (tmp_path / "captions.jsonl").read_text() == ours
-    for line in ours.splitlines():
-        name = json.loads(line)["image"]
-        drawn = np.asarray(Image.open(tmp_path / name))
-        assert np.array_equal(np.asarray(Image.open(EXAMPLES / "image_text" / name)), drawn), name
+    for manifest in ("captions.jsonl", "held_out.jsonl"):
+        ours = (EXAMPLES / "image_text" / manifest).read_text()
+        assert (tmp_path / manifest).read_text() == ours
+        for line in ours.splitlines():
+            name = json.loads(line)["image"]
+            drawn = np.asarray(Image.open(tmp_path / name))
+            assert np.array_equal(np.asarray(Image.open(EXAMPLES / "image_text" / name)), drawn), name
+    held = {json.loads(line)["caption"] for line in (tmp_path / "held_out.jsonl").read_text().splitlines()}
+    trained = {json.loads(line)["caption"] for line in (tmp_path / "captions.jsonl").read_text().splitlines()}
+    assert len(held) == 8 and not held & trained  # scenes the run never trains on
 
 
 @pytest.mark.parametrize(
