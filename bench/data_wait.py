@@ -181,7 +181,7 @@ def timed_steps(trainer: Any, modalities: list[Any], contents: list[bytes], rela
 
     def run(count: int) -> float:
         started = time.perf_counter()
-        in_flight(step, range(count), 1)
+        in_flight(step, range(count), args.in_flight - 1)
         return (time.perf_counter() - started) / count
 
     run(args.warmup)
@@ -251,6 +251,7 @@ def main() -> None:
     parser.add_argument(
         "--host-processes", type=int, default=None, help="Trainer.init_vram(host_processes=); default: the trainer's"
     )
+    parser.add_argument("--in-flight", type=int, default=2, help="deferred steps submitted and not yet answered")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave torch's default)")
     parser.add_argument("--host-steps", type=int, default=20, help="steps of the prepare stage measured alone")
     parser.add_argument("--host-only", action="store_true", help="measure the prepare stage alone, no training")
@@ -299,6 +300,7 @@ def main() -> None:
         "decode_workers": workers,
         "torch_threads": torch.get_num_threads(),
         "host_processes": trainer.host_processes,
+        "in_flight": args.in_flight,
         "geometry": {"depth": args.depth, "hidden": args.hidden, "rows": args.rows, "columns": args.columns},
         "items": {"images": args.images, "texts": args.texts, "text_bytes": args.text_bytes},
         "placed": int(batch.layout.placed.sum()),
@@ -311,7 +313,7 @@ def main() -> None:
     print(
         f"{args.images} JPEGs 256x256 + {args.texts} texts of {args.text_bytes} B, {result['placed']} placed, "
         f"{result['dropped']} dropped, {tokens} tokens/step, {workers} decoders on {result['cores']} cores, "
-        f"{trainer.host_processes} preparer processes, {result['device']}:"
+        f"{trainer.host_processes} preparer processes, {args.in_flight} steps in flight, {result['device']}:"
     )
     if not args.host_only:
         result.update(

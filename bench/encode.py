@@ -11,18 +11,23 @@ A freshly initialised network at the given geometry (default: the reference geom
            256 patches, so three fit a 1024-column row (192 per batch at the reference geometry);
   decode   the same JPEGs through a decoder pool alone (the media stage's own ceiling).
 
+With `--file`, the same items go through `uform encode`'s path too (`uform.encode_file`): a JSONL manifest on
+disk (texts inline, images as files beside it) read by `uform.sources`, embedded `--batch` records at a time and
+written to Parquet at `--width` and `--dtype` ("text_file", "image_file" in the table).
+
 Each figure is the best of `--repeats` timed calls after one warm-up call (which compiles on CUDA). Prints
 a table and writes bench-encode.json under $OUT (or the current folder).
 
-  python bench/encode.py --device cuda
+  python bench/encode.py --device cuda --file
   python bench/encode.py --device cpu --depth 2 --hidden 128 --rows 8 --columns 256 --segments 32 \\
-      --texts 256 --images 32 --image-side 64
+      --texts 256 --images 32 --image-side 64 --file
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import sys
 import tempfile
@@ -88,6 +93,23 @@ def build_model(args: argparse.Namespace, folder: str) -> Any:
     return u.load(path, executor, media=MediaPolicy(workers=args.workers))
 
 
+def manifests(folder: str, texts: list[bytes], images: list[bytes]) -> dict[str, str]:
+    """JSONL manifests of the texts (inline) and of the images (files beside the manifest), by kind."""
+    out = {}
+    with open(os.path.join(folder, "texts.jsonl"), "w", encoding="utf-8") as f:
+        for i, text in enumerate(texts):
+            f.write(json.dumps({"id": f"t{i}", "text": text.decode("utf-8", "replace")}) + "\n")
+    out["text"] = f.name
+    os.makedirs(os.path.join(folder, "images"), exist_ok=True)
+    with open(os.path.join(folder, "images.jsonl"), "w", encoding="utf-8") as f:
+        for i, data in enumerate(images):
+            with open(os.path.join(folder, "images", f"{i}.jpg"), "wb") as image:
+                image.write(data)
+            f.write(json.dumps({"id": f"i{i}", "image": f"images/{i}.jpg"}) + "\n")
+    out["image"] = f.name
+    return out
+
+
 def timed(call: Any, repeats: int) -> tuple[float, float]:
     """(seconds of the warm-up call, best seconds of `repeats` calls)."""
     t0 = time.perf_counter()
@@ -112,10 +134,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--image-side", type=int, default=256)
     parser.add_argument("--workers", type=int, default=0, help="decoder processes (0: one per core)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--file", action="store_true", help="also time uform encode's path (manifest -> Parquet)")
+    parser.add_argument("--batch", type=int, default=4096, help="--file: records embedded at once")
+    parser.add_argument("--width", type=int, default=None, help="--file: a Matryoshka width (default: full)")
+    parser.add_argument("--dtype", default="f16", choices=("f32", "f16", "bf16", "i8"), help="--file: scalar type")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench-encode.json")
     args = parser.parse_args(argv)
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
+    import uform as u
     from uform.media.decode import decode_item
     from uform.media.limits import MediaLimits
     from uform.runtime.decoders import DecodePool
@@ -134,6 +161,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 warm, best = timed(lambda m=modalities, c=contents: model.encode(m, c), args.repeats)
                 results[kind] = {"items": len(contents), "items_per_s": len(contents) / best, "warmup_s": warm}
                 print(f"{kind:<6} {len(contents) / best:>12,.1f} items/s  (warm-up {warm:.1f} s)", flush=True)
+            if args.file:
+                for kind, manifest in manifests(folder, texts, images).items():
+                    if not (texts if kind == "text" else images):
+                        continue
+                    count = len(texts if kind == "text" else images)
+                    out = os.path.join(folder, f"{kind}.parquet")
+                    options = {"width": args.width, "dtype": args.dtype, "batch": args.batch}
+                    warm, best = timed(
+                        lambda m=manifest, o=out, kw=options: u.encode_file(model, m, o, **kw), args.repeats
+                    )
+                    name = f"{kind}_file"
+                    results[name] = {"items": count, "items_per_s": count / best, "warmup_s": warm, **options}
+                    print(f"{name:<10} {count / best:>8,.1f} items/s  (uform encode -> Parquet)", flush=True)
         finally:
             model.close()
     if images:

@@ -1,6 +1,6 @@
 """The bench scripts that answer numbers run end to end on the CPU at a tiny scale (the lead runs them on a
-GPU at the reference geometry of docs/design.md §1): bench/encode.py; bench/maxsim.py, whose current MaxSim agrees with the previous one it
-keeps as the reference; and bench/scaling.py through an executor of two CPU workers."""
+GPU at the reference geometry of docs/design.md §1): bench/encode.py (its --file path too); bench/onnx_cpu.py; bench/maxsim.py, whose current MaxSim agrees with the previous one it
+keeps as the reference; bench/scaling.py through an executor of two CPU workers; and bench/train_shards.py (uform.fit from tar shards against the library loop)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 
 torch.set_num_threads(2)
@@ -37,6 +38,26 @@ def test_encode_bench_smoke(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "bench-encode.json").read_text())["text"]["items"] == 12
 
 
+def test_encode_bench_times_the_file_path_too(tmp_path: Path) -> None:
+    tiny = "--device cpu --depth 1 --hidden 128 --rows 2 --columns 128 --segments 8 --texts 12 --text-bytes 40"
+    tiny += f" --images 3 --image-side 32 --workers 1 --repeats 1 --file --batch 5 --width 64 --out {tmp_path}"
+    results = load("encode").main(tiny.split())
+    for kind, count in (("text_file", 12), ("image_file", 3)):
+        assert results[kind]["items"] == count and results[kind]["items_per_s"] > 0
+        assert results[kind]["width"] == 64 and results[kind]["dtype"] == "f16"
+
+
+def test_onnx_cpu_bench_smoke(tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime")
+    tiny = "--depth 1 --hidden 128 --rows 2 --columns 64 --segments 8 --texts 8 --text-bytes 30 --images 2"
+    results = load("onnx_cpu").main(f"{tiny} --image-side 32 --repeats 1 --out {tmp_path}".split())
+    for kind, count in (("text", 8), ("image", 2)):
+        row = results[kind]
+        assert row["items"] == count and row["torch_items_per_s"] > 0 and row["onnxruntime_items_per_s"] > 0
+        assert row["least_cosine"] > 1 - 1e-4
+    assert json.loads((tmp_path / "bench-onnx-cpu.json").read_text())["text"]["items"] == 8
+
+
 def test_maxsim_bench_smoke(tmp_path: Path) -> None:
     results = load("maxsim").main(f"--device cpu --scale 0.03 --steps 1 --warmup 0 --out {tmp_path}".split())
     runs = results["runs"]
@@ -55,3 +76,13 @@ def test_scaling_bench_smoke(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "bench-scaling-executor-blocks.json").read_text())
     assert results["world_compile"] == "blocks" and results["many"]["world_size"] == 2
     assert results["one"]["tokens_per_s"] > 0 and results["many"]["tokens_per_s"] > 0 and results["efficiency"] > 0
+
+
+def test_train_shards_bench_smoke(tmp_path: Path) -> None:
+    tiny = "--depth 1 --hidden 128 --rows 4 --columns 640 --segments 8 --records 32 --shards 2 --steps 3"
+    tiny += " --warmup 1 --cpu"
+    environment = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(BENCH.parent)}
+    subprocess.run([sys.executable, str(BENCH / "train_shards.py"), *tiny.split()], env=environment, check=True)
+    result = json.loads((tmp_path / "bench-train-shards.json").read_text())
+    assert result["library_pairs_per_second"] > 0 and result["fit_pairs_per_second"] > 0
+    assert result["records"] == 32 and result["loader_cpu_ms_per_step"] > 0

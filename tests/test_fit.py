@@ -146,9 +146,11 @@ def test_two_cpu_devices_read_the_global_records_of_two_ranks_and_train(tmp_path
     finally:
         executor.close()
     assert summary.step == 3
-    records = read_metrics(tmp_path / "two" / "metrics.jsonl")
-    assert all(math.isfinite(r["loss"]) for r in records if r["kind"] == "step")
-    assert [r["step"] for r in records if r["kind"] == "eval"] == [3]  # the held-out pairs, through both workers
+    metrics = read_metrics(tmp_path / "two" / "metrics.jsonl")
+    steps = [r for r in metrics if r["kind"] == "step"]
+    assert all(math.isfinite(r["loss"]) for r in steps)
+    assert [r["items"] for r in steps] == [len(records) for _, records in seen]  # both devices' items a step
+    assert [r["step"] for r in metrics if r["kind"] == "eval"] == [3]  # the held-out pairs, through both workers
 
     # What two processes of one device each read (the loader's rank rule), together, step by step.
     assert run.data is not None

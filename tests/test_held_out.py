@@ -261,11 +261,21 @@ def test_fit_evaluates_on_schedule_and_at_the_end_and_trains_the_same(tmp_path: 
     a, b = checkpoint_tensors(summary.checkpoint), checkpoint_tensors(bare.checkpoint)
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
-    # A call stopped early evaluates its own last step; its resume goes on by the schedule.
+    # A call stopped early evaluates its own last step (3 here), and its resume goes on by the schedule.
     uform.fit(PAIRS, tmp_path / "split", overrides=steps, stop_after=3, log=None)
     uform.fit(PAIRS, tmp_path / "split", overrides=steps, resume="latest", log=None)
-    split = [r["step"] for r in read_metrics(tmp_path / "split" / "metrics.jsonl") if r["kind"] == "eval"]
-    assert split == [2, 3, 4, 5]
+    split = [r for r in read_metrics(tmp_path / "split" / "metrics.jsonl") if r["kind"] == "eval"]
+    assert [r["step"] for r in split] == [2, 3, 4, 5]
+    # A call's last step is evaluated with nothing read past it: at step 2 that is a reference for the scheduled
+    # evaluation of the straight run, which the loop reads ahead of (two steps in flight) but must not past.
+    first = uform.fit(PAIRS, tmp_path / "two", overrides=steps, stop_after=2, log=None)
+    assert first.eval is not None
+
+    def figures(results: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in results.items() if k.startswith("eval/") and k != "eval/seconds"}
+
+    assert figures(evals[0]) == figures(first.eval)
+    assert [figures(r) for r in split if r["step"] != 3] == [figures(r) for r in evals]
 
 
 def test_eval_settings_without_held_out_records_are_refused_before_anything_is_written(tmp_path: Path) -> None:

@@ -40,6 +40,11 @@ ALLOWED_LOCAL_IMPORTS = {
     ("uform.sources.shards", "fsspec"): "an optional extra, imported only for a URL",
     ("uform.sources.parquet", "pyarrow.parquet"): "an optional extra, imported only for a Parquet shard",
     ("uform.sources.sizes", "PIL"): "Pillow loads where an image header is read, never for text-only data",
+    ("uform.sources.sizes", "soundfile"): "libsndfile loads where an audio header is read, never for text or images",
+    ("uform.sources.sizes", "uform.media.video"): "PyAV loads where a video header is read, never for other data",
+    ("uform.embedding_writer", "pyarrow"): "an optional extra, imported only for a Parquet output",
+    ("uform.embedding_writer", "pyarrow.parquet"): "an optional extra, imported only for a Parquet output",
+    ("uform.onnx_encoder", "onnxruntime"): "the onnx extra, imported only where an ONNX graph is run",
 }
 """Every import inside a function of uform, with why it is there: a new one (one that dodges a loop, say) fails
 `test_no_import_inside_a_function_but_the_listed_ones` until it is listed here with its reason. The lazy names

@@ -38,6 +38,8 @@ _WHERE = {
     "Scalar": "enums",
     "evaluate_retrieval": "evaluate",
     "fit": "fitting",
+    "export": "exporting",
+    "encode_file": "encoding",
     "Executor": "runtime.executor",
     "Mesh": "runtime.mesh",
     "MeshDescription": "runtime.mesh",
@@ -87,8 +89,10 @@ if TYPE_CHECKING:
         VideoShape,
         resolve,
     )
+    from .encoding import encode_file
     from .enums import GPUClass, LateInteractionSide, Modality, MultimemTier, Negatives, Objective, PairLossForm, Scalar
     from .evaluate import evaluate_retrieval
+    from .exporting import export
     from .fitting import fit
     from .notices import CapacityWarning, MediaWarning, MemoryWarning, NonFiniteWarning, ScheduleWarning, UformWarning
     from .relations import Edges, Relations
@@ -140,7 +144,9 @@ __all__ = [
     "TrainerStepStats",
     "UformWarning",
     "VideoShape",
+    "encode_file",
     "evaluate_retrieval",
+    "export",
     "fit",
     "load",
     "resolve",

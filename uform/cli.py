@@ -3,7 +3,10 @@
     uform demo [--part text|image|both] [--steps N] [--image-steps N] [--depth N] [--hidden N] [--seed N]
                [--cpu] [--quiet] [--save PATH]
     uform train CONFIG.toml [--output DIR] [--resume PATH|latest] [--stop-after N] [--set KEY=VALUE ...]
-                [--devices 0,1|cpu|cpu:N]
+                [--devices 0,1|cpu|cpu:N]            (or under torchrun: one process per device)
+    uform export CHECKPOINT OUT_DIR [--onnx]
+    uform encode MODEL --input FILE --output FILE [--field NAME=ROLE ...] [--width N] [--dtype f32|f16|bf16|i8]
+                 [--batch N] [--cpu] [--quiet]
     uform version
 
 `main(argv)` answers the exit status instead of exiting, so it can be called in-process (as the tests
@@ -20,9 +23,12 @@ from collections.abc import Sequence
 from . import __version__
 from .demo import DEFAULTS, held_out_split, report, run_demo, text_pairs
 from .demo_shapes import IMAGE_DEFAULTS, run_image_demo
+from .encoding import encode_file
+from .exporting import export
 from .fitting import fit
 from .run_config import read_run_config
 from .runtime.executor import Executor
+from .runtime.mesh import Mesh
 
 __all__ = ["build_parser", "devices_of", "main"]
 
@@ -127,6 +133,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="CUDA devices by index, the CPU, or N CPU devices (default: CUDA 0 where there is one, else the CPU)",
     )
 
+    export = commands.add_parser(
+        "export",
+        help="write a trainer checkpoint as a model folder (weights only, config.json, a model card)",
+        description="Writes OUT_DIR: model.safetensors (weights only, digest-checked), config.json (the resolved run) "
+        "and README.md (a model card), in the layout the Hugging Face hub expects; uform.load(OUT_DIR) serves it.",
+    )
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a trainer checkpoint (.safetensors)")
+    export.add_argument("out_dir", metavar="OUT_DIR", help="the folder to write (new, or empty)")
+    export.add_argument("--onnx", action="store_true", help="also write model.onnx, the encode forward (uform[onnx])")
+
+    encode = commands.add_parser(
+        "encode",
+        help="embed every record of a JSONL, CSV or Parquet file into Parquet or .npy",
+        description="Reads the records of --input (media fields name files relative to it) and writes one "
+        "embedding per record to --output: Parquet (columns id, embedding; a broken record's embedding is null) or "
+        ".npy (the vectors; beside it <name>.ids.txt, one id a line, and <name>.valid.npy, False where a record "
+        "could not be embedded and its row is NaN, or -128 under i8).",
+    )
+    encode.add_argument("model", metavar="MODEL", help="an exported model folder or a trainer checkpoint")
+    encode.add_argument("--input", required=True, metavar="FILE", help="records: .jsonl, .csv or .parquet")
+    encode.add_argument("--output", required=True, metavar="FILE", help="embeddings: .parquet or .npy")
+    encode.add_argument(
+        "--field",
+        metavar="NAME=ROLE",
+        action="append",
+        default=[],
+        dest="fields",
+        help="a field and its role (text, image, video, audio, id, ignore); one item field is embedded per "
+        "record (default: text=text, image=image, id=id where present)",
+    )
+    encode.add_argument("--width", type=_positive, default=None, help="a Matryoshka width (default: the full width)")
+    encode.add_argument(
+        "--dtype", choices=("f32", "f16", "bf16", "i8"), default="f32", help="scalar type (%(default)s)"
+    )
+    encode.add_argument("--batch", type=_positive, default=256, help="records held and embedded at once (%(default)s)")
+    encode.add_argument("--cpu", action="store_true", help="encode on the CPU even when a GPU is present")
+    encode.add_argument("--quiet", action="store_true", help="no progress bar")
+
     commands.add_parser("version", help="print the library's version", description="Prints uform's version.")
     return parser
 
@@ -152,14 +196,23 @@ def _train(args: argparse.Namespace) -> int:
     try:
         config = read_run_config(args.config, args.overrides)  # every key checked before a device is touched
         output = args.output or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
-        executor = None
-        if isinstance(args.devices, int):
+        executor = mesh = None
+        lead = True
+        if Mesh.under_torchrun():  # one process per device, each the device LOCAL_RANK (or the CPU)
+            if args.devices is not None:
+                raise ValueError("--devices: under torchrun every process trains on its own device; leave it out")
+            mesh = Mesh.from_env()
+            lead = mesh.describe().ranks[0] == 0
+        elif isinstance(args.devices, int):
             executor = Executor.cpu(workers=args.devices)
         elif args.devices is not None:
             executor = Executor.for_vram(args.devices)
         try:
-            summary = fit(config, output, resume=args.resume, stop_after=args.stop_after, devices=executor)
+            summary = fit(config, output, resume=args.resume, stop_after=args.stop_after, devices=executor, mesh=mesh)
         finally:
+            if mesh is not None:
+                mesh.close()
+                mesh.executor.close()
             if executor is not None:
                 executor.close()
     except (ValueError, TypeError, OSError) as error:  # a CheckpointError is a ValueError
@@ -169,7 +222,56 @@ def _train(args: argparse.Namespace) -> int:
         print("\nuform train: interrupted (the last checkpoint written is the one to resume)", file=sys.stderr)
         return 130
     state = "done" if summary.step >= summary.steps else f"stopped at step {summary.step} of {summary.steps}"
-    print(f"uform train: {state}; {summary.output}")
+    if lead:
+        print(f"uform train: {state}; {summary.output}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    try:
+        out = export(args.checkpoint, args.out_dir, onnx=args.onnx)
+    except (ValueError, TypeError, OSError, ImportError) as error:  # a CheckpointError is a ValueError
+        print(f"uform export: {error}", file=sys.stderr)
+        return 2
+    print(f"uform export: wrote {out}")
+    return 0
+
+
+def _encode(args: argparse.Namespace) -> int:
+    fields = None
+    if args.fields:
+        fields = {}
+        for entry in args.fields:
+            name, equals, role = entry.partition("=")
+            if not equals or not name or not role:
+                print(f"uform encode: --field: expected NAME=ROLE, got {entry!r}", file=sys.stderr)
+                return 2
+            fields[name] = role
+    executor = Executor.cpu() if args.cpu else None
+    try:
+        summary = encode_file(
+            args.model,
+            args.input,
+            args.output,
+            fields=fields,
+            width=args.width,
+            dtype=args.dtype,
+            batch=args.batch,
+            executor=executor,
+            progress=not args.quiet,
+        )
+        for record, reason in summary.failures:
+            print(f"uform encode: record {record} not embedded ({reason}); its row is null", file=sys.stderr)
+    except (ValueError, TypeError, OSError, ImportError) as error:
+        print(f"uform encode: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nuform encode: interrupted (the output was not written)", file=sys.stderr)
+        return 130
+    finally:
+        if executor is not None:
+            executor.close()
+    print(f"uform encode: {summary.records} records, {summary.failed} not embedded; {summary.output}")
     return 0
 
 
@@ -186,6 +288,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "train":
         return _train(args)
+    if args.command == "export":
+        return _export(args)
+    if args.command == "encode":
+        return _encode(args)
 
     if args.save is not None and args.part == "image":
         print("uform demo: --save: saves the text part's run; choose --part text or both", file=sys.stderr)

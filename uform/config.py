@@ -259,6 +259,8 @@ class TrainerStepStats:
     skipped: int = 0
     """Media items skipped because they could not be decoded or broke a limit, since the last step that
     read its stats (a field this implementation adds to the reference API's)."""
+    items: int = 0
+    """Items the step was given, the whole world's (a field this implementation adds to the reference API's)."""
     nonfinite: int = 0
     """Steps whose update was skipped on every process because their loss or gradients were not finite
     somewhere in the world (or their learning rate would carry the update out of float32), since the last step

@@ -191,8 +191,8 @@ class MetricsWriter:
     """Appends a run's records to its `metrics.jsonl`, one JSON object a line, each flushed as written.
 
     A step record carries every `TrainerStepStats` field by its name, with `kind` "step", `wall_time` (seconds
-    since the epoch) and `items_per_second`; an evaluation record `kind` "eval", the step it evaluated, its
-    results and `wall_time`. A non-finite float is written as the string "nan", "inf" or "-inf" (JSON has no such
+    since the epoch) and `items_per_second`; an evaluation record `kind` "eval", the step it
+    evaluated, its results and `wall_time`. A non-finite float is written as the string "nan", "inf" or "-inf" (JSON has no such
     number), which `read_metrics` reads back as a float.
     """
 

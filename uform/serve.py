@@ -74,8 +74,8 @@ from .model.inputs import DeviceBatch, to_device
 from .model.network import Network
 from .notices import Notices
 from .replica.capacity import warn_truncated
-from .replica.checkpoint import Stopped, report_points, stored_weights
-from .replica.stored_run import read_run_tensors, read_stored_run
+from .replica.checkpoint import Stopped, report_points
+from .replica.stored_model import read_served
 from .runtime.decoders import DecodePool
 from .runtime.executor import Executor
 
@@ -113,7 +113,8 @@ def load(
     progress: ProgressCallback | None = None,
     progress_steps: int = 0,
 ) -> Model:
-    """The serving model of the trainer checkpoint at `path`, on `executor`'s device (the CPU when None).
+    """The serving model of the trainer checkpoint at `path` (or of the model folder `uform.export` wrote there),
+    on `executor`'s device (the CPU when None).
 
     `rows` and `segments` are one forward's capacity (zero derives the run's `max_rows_per_device` and
     `max_segments_per_device`); a row spans the run's `max_columns_per_row`, so items are cut as in training.
@@ -124,7 +125,8 @@ def load(
     `progress(done, total)` counts the tensors read, at most `progress_steps` (zero derives ten) times.
 
     Raises `CheckpointError` (a `ValueError`) naming the file when it is not a whole, intact uform trainer
-    checkpoint; never unpickles anything.
+    checkpoint or exported model folder (`replica.stored_model`: weights, config and companion files checked
+    against its digest); never unpickles anything.
     """
     if not isinstance(path, (str, bytes, os.PathLike)):
         raise TypeError(f"path: expected a str, bytes or os.PathLike, got {type(path).__name__}")
@@ -147,13 +149,11 @@ def load(
     shown = os.fsdecode(os.fspath(path))
     # The header alone first, every field of it checked and the stored config's network against the tensors
     # the file holds; then the data, its digest verified; only then is anything built from the config.
-    stored = read_stored_run(path)
-    tensors = read_run_tensors(stored, progress, steps, "cpu")
-    config, step = stored.config, stored.step
+    served = read_served(path, progress, steps)
+    config, step = served.config, served.step
     network = Network(config)
-    weights = stored_weights(tensors)
-    del tensors
-    network.load_state_dict(weights, strict=True)
+    network.load_state_dict(served.weights, strict=True)
+    del served
     network.requires_grad_(False)
     network.eval()
     network.to(device)

@@ -78,6 +78,31 @@ def decode_item(kind: str, data: bytes, geometry: dict[str, Any], max_units: int
     raise ValueError(f"decode_item: unknown media kind {kind!r}")
 
 
+CHUNK_MOST = 16
+"""Images one decoder job carries at most: a job is a round trip through the pool (pickling, a pipe, a reader
+thread, a dispatch), about as long as decoding one 256 x 256 JPEG, so images go in chunks; video and audio,
+each long enough to be worth its trip and bounded only by the job's time limit, go one a job."""
+
+
+def decode_chunk(jobs: Sequence[tuple[str, bytes, dict[str, Any], int, MediaLimits]]) -> list[tuple[Any, str | None]]:
+    """`decode_item` of each job in turn, in one decoder job: (units, None) or (None, why) for each, an item's
+    error caught as the pool would report it ("MediaError: ...") so that one broken image fails only itself."""
+    out: list[tuple[Any, str | None]] = []
+    for job in jobs:
+        try:
+            out.append((decode_item(*job), None))
+        except Exception as error:  # the decoders answer hostile bytes with many exception types
+            message = str(error)
+            out.append((None, f"{type(error).__name__}: {message}" if message else type(error).__name__))
+    return out
+
+
+def _chunks(images: list[int], workers: int) -> list[list[int]]:
+    """`images` split into chunks of at most `CHUNK_MOST`, two a decoder at least while there are enough."""
+    size = max(1, min(CHUNK_MOST, -(-len(images) // (2 * max(1, workers)))))
+    return [images[at : at + size] for at in range(0, len(images), size)]
+
+
 def decode_items(
     pool: Any,
     policy: MediaPolicy,
@@ -92,17 +117,33 @@ def decode_items(
     not, or raises `MediaError` naming the first of them under a strict `policy`. The trainer and the
     serving model both decode through here."""
     geometry = {"image": vars(batch.image), "video": vars(batch.video), "audio": vars(batch.audio)}
-    jobs: list[tuple[tuple, dict]] = []
-    for i in items:
+
+    def job(i: int) -> tuple[str, bytes, dict[str, Any], int, MediaLimits]:
         kind = str(modalities[i])  # a Modality prints as its word: "image", "video", "audio"
-        jobs.append(((kind, bytes(contents[i]), dict(geometry[kind]), max_units, policy.limits), {}))
+        return (kind, bytes(contents[i]), dict(geometry[kind]), max_units, policy.limits)
+
+    images = [i for i in items if str(modalities[i]) == "image"]
+    chunks = _chunks(images, getattr(pool, "workers", 1)) + [[i] for i in items if str(modalities[i]) != "image"]
+    outcomes: dict[int, tuple[Any, str | None]] = {}
+    while chunks:
+        retry: list[list[int]] = []
+        answers = pool.map(decode_chunk, [(([job(i) for i in c],), {}) for c in chunks])
+        for chunk, answer in zip(chunks, answers, strict=True):
+            if answer.error is None:
+                outcomes.update(zip(chunk, answer.value, strict=True))
+            elif len(chunk) > 1:  # its process died or ran past its time: each image alone, to find the one
+                retry.extend([i] for i in chunk)
+            else:
+                outcomes[chunk[0]] = (None, answer.error)
+        chunks = retry
     units: dict[int, Units] = {}
     failed: list[tuple[int, str]] = []
-    for i, outcome in zip(items, pool.map(decode_item, jobs), strict=True):
-        if outcome.error is None:
-            units[i] = outcome.value
+    for i in items:
+        value, error = outcomes[i]
+        if error is None:
+            units[i] = value
             continue
-        reason = outcome.error.removeprefix("MediaError: ")
+        reason = error.removeprefix("MediaError: ")
         if policy.strict:
             raise MediaError(reason, item=i)
         failed.append((i, reason))

@@ -67,6 +67,22 @@ def video_units(
     return Units(values=values, positions=positions(times, rows, columns), grid=grid, truncated=truncated)
 
 
+def header_frames(data: bytes) -> tuple[int, int, int] | None:
+    """(width, height, frames) of an MP4's first video stream from its header (the `moov` index; no frame is
+    decoded), or None where the header does not read or counts no frames."""
+    try:
+        with open_input(as_bytes(data), "mp4", "video") as media:
+            if not media.streams.video:
+                return None
+            stream = media.streams.video[0]
+            width, height, frames = stream.codec_context.width, stream.codec_context.height, stream.frames
+    except Exception:  # a header that does not read: the decoder says why when it decodes
+        return None
+    if width < 1 or height < 1 or not frames or frames < 1:
+        return None
+    return int(width), int(height), int(frames)
+
+
 def _seconds(value: int | None, time_base: Any) -> float | None:
     return None if value is None or time_base is None else float(value * time_base)
 

@@ -471,9 +471,9 @@ class Replica:
             if self._reducer is not None:
                 self._reducer.finish()  # the gradients of the world's loss, summed over its processes
             world_stats = None
+            items = len(checked.modalities)  # summed with the means: the world's items, no collective of its own
             if world is not None:  # the world's means: each process's share, summed
-                zero = totals["loss"].new_zeros(())
-                world_stats = torch.stack([totals.get(k, zero).detach().float() for k in _STAT_TERMS])
+                world_stats = _stat_vector(totals, items)
                 world.all_reduce(world_stats)
         except Exception as error:
             if world is not None:
@@ -491,12 +491,7 @@ class Replica:
         # for them on the completion thread.
         readback: dict[str, torch.Tensor] = {}
         if checked.stats is not None:
-            zero = totals["loss"].new_zeros(())
-            readback["stats"] = (
-                world_stats
-                if world_stats is not None
-                else torch.stack([totals.get(k, zero).detach().float() for k in _STAT_TERMS])
-            )
+            readback["stats"] = world_stats if world_stats is not None else _stat_vector(totals, items)
             dropped, self._dropped = self._dropped, 0
             skipped, self._skipped = self._skipped, 0
             since, self._reported = self._reported, step  # this report counts the skips of steps (since, step]
@@ -528,8 +523,10 @@ class Replica:
                 stats = checked.stats
                 for f in dataclasses.fields(TrainerStepStats):
                     setattr(stats, f.name, 0 if f.type == "int" else 0.0)
-                for name, value in zip(_STAT_TERMS, host_copies["stats"].tolist(), strict=True):
+                *means, world_items = host_copies["stats"].tolist()
+                for name, value in zip(_STAT_TERMS, means, strict=True):
                     setattr(stats, name, float(value))
+                stats.items = round(world_items)
                 stats.step = step
                 stats.learning_rate = rate
                 stats.truncated = batch.truncated
@@ -723,6 +720,13 @@ _STAT_TERMS = (
     "late_interaction_loss",
     "choices_loss",
 )
+
+
+def _stat_vector(totals: dict[str, torch.Tensor], items: int) -> torch.Tensor:
+    """[len(_STAT_TERMS) + 1] float32: the step's loss terms, then its item count (exact in float32 below 2^24)."""
+    zero = totals["loss"].new_zeros(())
+    terms = [totals.get(k, zero).detach().float() for k in _STAT_TERMS]
+    return torch.stack([*terms, zero.float() + items])
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

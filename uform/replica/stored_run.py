@@ -53,7 +53,15 @@ from .checkpoint import (
     stored_data,
 )
 
-__all__ = ["StoredRun", "read_data_state", "read_run_tensors", "read_stored_run", "resolve_run"]
+__all__ = [
+    "StoredRun",
+    "check_finite",
+    "check_weights",
+    "read_data_state",
+    "read_run_tensors",
+    "read_stored_run",
+    "resolve_run",
+]
 
 _DECIMAL = re.compile(r"0|[1-9][0-9]{0,18}")
 
@@ -147,15 +155,7 @@ def read_run_tensors(
                 raise CheckpointError(
                     f"{shown}: {name} is {count}; an Adam step count is a whole number in [0, uform.step={run.step}]"
                 )
-    # A trainer refuses to save non-finite weights; a file that holds them anyway (forged, or written before that
-    # rule) would serve NaN vectors that look like an answer, and resume a run that can never recover.
-    broken = [
-        name.removeprefix(WEIGHTS)
-        for name, value in tensors.items()
-        if name.startswith(WEIGHTS) and value.is_floating_point() and not bool(torch.isfinite(value).all())
-    ]
-    if broken:
-        raise CheckpointError(f"{shown}: the weights {broken[:4]} hold NaN or infinite values; not a usable run")
+    check_finite({k.removeprefix(WEIGHTS): v for k, v in tensors.items() if k.startswith(WEIGHTS)}, shown)
     return tensors
 
 
@@ -206,6 +206,30 @@ def _shapes(network: Network) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
 
 def _check_layout(config: TrainerInitVramConfig, layout: Layout, shown: str) -> None:
     weights = {k.removeprefix(WEIGHTS): v for k, v in layout.items() if k.startswith(WEIGHTS)}
+    network = check_weights(config, weights, shown)
+    parameters = {k: (p.dtype, tuple(p.shape)) for k, p in network.named_parameters()}
+    moments: dict[str, set[str]] = {}
+    for name, (dtype, shape) in layout.items():
+        if name.startswith(WEIGHTS):
+            continue
+        kind, _, parameter = name.removeprefix(MOMENTS).partition(".")
+        if not name.startswith(MOMENTS) or kind not in MOMENT_KINDS or parameter not in parameters:
+            raise _mismatch(shown, f"unexpected tensor {name!r}")
+        want = (torch.float32, ()) if kind == "step" else parameters[parameter]
+        if (dtype, shape) != want:
+            raise _mismatch(shown, f"{name!r} is {dtype} {list(shape)}, the run needs {want[0]} {list(want[1])}")
+        moments.setdefault(parameter, set()).add(kind)
+    for parameter, kinds in sorted(moments.items()):
+        if len(kinds) != len(MOMENT_KINDS):
+            raise _mismatch(
+                shown, f"parameter {parameter!r} has moments {sorted(kinds)}, not all of {list(MOMENT_KINDS)}"
+            )
+
+
+def check_weights(config: TrainerInitVramConfig, weights: Layout, shown: str) -> Network:
+    """Checks that the network `config` builds holds exactly the tensors `weights` lays out (name -> dtype,
+    shape, the state dict's names), every loop of the meta build bounded by the file first (the module
+    docstring); answers that network, on the meta device. `CheckpointError` naming `shown` otherwise."""
     held_elements = sum(math.prod(shape) for _, shape in weights.values())
 
     # The meta build allocates nothing, but two of its loops run as long as a size says: bound those by the file
@@ -232,21 +256,15 @@ def _check_layout(config: TrainerInitVramConfig, layout: Layout, shown: str) -> 
             raise _mismatch(
                 shown, f"weight {name!r} is {dtype} {list(shape)}, the config needs {want_dtype} {list(want_shape)}"
             )
+    return network
 
-    parameters = {k: (p.dtype, tuple(p.shape)) for k, p in network.named_parameters()}
-    moments: dict[str, set[str]] = {}
-    for name, (dtype, shape) in layout.items():
-        if name.startswith(WEIGHTS):
-            continue
-        kind, _, parameter = name.removeprefix(MOMENTS).partition(".")
-        if not name.startswith(MOMENTS) or kind not in MOMENT_KINDS or parameter not in parameters:
-            raise _mismatch(shown, f"unexpected tensor {name!r}")
-        want = (torch.float32, ()) if kind == "step" else parameters[parameter]
-        if (dtype, shape) != want:
-            raise _mismatch(shown, f"{name!r} is {dtype} {list(shape)}, the run needs {want[0]} {list(want[1])}")
-        moments.setdefault(parameter, set()).add(kind)
-    for parameter, kinds in sorted(moments.items()):
-        if len(kinds) != len(MOMENT_KINDS):
-            raise _mismatch(
-                shown, f"parameter {parameter!r} has moments {sorted(kinds)}, not all of {list(MOMENT_KINDS)}"
-            )
+
+def check_finite(weights: dict[str, torch.Tensor], shown: str) -> None:
+    """Refuses weights holding NaN or infinite values (`CheckpointError` naming `shown` and the first few)."""
+    # A trainer refuses to save non-finite weights; a file that holds them anyway (forged, or written before that
+    # rule) would serve NaN vectors that look like an answer, and resume a run that can never recover.
+    broken = [
+        name for name, value in weights.items() if value.is_floating_point() and not bool(torch.isfinite(value).all())
+    ]
+    if broken:
+        raise CheckpointError(f"{shown}: the weights {broken[:4]} hold NaN or infinite values; not a usable run")

@@ -560,6 +560,11 @@ class Mesh:
         options = _resolve(MeshOptions(timeout_seconds=timeout_seconds))
         return cls._from_torchrun(executor, options)
 
+    @staticmethod
+    def under_torchrun() -> bool:
+        """Whether this process was started by torchrun (its environment names a rank, a world and a master)."""
+        return _torchrun_environment() is not None
+
     @classmethod
     def _from_torchrun(cls, executor: Executor, options: MeshOptions) -> Mesh:
         env = _torchrun_environment()
@@ -676,6 +681,24 @@ class Mesh:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def exchange(self, data: bytes) -> list[bytes]:
+        """Every process's `data` (bytes), one entry per process of the run in process order (host-major): what a
+        training loop's processes tell each other between two steps (a loader's position, a count, the lead's
+        verdict). Every process calls it, between steps only (it uses the step's collectives' group)."""
+        self._check_open()
+        if not isinstance(data, (bytes, bytearray)):
+            raise TypeError(f"data: expected bytes, got {type(data).__name__}")
+        description = self._description
+        per_process = len(description.ranks)
+        if self.world is not None:
+            blobs = self.world.all_gather_bytes(bytes(data))
+        elif self.executor.has_workers() and self.executor.joined:
+            # each of this process's workers sends the same bytes; worker 0's answer holds every rank's
+            blobs = self.executor.workers.everyone(_exchange_worker, bytes(data))[0]
+        else:
+            raise MeshError("mesh: this process holds no rank of the world to exchange through")
+        return [blobs[rank] for rank in range(0, description.world_size, per_process)]
 
     # ---- borrowing -------------------------------------------------------------------------------------
 
@@ -795,3 +818,11 @@ def _leave_worker(state: dict[str, Any], device: torch.device, argument: Any, pr
     if state["mesh"] is not None:
         state["mesh"].close()
         state["mesh"] = None
+
+
+def _exchange_worker(state: dict[str, Any], device: torch.device, argument: bytes, progress: Any) -> list[bytes]:
+    """In a worker (a `uform.runtime.workers.Verb`): every rank's bytes, gathered over the world it joined."""
+    mesh = state["mesh"]
+    if mesh is None or mesh.world is None:
+        raise MeshError("mesh: this device's worker belongs to no world")
+    return mesh.world.all_gather_bytes(argument)

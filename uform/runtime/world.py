@@ -115,6 +115,19 @@ class World:
         self.mark("an all-gather of the step")
         return out
 
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every process's `data`, rank-major: small host values between two steps (a loader's position), never
+        while a step's collectives are in flight (they share the step's group, whose calls every process must
+        make in one order). Two gathers: the lengths, then the bytes padded to the longest."""
+        length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        lengths = [int(n) for n in self.all_gather(length).tolist()]
+        most = max(lengths)
+        padded = torch.zeros(most, dtype=torch.uint8)
+        if data:
+            padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        gathered = self.all_gather(padded.to(self.device)).cpu().view(self.size, most)
+        return [gathered[r, :n].numpy().tobytes() for r, n in enumerate(lengths)]
+
     def gather(self, x: Tensor) -> Tensor:
         """x [S, ...] -> [W * S, ...] (rank-major), without gradient (`losses.peers.Peers`)."""
         return gather(x, self)

@@ -254,7 +254,7 @@ class Loader:
 
     def _fits_alone(self, items: RecordItems, cost: np.ndarray, limit: np.ndarray, share: int) -> bool:
         too_many = len(items.choices) > self.config.batch.max_choices_per_item
-        if too_many or np.any(cost > limit) or self._drops([items]):
+        if too_many or np.any(cost > limit) or (not self._fits_plainly(items) and self._drops([items])):
             self._counts[share]["too_large"] += 1
             self.notices.warn(
                 "too large",
@@ -266,6 +266,16 @@ class Loader:
             )
             return False
         return True
+
+    def _fits_plainly(self, items: RecordItems) -> bool:
+        """Whether the packer surely keeps the record alone, without asking its plan: every item within a row,
+        one row each at worst (no late-interaction rooms to count). Most records (a pair, a few texts) are."""
+        b = self.config.batch
+        return (
+            self.config.late_interaction.weight <= 0
+            and len(items.modalities) <= b.max_rows_per_device
+            and max(items.lengths or (0,)) <= b.max_columns_per_row
+        )
 
     def _drops(self, records: list[RecordItems]) -> bool:
         """Whether the packer would drop any item of `records` as step `self.step`'s one device share."""

@@ -4,15 +4,20 @@ Text: its prefix and bytes (cut at a row by the packer, as the seed cuts it), pl
 item making a choice. An image: its prefix and patch grid, read from the header alone (Pillow opens an
 image lazily: it reads the size and the EXIF orientation, not the pixels), downscaled as the decoder
 downscales it to fit a row (`media.grid.fit_size`; where libjpeg's draft scale applies first, a patch or
-two may differ). A WAV recording: its frames from the `fmt ` and `data` chunks. Video and other audio
-containers are counted a whole row each, the most a decoded item takes (the decoder downscales and cuts
-them to fit one): a step of them is never overfull, at the price of rows a short clip leaves unused. An
-item whose header does not read is counted a whole row too; the trainer's decoders skip and count it.
+two may differ). A WAV recording: its frames from the `fmt ` and `data` chunks. FLAC, Ogg and MP3: the
+frames libsndfile's header read gives (FLAC's STREAMINFO, Ogg's last granule position: exact; MP3's from a
+Xing/Info header or the bit rate: an estimate, so it is counted with a margin). An MP4 video: its stream's
+frame count and size from the container's index (PyAV demuxes the header, nothing is decoded), sampled,
+grouped into tube-times and downscaled as the decoder does. A WebM video (no frame count in its header) and
+any item whose header does not read are counted a whole row, the most a decoded item takes (the decoder
+downscales and cuts to fit one): never overfull, at the price of the room a short item leaves unused. The
+trainer's decoders skip and count an item that does not decode.
 """
 
 from __future__ import annotations
 
 import io
+import math
 
 from .. import vocab
 from ..config import TrainerInitVramConfig
@@ -74,6 +79,50 @@ def wav_units(data: bytes, chunk_samples: int, sample_rate: int, most: int) -> i
     return None
 
 
+MP3_MARGIN = 1.05
+"""An MP3's header frame count is an estimate where no Xing/Info header says: counted 5% long (and a
+chunk more), so that the step it lands in is not overfull."""
+
+
+def sound_units(data: bytes, chunk_samples: int, sample_rate: int, most: int) -> int | None:
+    """Frames a FLAC, Ogg or MP3 recording decodes into (resampled to `sample_rate`, cut to `most`), from the
+    header libsndfile reads; None where it does not read (the decoder then says) or gives no length."""
+    kind = sniff(data)
+    if kind not in ("flac", "ogg", "mp3"):
+        return None
+    import soundfile  # local: libsndfile loads where audio is read, never for text or image data
+
+    try:
+        info = soundfile.info(io.BytesIO(data))
+        rate, frames = int(info.samplerate), int(info.frames)
+    except Exception:  # libsndfile answers hostile headers with several exception types
+        return None
+    if rate < 1 or frames < 1:
+        return None
+    if kind == "mp3":
+        frames = math.ceil(frames * MP3_MARGIN) + chunk_samples
+    samples = frames if rate == sample_rate else -(-frames * sample_rate // rate)
+    return min(most, -(-samples // chunk_samples))
+
+
+def clip_units(data: bytes, patch_side: int, tube_frames: int, frame_stride: int, most: int) -> int | None:
+    """Tubes an MP4 video decodes into (`media.video.video_units`' sampling, tube-times and downscale), from
+    its first video stream's frame count and size in the container's header; None where the header does not
+    read or gives no frame count (WebM keeps none)."""
+    if sniff(data) != "mp4":
+        return None
+    from ..media.video import header_frames  # local: PyAV loads where video is read
+
+    header = header_frames(data)
+    if header is None:
+        return None
+    width, height, frames = header
+    rows, columns = grid_of(*fit_size(width, height, patch_side, most), patch_side)
+    keep_times = most // (rows * columns)
+    complete = max(1, -(-frames // frame_stride) // tube_frames)  # one short group repeats its last frame
+    return min(complete, keep_times) * rows * columns
+
+
 def item_length(
     config: TrainerInitVramConfig, modality: Modality, content: bytes, side: LateInteractionSide, chooses: bool
 ) -> int:
@@ -90,5 +139,11 @@ def item_length(
     if modality == Modality.Audio:
         audio = config.batch.audio
         units = wav_units(content, audio.chunk_samples, audio.sample_rate, most)
+        if units is None:
+            units = sound_units(content, audio.chunk_samples, audio.sample_rate, most)
+        return prefix + (most if units is None else units)
+    if modality == Modality.Video:
+        video = config.batch.video
+        units = clip_units(content, video.patch_side, video.tube_frames, video.frame_stride, most)
         return prefix + (most if units is None else units)
     return prefix + most

@@ -1,0 +1,91 @@
+"""Where the host stage of a step goes, function by function: `Replica.prepare` of the reference geometry's JPEG
+Joint step (128 JPEGs 256 x 256 + 128 texts of 200 B; docs/design.md §1), in process, under cProfile.
+
+Prints: one image's decode alone (`media.image_units`, no pool), the pool's decode of a step's images
+(`Replica.decode`), the whole prepare stage, then cProfile's top functions by own time and by cumulative time
+over `--steps` prepare calls. No device is used (the CPU executor's prepare is the CUDA one's but for the block
+tables, counted apart with `--flex`).
+
+  python bench/profile_host.py [--steps 8 --workers 0 --images 128 --texts 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pathlib
+import pstats
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from common import add_geometry, joint_config, topic_text  # sibling scripts, not a package
+from decode import jpegs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_geometry(parser)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=0, help="decoder processes (0: one per core)")
+    parser.add_argument("--images", type=int, default=128)
+    parser.add_argument("--texts", type=int, default=128)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+
+    import uform as u
+    from uform.media import image_units
+    from uform.media.decode import MediaPolicy
+
+    images = jpegs(256)
+    started = time.perf_counter()
+    for i in range(100):
+        image_units(images[i % len(images)], patch_side=16, channels=4, max_units=1023)
+    one = (time.perf_counter() - started) / 100
+
+    config = joint_config(args, batch={"image": u.ImageShape(patch_side=16, channels=4)})
+    executor = u.Executor.cpu()
+    trainer = u.Trainer.init_vram(executor, config, media=MediaPolicy(workers=args.workers), host_processes=0)
+    text = topic_text()
+    n = min(args.images, args.texts)
+    modalities = [u.Modality.Image] * args.images + [u.Modality.Text] * args.texts
+    contents = [images[i % len(images)] for i in range(args.images)]
+    contents += [text[i * 200 : (i + 1) * 200] for i in range(args.texts)]
+    ids = [[args.images + i] if i < n else [] for i in range(args.images)]
+    ids += [[i] if i < n else [] for i in range(args.texts)]
+    offsets = np.cumsum([0] + [len(x) for x in ids]).tolist()
+    relations = u.Relations(attract=u.Edges(offsets=offsets, ids=[j for x in ids for j in x]))
+    replica = trainer.replica
+    checked = replica.check_step(modalities, contents, u.TrainerStepConfig(relations=relations), copy_buffers=False)
+    try:
+        replica.prepare(checked, 1)  # the pool starts
+        decode = []
+        for _ in range(args.steps):
+            started = time.perf_counter()
+            replica.decode(checked)
+            decode.append(time.perf_counter() - started)
+        prepare = []
+        profiler = cProfile.Profile()
+        for step in range(2, args.steps + 2):
+            started = time.perf_counter()
+            profiler.enable()
+            replica.prepare(checked, step)
+            profiler.disable()
+            prepare.append(time.perf_counter() - started)
+        workers = replica.stage.decode_workers
+    finally:
+        trainer.close()
+    print(
+        f"one image alone {one * 1e3:.2f} ms ({args.images} of them: {one * args.images * 1e3:.0f} ms of one core); "
+        f"the pool's decode of a step {np.median(decode) * 1e3:.1f} ms over {workers} decoders (ideal "
+        f"{one * args.images / workers * 1e3:.1f}); prepare {np.median(prepare) * 1e3:.1f} ms/step (profiled)"
+    )
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(args.top)
+    stats.sort_stats("cumulative").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Images go to the decoders in chunks (`media.decode.decode_items`): the same units as one job an item, a
+broken image failing only itself, and a chunk whose process died retried image by image so that only the image
+that killed it is lost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.media_samples import encode_image, photo, video
+from uform.config import BatchShape, ImageShape, VideoShape
+from uform.enums import Modality
+from uform.media import MediaError
+from uform.media.decode import CHUNK_MOST, MediaPolicy, decode_chunk, decode_item, decode_items
+from uform.runtime.decoders import DecodePool, Outcome
+
+POISON = b"\xff\xd8poison"
+
+
+class InProcess:
+    """A stand-in pool: runs each job here, except that a job holding POISON 'dies' like a killed decoder."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.jobs: list[int] = []
+
+    def map(self, function: Any, jobs: list[tuple[tuple, dict]]) -> list[Outcome]:
+        out = []
+        for args, kwargs in jobs:
+            self.jobs.append(len(args[0]))
+            if any(job[1] == POISON for job in args[0]):
+                out.append(Outcome(None, "the decoder process died (killed by SIGKILL)", 0.0))
+            else:
+                out.append(Outcome(function(*args, **kwargs), None, 0.0))
+        return out
+
+
+def batch() -> BatchShape:
+    return BatchShape(
+        max_rows_per_device=4,
+        max_segments_per_device=64,
+        max_columns_per_row=256,
+        image=ImageShape(patch_side=16, channels=4),
+        video=VideoShape(patch_side=8, tube_frames=2, frame_stride=1, channels=3),
+    )
+
+
+def images(count: int) -> list[bytes]:
+    picture = photo("astronaut.png").convert("RGB")
+    return [encode_image(picture.crop((i, i, 64 + 3 * i, 64 + 3 * i)), "JPEG") for i in range(count)]
+
+
+def test_chunks_give_the_units_of_one_job_an_item_and_a_broken_image_fails_alone() -> None:
+    contents: list[bytes] = images(40)
+    contents[7] = b"\xff\xd8\xff\xe0 not really a jpeg"
+    clip, _ = video("mp4")
+    contents.append(clip)
+    modalities = [Modality.Image] * 40 + [Modality.Video]
+    pool = InProcess(workers=2)
+    units, failed = decode_items(pool, MediaPolicy(), batch(), modalities, contents, range(41), 255)
+    geometry = {"image": vars(batch().image), "video": vars(batch().video)}
+    with pytest.raises(MediaError) as broken:
+        decode_item("image", contents[7], dict(geometry["image"]), 255, MediaPolicy().limits)
+    assert failed == [(7, str(broken.value))]
+    assert pool.jobs == [10, 10, 10, 10, 1]  # 40 images in two chunks a decoder, the video alone
+    for i in range(41):
+        if i == 7:
+            continue
+        kind = "video" if i == 40 else "image"
+        expected = decode_item(kind, contents[i], dict(geometry[kind]), 255, MediaPolicy().limits)
+        assert np.array_equal(units[i].values, expected.values) and units[i].grid == expected.grid
+
+
+def test_a_chunk_whose_process_died_is_retried_image_by_image() -> None:
+    contents = images(12)
+    contents[5] = POISON
+    pool = InProcess(workers=1)
+    units, failed = decode_items(pool, MediaPolicy(), batch(), [Modality.Image] * 12, contents, range(12), 255)
+    assert failed == [(5, "the decoder process died (killed by SIGKILL)")]
+    assert sorted(units) == [i for i in range(12) if i != 5]
+    with pytest.raises(Exception, match="died"):
+        decode_items(pool, MediaPolicy(strict=True), batch(), [Modality.Image] * 12, contents, range(12), 255)
+
+
+def test_decode_chunk_reports_each_items_error_as_the_pool_does() -> None:
+    limits = MediaPolicy().limits
+    good = images(1)[0]
+    geometry = dict(vars(batch().image))
+    answers = decode_chunk([("image", b"garbage", geometry, 255, limits), ("image", good, geometry, 255, limits)])
+    assert answers[0][0] is None and answers[0][1] is not None and answers[0][1].startswith("MediaError: ")
+    assert answers[1][1] is None and answers[1][0].values.shape[1] == 16 * 16 * 4
+
+
+def test_a_real_pool_decodes_chunks_alike() -> None:
+    contents = images(2 * 2 * CHUNK_MOST + 3)  # chunks of CHUNK_MOST, and a short one
+    with DecodePool(2) as pool:
+        units, failed = decode_items(
+            pool, MediaPolicy(), batch(), [Modality.Image] * len(contents), contents, range(len(contents)), 255
+        )
+    assert failed == [] and sorted(units) == list(range(len(contents)))
+    alone = decode_item("image", contents[13], dict(vars(batch().image)), 255, MediaPolicy().limits)
+    assert np.array_equal(units[13].values, alone.values)
