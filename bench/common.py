@@ -97,3 +97,35 @@ def in_flight(submit: Callable[[int], Future], indices: Iterable[int], pending: 
             waiting.pop(0).result()
     for future in waiting:
         future.result()
+
+
+def random_checkpoint(args: Any, path: str, *, patch_side: int = 16, widths: tuple[int, ...] = ()) -> str:
+    """Writes a trainer checkpoint of a freshly initialised Contrastive network (seed 42) at `path` and answers it:
+    `args.depth` x `args.hidden` over `args.rows` x `args.columns` with `args.segments` segments, images in patches
+    of `patch_side`, Matryoshka `widths`."""
+    import uform as u
+    from uform.config import resolve, to_json
+    from uform.model.network import Network
+    from uform.replica.checkpoint import write_checkpoint
+
+    config = resolve(
+        u.TrainerInitVramConfig(
+            depth=args.depth,
+            hidden=args.hidden,
+            objective=u.Objective.Contrastive,
+            contrastive=u.Contrastive(matryoshka_dimensions=widths),
+            batch=u.BatchShape(
+                max_rows_per_device=args.rows,
+                max_segments_per_device=args.segments,
+                max_columns_per_row=args.columns,
+                image=u.ImageShape(patch_side=patch_side),
+            ),
+            schedule=u.Schedule(steps=1),
+            seed=42,
+        )
+    )
+    network = Network(config)
+    network.initialize(config.seed)
+    tensors = {f"weights.{k}": v for k, v in network.state_dict().items()}
+    write_checkpoint(path, tensors, {"uform.format": "uform.trainer.1", "uform.config": to_json(config)})
+    return path

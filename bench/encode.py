@@ -41,7 +41,7 @@ import torch
 # Run as a script, the checkout's uform wins over an installed one; its sibling `common` is found when loaded too.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_geometry, topic_slices, write_json  # sibling modules, not a package
+from common import add_geometry, random_checkpoint, topic_slices, write_json  # sibling modules, not a package
 
 
 def jpegs(count: int, side: int, seed: int = 0) -> list[bytes]:
@@ -64,31 +64,9 @@ def jpegs(count: int, side: int, seed: int = 0) -> list[bytes]:
 
 def build_model(args: argparse.Namespace, folder: str) -> Any:
     import uform as u
-    from uform.config import resolve, to_json
     from uform.media.decode import MediaPolicy
-    from uform.model.network import Network
-    from uform.replica.checkpoint import write_checkpoint
 
-    config = resolve(
-        u.TrainerInitVramConfig(
-            depth=args.depth,
-            hidden=args.hidden,
-            objective=u.Objective.Contrastive,
-            batch=u.BatchShape(
-                max_rows_per_device=args.rows,
-                max_segments_per_device=args.segments,
-                max_columns_per_row=args.columns,
-                image=u.ImageShape(patch_side=args.patch_side),
-            ),
-            schedule=u.Schedule(steps=1),
-            seed=42,
-        )
-    )
-    network = Network(config)
-    network.initialize(config.seed)
-    path = os.path.join(folder, "bench-encode.safetensors")
-    tensors = {f"weights.{k}": v for k, v in network.state_dict().items()}
-    write_checkpoint(path, tensors, {"uform.format": "uform.trainer.1", "uform.config": to_json(config)})
+    path = random_checkpoint(args, os.path.join(folder, "bench-encode.safetensors"), patch_side=args.patch_side)
     executor = u.Executor.for_vram([0]) if args.device == "cuda" else u.Executor.cpu()
     return u.load(path, executor, media=MediaPolicy(workers=args.workers))
 

@@ -23,38 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import topic_slices, write_json  # sibling modules, not a package
+from common import random_checkpoint, topic_slices, write_json  # sibling modules, not a package
 from encode import jpegs, timed
-
-
-def checkpoint(args: argparse.Namespace, folder: str) -> str:
-    """A trainer checkpoint of a freshly initialised network at the bench's geometry."""
-    import uform as u
-    from uform.config import resolve, to_json
-    from uform.model.network import Network
-    from uform.replica.checkpoint import write_checkpoint
-
-    config = resolve(
-        u.TrainerInitVramConfig(
-            depth=args.depth,
-            hidden=args.hidden,
-            objective=u.Objective.Contrastive,
-            batch=u.BatchShape(
-                max_rows_per_device=args.rows,
-                max_segments_per_device=args.segments,
-                max_columns_per_row=args.columns,
-                image=u.ImageShape(patch_side=16),
-            ),
-            schedule=u.Schedule(steps=1),
-            seed=42,
-        )
-    )
-    network = Network(config)
-    network.initialize(config.seed)
-    path = os.path.join(folder, "bench.safetensors")
-    tensors = {f"weights.{k}": v for k, v in network.state_dict().items()}
-    write_checkpoint(path, tensors, {"uform.format": "uform.trainer.1", "uform.config": to_json(config)})
-    return path
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -81,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     items = {"text": topic_slices(args.texts, args.text_bytes), "image": jpegs(args.images, args.image_side)}
     with tempfile.TemporaryDirectory() as folder:
         exported = os.path.join(folder, "model")
-        u.export(checkpoint(args, folder), exported, onnx=True)
+        u.export(random_checkpoint(args, os.path.join(folder, "bench.safetensors")), exported, onnx=True)
         media = MediaPolicy(workers=1)
         with u.load(exported, media=media) as model, OnnxEncoder(exported, threads=args.threads, media=media) as graph:
             for kind, contents in items.items():

@@ -65,7 +65,7 @@ def test_uform_demo_is_the_cli_demo_on_its_defaults() -> None:
 
 def test_python_blocks_run_as_written(tmp_path: Path) -> None:
     code = blocks("python")
-    assert len(code) == 4, "the training, serving, export and several-hosts blocks"
+    assert len(code) == 5, "the training, serving, export, HTTP serving and several-hosts blocks"
     assert 'save("checkpoint.safetensors")' in code[0] and 'load("checkpoint.safetensors"' in code[1]
     assert 'export("checkpoint.safetensors"' in code[2]
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

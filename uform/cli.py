@@ -7,6 +7,8 @@
     uform export CHECKPOINT OUT_DIR [--onnx]
     uform encode MODEL --input FILE --output FILE [--field NAME=ROLE ...] [--width N] [--dtype f32|f16|bf16|i8]
                  [--batch N] [--cpu] [--quiet]
+    uform serve MODEL [--host 127.0.0.1] [--port 8000] [--cpu] [--name NAME] [--max-inputs N] [--max-body-bytes N]
+                [--max-queue N] [--rows N] [--segments N] [--log-level LEVEL]
     uform version
 
 `main(argv)` answers the exit status instead of exiting, so it can be called in-process (as the tests
@@ -20,6 +22,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+import torch
+
 from . import __version__
 from .demo import DEFAULTS, held_out_split, report, run_demo, text_pairs
 from .demo_shapes import IMAGE_DEFAULTS, run_image_demo
@@ -29,6 +33,7 @@ from .fitting import fit
 from .run_config import read_run_config
 from .runtime.executor import Executor
 from .runtime.mesh import Mesh
+from .serve import Model
 
 __all__ = ["build_parser", "devices_of", "main"]
 
@@ -44,6 +49,13 @@ def _natural(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 65535] (0: a free port), got {value}")
     return value
 
 
@@ -171,6 +183,35 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--cpu", action="store_true", help="encode on the CPU even when a GPU is present")
     encode.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model's embeddings over HTTP (OpenAI-compatible POST /v1/embeddings)",
+        description="Serves MODEL (a checkpoint, or a model folder uform.load reads) over HTTP: POST /v1/embeddings "
+        "(OpenAI's shape, media items as base64 data URLs), POST /v1/maxsim (late interaction, when the model "
+        "trained it), GET /v1/models, GET /health. Needs the serve extra: pip install 'uform[serve]'. Uses the first "
+        "GPU when there is one. SIGINT or SIGTERM stops it after answering the requests in flight.",
+    )
+    serve.add_argument("model", metavar="MODEL", help="the checkpoint or model folder to serve")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s: this machine only)")
+    serve.add_argument("--port", type=_port, default=8000, help="port to listen on, 0 for a free one (%(default)s)")
+    serve.add_argument("--cpu", action="store_true", help="serve on the CPU even when a GPU is present")
+    serve.add_argument("--name", default=None, help="the model's name in answers (default: the file's name)")
+    serve.add_argument("--max-inputs", type=_positive, default=2048, help="most items in one request (%(default)s)")
+    serve.add_argument(
+        "--max-body-bytes", type=_positive, default=32 * 2**20, help="largest request body (%(default)s bytes)"
+    )
+    serve.add_argument(
+        "--max-queue", type=_positive, default=16384, help="most items waiting; past it, 503 (%(default)s)"
+    )
+    serve.add_argument("--rows", type=_natural, default=0, help="rows of one forward (0: the run's)")
+    serve.add_argument("--segments", type=_natural, default=0, help="items of one forward (0: the run's)")
+    serve.add_argument(
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="info",
+        help="uvicorn's log level (%(default)s)",
+    )
+
     commands.add_parser("version", help="print the library's version", description="Prints uform's version.")
     return parser
 
@@ -275,6 +316,48 @@ def _encode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from .server import Limits, model_name, serve_http  # the serve extra (fastapi, uvicorn), for this command alone
+    except ImportError as error:
+        print(f"uform serve: needs the serve extra (pip install 'uform[serve]'): {error}", file=sys.stderr)
+        return 2
+
+    def ready(url: str, model: Model) -> None:
+        widths = ", ".join(map(str, model.matryoshka_dimensions))
+        print(
+            f"uform serve: {args.name or model_name(model)} (depth {model.config.depth}, widths {widths}, "
+            f"on {model.device}) listening on {url}/v1 (Ctrl-C stops)",
+            flush=True,
+        )
+
+    executor = Executor.cpu() if args.cpu or not torch.cuda.is_available() else Executor.for_vram([0])
+    try:
+        limits = Limits(max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs, max_queued=args.max_queue)
+        serve_http(
+            args.model,
+            host=args.host,
+            port=args.port,
+            executor=executor,
+            name=args.name,
+            limits=limits,
+            log_level=args.log_level,
+            rows=args.rows,
+            segments=args.segments,
+            ready=ready,
+        )
+    except (ValueError, TypeError, OSError) as error:  # a CheckpointError is a ValueError; a port taken, OSError
+        print(f"uform serve: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # before the server listens (loading, warming up); after, SIGINT stops it cleanly
+        print("\nuform serve: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        executor.close()
+    print("uform serve: stopped", flush=True)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command named by `argv` (default `sys.argv[1:]`) and answers its exit status."""
     parser = build_parser()
@@ -292,6 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _export(args)
     if args.command == "encode":
         return _encode(args)
+    if args.command == "serve":
+        return _serve(args)
 
     if args.save is not None and args.part == "image":
         print("uform demo: --save: saves the text part's run; choose --part text or both", file=sys.stderr)

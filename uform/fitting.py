@@ -42,13 +42,20 @@ from .runtime.mesh import Mesh
 from .sources import Loader, StepInput, open_source
 from .trainer import Trainer
 
-__all__ = ["FitStep", "FitSummary", "fit"]
+__all__ = ["FitStep", "FitSummary", "fit", "steps_in_flight"]
 
 LOG_EVERY = 10
 """Steps between two console lines (the last step of a call always has one)."""
 IN_FLIGHT = 2
-"""Steps submitted and not yet finished: the next step's records are read, decoded and packed while the device
-runs the one before (`Trainer.deferred`); a save waits for both."""
+"""Steps submitted and not yet finished, at least: the next step's records are read, decoded and packed while the
+device runs the one before (`Trainer.deferred`); a save waits for all of them. A trainer of several preparer
+processes keeps one more in flight than it has of them (`steps_in_flight`), so that every one has a step."""
+
+
+def steps_in_flight(trainer: Trainer) -> int:
+    """How many steps `fit` keeps submitted and unfinished on `trainer`: `IN_FLIGHT`, or one more than its
+    preparer processes (each prepares a step while the device runs another)."""
+    return max(IN_FLIGHT, trainer.host_processes + 1)
 
 
 @dataclass(frozen=True)
@@ -263,6 +270,7 @@ def _loop(
         return held is not None and ((every > 0 and step % every == 0) or step == last)
 
     deferred = trainer.deferred(trainer.executor)
+    depth = steps_in_flight(trainer)
     in_flight: deque[tuple[StepInput, TrainerStepStats, Future]] = deque()
     writer = folder.metrics(resumed_at=loader.step - 1 if resumed else None) if place.lead else None
     with writer if writer is not None else contextlib.nullcontext() as metrics:
@@ -275,7 +283,7 @@ def _loop(
                 step_stats = TrainerStepStats()
                 step_input.config.stats = step_stats
                 in_flight.append((step_input, step_stats, deferred.step(*step_input)))
-                if len(in_flight) < IN_FLIGHT and loader.step <= last and not due(step_input.step):
+                if len(in_flight) < depth and loader.step <= last and not due(step_input.step):
                     continue
             step_input, stats, future = in_flight.popleft()
             future.result()

@@ -114,11 +114,14 @@ def _job(checked: CheckedStep) -> PrepareJob:
 
 
 def default_host_processes(executor: Executor) -> int:
-    """Preparer processes of a trainer that does not say (`Trainer.init_vram`): one on CUDA, none on the CPU.
+    """Preparer processes of a trainer that does not say (`Trainer.init_vram`): two on CUDA, none on the CPU.
 
     On CUDA the device thread needs the interpreter lock to launch kernels and the in-process prepare stage's
-    Python holds it. Measured on the H200 machine (`python bench/data_wait.py --executor cuda --host-processes
-    N`, 128 JPEGs beside 128 texts at the reference geometry, fed instantly 57.8 ms/step): 92.3 ms/step in
-    process, 75.1 ms/step through one preparer process. On the CPU the device stage's kernels run without the
+    Python holds it; one preparer process then prepares one step at a time under its own lock (its decoders aside),
+    slower than the device runs one. Measured on the H200 machine (`python bench/data_wait.py --executor cuda
+    --host-processes N --in-flight F`, 128 JPEGs beside 128 texts at the reference geometry, fed instantly
+    58.5 ms/step), 2026-12-01: one process, two steps in flight, 77.2 ms/step (24% waiting for data); two
+    processes, three in flight, 63.1 ms/step (7%); four, five in flight, 65.7. So two, with a loop that keeps
+    `host_processes + 1` steps in flight (`uform.fit` does). On the CPU the device stage's kernels run without the
     lock and a process would only cost its start."""
-    return 1 if executor.device.type == "cuda" else 0
+    return 2 if executor.device.type == "cuda" else 0
