@@ -64,12 +64,16 @@ def test_the_image_example_holds_what_its_script_draws(tmp_path: Path) -> None:
     draw = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(draw)
     draw.main(str(tmp_path))
-    ours = (EXAMPLES / "image_text" / "captions.jsonl").read_text()
-    assert (tmp_path / "captions.jsonl").read_text() == ours
-    for line in ours.splitlines():
-        name = json.loads(line)["image"]
-        drawn = np.asarray(Image.open(tmp_path / name))
-        assert np.array_equal(np.asarray(Image.open(EXAMPLES / "image_text" / name)), drawn), name
+    for manifest in ("captions.jsonl", "held_out.jsonl"):
+        ours = (EXAMPLES / "image_text" / manifest).read_text()
+        assert (tmp_path / manifest).read_text() == ours
+        for line in ours.splitlines():
+            name = json.loads(line)["image"]
+            drawn = np.asarray(Image.open(tmp_path / name))
+            assert np.array_equal(np.asarray(Image.open(EXAMPLES / "image_text" / name)), drawn), name
+    held = {json.loads(line)["caption"] for line in (tmp_path / "held_out.jsonl").read_text().splitlines()}
+    trained = {json.loads(line)["caption"] for line in (tmp_path / "captions.jsonl").read_text().splitlines()}
+    assert len(held) == 8 and not held & trained  # scenes the run never trains on
 
 
 @pytest.mark.parametrize(
@@ -79,7 +83,9 @@ def test_the_image_example_holds_what_its_script_draws(tmp_path: Path) -> None:
         ("trainer.objective=contrastiv", "trainer.objective"),
         ("trainer.schedule.steps=many", "trainer.schedule.steps: expected an int"),
         ("data.fields.question=txt", "fields.question: 'txt' is no role"),
-        ("data.held_out=held.jsonl", "data.held_out: evaluation during a run is not wired"),
+        ("data.held_out=no-such-file.jsonl", "data.held_out: [Errno 2] No such file"),
+        ("eval.every=-1", "eval.every: must not be negative, got -1"),
+        ("eval.widths=[512]", "eval.widths[0]: must lie in [1, trainer.hidden = 128], got 512"),
     ],
 )
 def test_a_config_error_names_the_key_path_and_writes_nothing(
@@ -124,8 +130,11 @@ def test_stop_at_k_and_resume_latest_equals_the_straight_run_bitwise_data_includ
     assert whole.checkpoint is not None and rest.checkpoint is not None
     assert_same_tensors(run_tensors(rest.checkpoint), run_tensors(whole.checkpoint))
     assert read_data_state(rest.checkpoint) == read_data_state(whole.checkpoint)
-    losses = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "split" / "metrics.jsonl")]
-    assert losses == [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "straight" / "metrics.jsonl")]
+
+    def losses(run: str) -> list[tuple[int, float]]:  # the step records (the example's evaluations beside them)
+        return [(r["step"], r["loss"]) for r in read_metrics(tmp_path / run / "metrics.jsonl") if r["kind"] == "step"]
+
+    assert losses("split") == losses("straight")
 
 
 def test_two_cpu_devices_read_the_global_records_of_two_ranks_and_train(tmp_path: Path) -> None:
@@ -138,8 +147,10 @@ def test_two_cpu_devices_read_the_global_records_of_two_ranks_and_train(tmp_path
         executor.close()
     assert summary.step == 3
     metrics = read_metrics(tmp_path / "two" / "metrics.jsonl")
-    assert all(math.isfinite(r["loss"]) for r in metrics)
-    assert [r["items"] for r in metrics] == [len(records) for _, records in seen]  # both devices' items a step
+    steps = [r for r in metrics if r["kind"] == "step"]
+    assert all(math.isfinite(r["loss"]) for r in steps)
+    assert [r["items"] for r in steps] == [len(records) for _, records in seen]  # both devices' items a step
+    assert [r["step"] for r in metrics if r["kind"] == "eval"] == [3]  # the held-out pairs, through both workers
 
     # What two processes of one device each read (the loader's rank rule), together, step by step.
     assert run.data is not None

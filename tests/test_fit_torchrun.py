@@ -65,9 +65,14 @@ def test_stopped_and_resumed_under_torchrun_equals_the_straight_run_bitwise(runs
     assert sorted(straight) == sorted(split)
     for name in straight:
         assert torch.equal(straight[name], split[name]), name
-    losses = [(r["step"], r["loss"]) for r in read_metrics(runs / "split" / "metrics.jsonl")]
-    assert losses == [(r["step"], r["loss"]) for r in read_metrics(runs / "straight" / "metrics.jsonl")]
-    assert [step for step, _ in losses] == [1, 2, 3, 4]  # one writer: the lead's records, once each
+
+    def losses(run: str) -> list[tuple[int, float]]:  # the step records (the example's evaluations beside them)
+        return [(r["step"], r["loss"]) for r in read_metrics(runs / run / "metrics.jsonl") if r["kind"] == "step"]
+
+    assert losses("split") == losses("straight")
+    assert [step for step, _ in losses("split")] == [1, 2, 3, 4]  # one writer: the lead's records, once each
+    evaluated = [r["step"] for r in read_metrics(runs / "split" / "metrics.jsonl") if r["kind"] == "eval"]
+    assert evaluated == [2, 4]  # each call's last step, every process evaluating, the lead writing
 
 
 def test_the_checkpoint_holds_both_processes_positions_merged(runs: Path) -> None:
@@ -86,7 +91,7 @@ def test_the_checkpoint_holds_both_processes_positions_merged(runs: Path) -> Non
     assert state == expected
     # Items are the world's: both processes' items each step, counted once in the lead's records.
     logged = read_metrics(runs / "split" / "metrics.jsonl")
-    assert sum(r["items"] for r in logged if r["step"] <= 2) == items
+    assert sum(r["items"] for r in logged if r["kind"] == "step" and r["step"] <= 2) == items
 
 
 def test_a_torchrun_checkpoint_resumes_on_an_executor_of_two_devices(runs: Path, tmp_path: Path) -> None:

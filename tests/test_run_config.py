@@ -13,9 +13,11 @@ from uform import BatchShape, Contrastive, ImageShape, Negatives, Objective, Sch
 from uform.config import resolve
 from uform.run_config import (
     DataConfig,
+    EvalConfig,
     RunConfig,
     RunConfigError,
     apply_overrides,
+    check_eval,
     dump_run_config,
     load_run_config,
     read_run_config,
@@ -116,7 +118,6 @@ def test_a_file_reads_into_the_resolved_config_the_library_call_makes() -> None:
         ("trainer.init_from=3", "trainer.init_from: expected a string, got 3"),
         ("seed=3", "seed: unknown key (did you mean trainer.seed?)"),
         ("trainr.seed=3", "trainr: unknown key (did you mean trainer?)"),
-        ("eval.every=10", "eval: not a table of this version's run file (evaluation settings"),
         ("checkpoint.every=-1", "checkpoint.every: expected a non-negative int, got -1"),
         ("checkpoint.keep_last=1.5", "checkpoint.keep_last: expected an int, got 1.5"),
         ("checkpoint.keep=3", "checkpoint.keep: unknown key (did you mean checkpoint.keep_last?)"),
@@ -129,6 +130,13 @@ def test_a_file_reads_into_the_resolved_config_the_library_call_makes() -> None:
         ("log.tensorboard=1", "log.tensorboard: expected true or false, got 1"),
         ("log.bar=true", "log.bar: unknown key (log: known keys are every, tensorboard)"),
         ("log=3", "log: expected a table ([log]), got 3"),
+        ("eval.every=-1", "eval.every: must not be negative, got -1"),
+        ("eval.evry=10", "eval.evry: unknown key (did you mean eval.every?)"),
+        ("eval.records=0", "eval.records: must be positive, got 0"),
+        ("eval.widths=[64, 256]", "eval.widths[1]: must lie in [1, trainer.hidden = 128], got 256"),
+        ("eval.widths=[64, 64]", "eval.widths[1]: 64 is named twice"),
+        ("eval.batch=1.5", "eval.batch: expected an int, got 1.5"),
+        ("eval=3", "eval: expected a table ([eval]), got 3"),
         ("data.trian='x'", "data.trian: unknown key (did you mean data.train?)"),
         ("data.train=[]", "data.train: an empty list names no records"),
         ("data.train=3", "data.train: expected a string or an array of strings, got 3"),
@@ -227,6 +235,19 @@ def test_the_log_and_checkpoint_tables_read_by_key_and_round_trip() -> None:
         RunConfig(trainer=run.trainer, log={"every": 5})  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         LogConfig(5)  # type: ignore[misc]  # keyword-only: a table's keys, not positions
+
+
+def test_the_eval_table_reads_checks_and_round_trips() -> None:
+    run = load_run_config(TEXT, ["eval.every=25", "eval.widths=[64]", "eval.records=16"])
+    assert run.eval == EvalConfig(every=25, records=16, widths=(64,), batch=0)
+    written = dump_run_config(run)
+    assert "[eval]" in written and load_run_config(written) == run
+    plain = load_run_config(TEXT)  # no [eval]: its defaults, written out beside the held-out data
+    assert plain.eval == EvalConfig() and load_run_config(dump_run_config(plain)) == plain
+    assert check_eval(plain.eval, plain.trainer).widths == (64, 128)  # derived: the Matryoshka widths and hidden
+    assert check_eval(run.eval, run.trainer) == run.eval
+    with pytest.raises(RunConfigError, match=r"^eval\.every: expected an int"):
+        check_eval(EvalConfig(every="3"), plain.trainer)  # type: ignore[arg-type]
 
 
 def test_strings_with_quotes_and_control_characters_round_trip() -> None:

@@ -7,7 +7,12 @@ Shape legend: Q queries, N documents, D embedding width.
 broken by the lower document index, and answers
 
 - `recall@k`: the mean over queries of |relevant documents in the top k| / |relevant documents|;
-- `mrr`: the mean over queries of 1 / (rank of the best-ranked relevant document), ranks counted from 1.
+- `mrr`: the mean over queries of 1 / (rank of the best-ranked relevant document), ranks counted from 1;
+- `ndcg@k` (where asked): the mean over queries of DCG@k / IDCG@k with binary gains, DCG@k the sum over the
+  relevant documents ranked r <= k of 1 / log2(r + 1), IDCG@k that sum had they taken the first ranks.
+
+`exclude` leaves one document out of each query's ranking (the query itself, where queries and documents are
+drawn from one pool): it is ranked after every other, so no other document's rank moves.
 
 `retrieval_metrics` scores by the dot product of L2-normalised embeddings (the cosine); `evaluate_retrieval`
 encodes queries and documents of any modalities with a served `Model` (`uform.load`) and scores them by
@@ -19,6 +24,7 @@ during training: eval mode, no gradients, nothing of the trainer changed.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -127,9 +133,18 @@ def retrieval_metrics(
     return _rank(q.double() @ d.double().T, per_query, ks)
 
 
-def ranking_metrics(scores: Tensor, relevant: Any, ks: Sequence[int] = (1, 10)) -> dict[str, float]:
+def ranking_metrics(
+    scores: Tensor,
+    relevant: Any,
+    ks: Sequence[int] = (1, 10),
+    *,
+    ndcg: Sequence[int] = (),
+    exclude: Sequence[int] | np.ndarray | None = None,
+) -> dict[str, float]:
     """Recall@k for every k in `ks` and MRR of a score matrix `scores` [Q, N] (higher is better; ties rank
-    the lower document index first), with `relevant` as `retrieval_metrics` takes it."""
+    the lower document index first), with `relevant` as `retrieval_metrics` takes it; nDCG@k for every k in
+    `ndcg`. `exclude` [Q] names a document each query's ranking leaves out (-1: none), which must not be one
+    of its relevant ones (see the module's docstring)."""
     if not isinstance(scores, Tensor) or scores.ndim != 2 or not scores.is_floating_point():
         raise ValueError("scores: expected a [queries, documents] float tensor")
     if scores.shape[0] == 0:
@@ -139,8 +154,23 @@ def ranking_metrics(scores: Tensor, relevant: Any, ks: Sequence[int] = (1, 10)) 
     if not bool(torch.isfinite(scores).all()):
         raise ValueError("scores: must be finite")
     _check_ks(ks)
+    if len(ndcg):
+        _check_ks(ndcg)
     per_query = _relevance(relevant, scores.shape[0], scores.shape[1])
-    return _rank(scores.detach().double().cpu(), per_query, ks)
+    scored = scores.detach().double().cpu()
+    if exclude is not None:
+        left = np.asarray(exclude)
+        if left.shape != (scores.shape[0],) or (left.size and left.dtype.kind not in "iu"):
+            raise ValueError(f"exclude: expected one document id (or -1) per query, {scores.shape[0]} ints")
+        if left.size and (left.min() < -1 or left.max() >= scores.shape[1]):
+            raise ValueError(f"exclude: document ids must lie in [-1, {scores.shape[1]})")
+        for i, ids in enumerate(per_query):
+            if left[i] in ids:
+                raise ValueError(f"exclude[{i}]: document {int(left[i])} is one of the query's relevant documents")
+        rows = np.flatnonzero(left >= 0)
+        scored = scored.clone()
+        scored[torch.from_numpy(rows), torch.from_numpy(left[rows].astype(np.int64))] = -math.inf  # ranked last
+    return _rank(scored, per_query, ks, ndcg)
 
 
 def _check_ks(ks: Any) -> None:
@@ -150,7 +180,7 @@ def _check_ks(ks: Any) -> None:
         raise ValueError(f"ks: every k must be a positive integer, got {list(ks)}")
 
 
-def _rank(scores: Tensor, per_query: list[np.ndarray], ks: Sequence[int]) -> dict[str, float]:
+def _rank(scores: Tensor, per_query: list[np.ndarray], ks: Sequence[int], ndcg: Sequence[int] = ()) -> dict[str, float]:
     scores_np = scores.numpy()  # [Q, N]
     # Rank of document j for query i (0 = best): descending score, ties to the lower index. A stable
     # sort of the negated scores keeps equal scores in index order.
@@ -163,6 +193,10 @@ def _rank(scores: Tensor, per_query: list[np.ndarray], ks: Sequence[int]) -> dic
     for k in ks:
         out[f"recall@{int(k)}"] = float(np.mean([(r < k).sum() / r.size for r in ranks]))
     out["mrr"] = float(np.mean([1.0 / (r.min() + 1) for r in ranks]))
+    for k in ndcg:
+        gains = [np.sum(1.0 / np.log2(r[r < k] + 2.0)) for r in ranks]  # rank r (from 0) discounts log2(r + 2)
+        ideal = [np.sum(1.0 / np.log2(np.arange(min(int(k), r.size)) + 2.0)) for r in ranks]
+        out[f"ndcg@{int(k)}"] = float(np.mean([g / i for g, i in zip(gains, ideal, strict=True)]))
     return out
 
 

@@ -6,7 +6,12 @@
 The loop is the library's own verbs and nothing more: `open_source` and a `Loader` (`uform.sources`) fill each
 step, `Trainer.step` takes it, a `MetricsWriter` logs it, `Trainer.save` writes the checkpoint with the loader's
 state beside the weights (the checkpoint's `uform.data`), so a resume continues with the very record the
-interrupted run would have read next. `uform train` (`uform/cli.py`) is this call behind argv. (The module is not `uform/fit.py`: importing a
+interrupted run would have read next. With held-out records (`[data] held_out`) a `uform.held_out.HeldOut`, read
+once before the first step, scores the trainer's current weights every `eval.every` steps and after the last step
+of the call, each evaluation a record of `metrics.jsonl` (`MetricsWriter.eval`), the last on `FitSummary.eval`
+(no step is read ahead past one to be evaluated, so the evaluation sees that step's weights; over a mesh every
+process evaluates alike and the lead writes).
+`uform train` (`uform/cli.py`) is this call behind argv. (The module is not `uform/fit.py`: importing a
 submodule binds its name on the package, which would hide the lazily exported function `uform.fit`.)
 """
 
@@ -29,11 +34,12 @@ import torch
 
 from .config import TrainerStepStats
 from .console import Console, clock
+from .held_out import HeldOut
 from .interrupts import Interrupts
 from .notices import Notices
 from .replica.stored_run import read_data_state
 from .rotation import Rotation
-from .run_config import RunConfig, read_run_config
+from .run_config import EvalConfig, RunConfig, read_run_config
 from .run_dir import RunDir, read_metrics
 from .run_place import RunPlace
 from .runtime.executor import Executor
@@ -114,6 +120,8 @@ class FitSummary:
     warned: dict[str, int] = dataclasses.field(default_factory=dict)
     """The warnings by kind (`warned/media`, `warned/capacity`, ...) over the whole run (a resumed run's counts add
     to those its folder's metrics hold), each kind shown once per call, every occurrence counted."""
+    eval: dict[str, float] | None = None
+    """The last evaluation's figures by name (`uform.held_out`), None where the run holds no records out."""
 
     def report(self) -> str:
         """The run's closing block, for a person: where it stopped, what it saw, what it kept."""
@@ -127,6 +135,8 @@ class FitSummary:
         rows.append(("wall time", clock(self.seconds)))
         if self.stats is not None:
             rows.append(("last loss", f"{self.stats.loss:.4f} at learning rate {self.stats.learning_rate:.2e}"))
+        if self.eval:
+            rows.append(("last eval", _headline(self.eval)))
         if self.best is not None:
             name, step, value = self.best
             rows.append(("best", f"{name} = {value:.4f} at step {step}"))
@@ -160,6 +170,7 @@ def fit(
     loader_process: bool | None = None,
     data: Any = None,
     fields: Mapping[str, Any] | None = None,
+    held_out: Any = None,
     progress: Callable[[FitStep], Any] | None = None,
     log: TextIO | None = sys.stderr,
     log_every: int | None = None,
@@ -180,7 +191,8 @@ def fit(
     steps, none of this process's interpreter time); None chooses it where the devices are GPUs and the data
     is named by path.
     `data` replaces `[data] train` (any re-iterable of records, a `datasets` dataset included, or paths) and
-    `fields` `[data] fields`. `progress(FitStep)` is called after every step. `log` gets a progress bar where it
+    `fields` `[data] fields`; `held_out` replaces `[data] held_out` (as `data`), scored as `[eval]` says
+    (`uform.held_out`). `progress(FitStep)` is called after every step. `log` gets a progress bar where it
     is a terminal, else one line every `log_every` steps (default `[log] every`), and the run's closing block
     (`FitSummary.report`); None is silent. `evaluate(step, trainer)`, called after each step, answers results by
     name (`{"eval/text->image/recall@10": 0.41}`) or None: they go to `metrics.jsonl` (and TensorBoard), and
@@ -209,8 +221,6 @@ def fit(
         raise TypeError(f"progress: expected None or a callable, got {type(progress).__name__}")
     if evaluate is not None and not callable(evaluate):
         raise TypeError(f"evaluate: expected None or a callable, got {type(evaluate).__name__}")
-    if run.checkpoint.best is not None and evaluate is None:
-        raise ValueError(f"checkpoint.best: names {run.checkpoint.best!r}, but this run evaluates nothing (evaluate=)")
     if run.log.tensorboard and not tensorboard_available():
         raise ValueError(
             "log.tensorboard: true, but the tensorboard package is missing (pip install 'uform[tensorboard]')"
@@ -223,8 +233,13 @@ def fit(
         raise ValueError("devices: a run over a mesh trains on the mesh's executor; leave devices out")
     if resume is not None and not isinstance(resume, (str, os.PathLike)):
         raise TypeError(f"resume: expected None, a checkpoint's path or 'latest', got {type(resume).__name__}")
-    spec, named = _data(run, data, fields)
+    spec, named, held_spec = _data(run, data, fields, held_out)
+    if run.checkpoint.best is not None and evaluate is None and held_spec is None:
+        raise ValueError(
+            f"checkpoint.best: names {run.checkpoint.best!r}, but this run evaluates nothing ([data] held_out, evaluate=)"
+        )
     source = open_source(spec, fields=named)
+    held = None if held_spec is None else HeldOut.read(held_spec, named, run.trainer, run.eval)
 
     place = RunPlace(mesh)
     log = log if place.lead else None
@@ -268,8 +283,11 @@ def fit(
                 log_every,
                 notices,
                 evaluate,
+                held,
             )
         finally:
+            if held is not None:
+                held.close()
             trainer.close()
     finally:
         if isinstance(loader, LoaderProcess):
@@ -278,16 +296,19 @@ def fit(
             executor.close()
 
 
-def _data(run: RunConfig, data: Any, fields: Mapping[str, Any] | None) -> tuple[Any, Mapping[str, Any]]:
+def _data(
+    run: RunConfig, data: Any, fields: Mapping[str, Any] | None, held_out: Any
+) -> tuple[Any, Mapping[str, Any], Any]:
     spec = data if data is not None else (None if run.data is None else list(run.data.train))
     named = fields if fields is not None else (None if run.data is None else dict(run.data.fields))
+    held = held_out if held_out is not None else (list(run.data.held_out) if run.data and run.data.held_out else None)
     if spec is None:
         raise ValueError("data.train: the run file names no training data, and fit was given none (data=)")
-    if run.data is not None and run.data.held_out:  # refused, not ignored: a run would seem evaluated and is not
-        raise ValueError("data.held_out: evaluation during a run is not wired into fit yet; leave it out for now")
+    if held is None and run.eval != EvalConfig():  # refused, not ignored: a run would seem evaluated and is not
+        raise ValueError("eval: the run sets [eval], but holds no records out to evaluate on ([data] held_out)")
     if not named:
         raise ValueError('data.fields: map each record field to its role (fields = { txt = "text" })')
-    return spec, named
+    return spec, named, held
 
 
 def _resumed(output: str | os.PathLike, resume: str | os.PathLike, notices: Notices) -> tuple[str, dict[str, Any]]:
@@ -330,6 +351,7 @@ def _loop(
     log_every: int,
     notices: Notices,
     evaluate: Callable[[int, Trainer], Mapping[str, Any] | None] | None = None,
+    held: HeldOut | None = None,
 ) -> FitSummary:
     """The steps of one call: each taken, logged (metrics.jsonl, TensorBoard, the console), saved on the
     `[checkpoint]` policy; a signal stops it at the next step boundary with a save there."""
@@ -342,6 +364,13 @@ def _loop(
     stats: TrainerStepStats | None = None
     checkpoint: str | None = None
     saved_at = -1
+    held_results: dict[str, float] | None = None
+    every = run.eval.every
+
+    def due(step: int) -> bool:
+        """Whether the held-out records are scored after `step` (`[eval] every`, and each call's last step)."""
+        return held is not None and ((every > 0 and step % every == 0) or step == last)
+
     lead = place.lead  # the lead alone writes the folder: metrics, TensorBoard, deletions, the console
     board = _board(run, folder, resumed_at) if lead else None
     deferred = trainer.deferred(trainer.executor)
@@ -390,7 +419,7 @@ def _loop(
                 """Whether the loop must stand still after `step` (nothing read past it): its save, its
                 evaluation, a mesh's signal check, or the call's end."""
                 check = place.mesh is not None and step % STOP_CHECK_EVERY == 0
-                return step >= last or rotation.due(step) or evaluate is not None or check
+                return step >= last or rotation.due(step) or evaluate is not None or due(step) or check
 
             stopped_by: int | None = None  # the signal the loop stops for (on a mesh: any process's)
             announced = False
@@ -423,7 +452,11 @@ def _loop(
                 if progress is not None:
                     progress(FitStep(step, steps, stats, list(step_input.records), count, seconds))
                 if not in_flight:  # a boundary: the trainer's weights are this step's
-                    results = None if evaluate is None else evaluate(step, trainer)
+                    results = None if evaluate is None else dict(evaluate(step, trainer) or {}) or None
+                    if held is not None and due(step):  # every process evaluates; the lead writes
+                        held_results = held.evaluate(trainer)
+                        results = {**held_results, **(results or {})}
+                        console.note(f"eval {step}/{steps}  {_headline(held_results)}")
                     best = results is not None and on_eval(step, results)
                     if rotation.due(step) or best:
                         checkpoint, saved_at = save(step), step
@@ -454,6 +487,7 @@ def _loop(
                 best=None if best_step is None or run.checkpoint.best is None else (run.checkpoint.best, *best_step),
                 best_checkpoint=rotation.best_checkpoint() if lead else None,
                 warned=warned(),
+                eval=held_results,
             )
             console.close()  # the bar ends first: the block is printed under it, not through it
             console.note(summary.report())
@@ -468,3 +502,14 @@ def _board(run: RunConfig, folder: RunDir, resumed_at: int | None) -> TensorBoar
     if wanted is False or (wanted is None and not tensorboard_available()):
         return None
     return TensorBoard(folder.path, resumed_at=resumed_at)
+
+
+def _headline(results: Mapping[str, float]) -> str:
+    """The figures a console line shows: recall@10 and MRR at the full width, choices' accuracy, the losses."""
+    shown = [
+        (name.removeprefix("eval/"), value)
+        for name, value in results.items()
+        if ("@" not in name.split("/")[1] and name.endswith(("/recall@10", "/mrr")))
+        or name.startswith(("eval/loss/", "eval/choices/accuracy"))
+    ]
+    return "  ".join(f"{name} {value:.4f}" for name, value in shown)

@@ -1,4 +1,5 @@
-"""The run file: a TOML description of a training run (`[trainer]`, `[data]`), read, checked and written back.
+"""The run file: a TOML description of a training run (`[trainer]`, `[data]`, `[eval]`), read, checked and written
+back.
 
 `[trainer]` mirrors `TrainerInitVramConfig` field by field, its structs as nested tables (`[trainer.batch.image]`,
 `[trainer.schedule]`, ...) and its enums as their lower-case words; it goes through `config.resolve()`, so a file
@@ -6,9 +7,10 @@ is refused by the same rules as the library call, each error naming the key path
 Beside the struct's fields `[trainer]` takes `init_from`, the checkpoint whose weights a new run starts from
 (`Trainer.init_vram(init_from=...)`); `resume`, `mesh` and `progress` belong to an invocation, not to a file.
 `[data]` names the records (`train`, `held_out`) and maps their fields to modalities (`fields`); only its shape is
-checked here, the readers (`uform.sources`) check what it names. `[log]` (`LogConfig`: the console, TensorBoard)
-and `[checkpoint]` (`CheckpointConfig`: how often a run saves, which checkpoints it keeps) mirror their dataclasses
-key by key. Any other table is refused by name.
+checked here, the readers (`uform.sources`) check what it names. `[eval]` mirrors `EvalConfig` key by key (when
+and how the held-out records are scored, `uform.held_out`), checked against the trainer's table by `check_eval`.
+`[log]` (`LogConfig`: the console, TensorBoard) and `[checkpoint]` (`CheckpointConfig`: how often a run saves,
+which checkpoints it keeps) mirror their dataclasses key by key. Any other table is refused by name.
 
 Relative local paths (`init_from`, `data.train`, `data.held_out`) are relative to the folder of the file that
 names them, and are held joined to it, so that the `config.toml` a run writes elsewhere names the same files.
@@ -33,10 +35,12 @@ from .config import TrainerInitVramConfig, resolve, to_dict
 __all__ = [
     "CheckpointConfig",
     "DataConfig",
+    "EvalConfig",
     "LogConfig",
     "RunConfig",
     "RunConfigError",
     "apply_overrides",
+    "check_eval",
     "dump_run_config",
     "load_run_config",
     "read_run_config",
@@ -131,6 +135,24 @@ def _mode_of(name: str) -> str:
     raise ValueError(f'checkpoint.mode: cannot tell from {name!r} whether more is better; set mode = "max" or "min"')
 
 
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """The `[eval]` table: when a run scores its held-out records (`[data] held_out`) and at what
+    (`uform.held_out.HeldOut`); checked against the run's trainer by `check_eval`."""
+
+    every: int = 0
+    """Steps between two evaluations (at steps `every`, `2 every`, ...); the last step of every `fit` call is
+    evaluated too. 0: only after the last step."""
+    records: int = 1024
+    """The most held-out records read (in the source's order, once, when the run starts)."""
+    widths: Sequence[int] = ()
+    """The Matryoshka widths pooled retrieval is scored at; empty: the run's `contrastive.matryoshka_dimensions`
+    and the full `hidden`."""
+    batch: int = 0
+    """Items one forward of the retrieval and choice scoring carries at most; 0: the run's
+    `batch.max_segments_per_device` (the masked terms take steps of one device's room, as training does)."""
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """A run file, checked: the resolved trainer config, the weights it starts from, and its data."""
@@ -146,11 +168,42 @@ class RunConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig, kw_only=True)
     """The `[checkpoint]` table."""
 
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig, kw_only=True)
+    """The `[eval]` table (its defaults where the file has none)."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.eval, EvalConfig):
+            raise TypeError(f"eval: expected an EvalConfig, got {type(self.eval).__name__}")
         if not isinstance(self.log, LogConfig):
             raise TypeError(f"log: expected a LogConfig, got {type(self.log).__name__}")
         if not isinstance(self.checkpoint, CheckpointConfig):
             raise TypeError(f"checkpoint: expected a CheckpointConfig, got {type(self.checkpoint).__name__}")
+
+
+def check_eval(config: EvalConfig, trainer: TrainerInitVramConfig) -> EvalConfig:
+    """`config` checked against the resolved `trainer` and with its derived values filled in (`widths` from the
+    run's Matryoshka dimensions); `RunConfigError` naming the key path (`eval.widths[1]`) and the rule."""
+    if not isinstance(config, EvalConfig):
+        raise TypeError(f"eval: expected an EvalConfig, got {type(config).__name__}")
+    for key in ("every", "records", "batch"):
+        value = getattr(config, key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RunConfigError(f"eval.{key}: expected an int, got {_shown(value)}")
+        least = 1 if key == "records" else 0
+        if value < least:
+            rule = "must be positive" if least else "must not be negative"
+            raise RunConfigError(f"eval.{key}: {rule}, got {value}")
+    if isinstance(config.widths, (str, bytes)) or not isinstance(config.widths, Sequence):
+        raise RunConfigError(f"eval.widths: expected an array of ints, got {_shown(config.widths)}")
+    for i, width in enumerate(config.widths):
+        if isinstance(width, bool) or not isinstance(width, int):
+            raise RunConfigError(f"eval.widths[{i}]: expected an int, got {_shown(width)}")
+        if not 1 <= width <= trainer.hidden:
+            raise RunConfigError(f"eval.widths[{i}]: must lie in [1, trainer.hidden = {trainer.hidden}], got {width}")
+        if width in config.widths[:i]:
+            raise RunConfigError(f"eval.widths[{i}]: {width} is named twice")
+    widths = tuple(config.widths) or tuple(sorted({*trainer.contrastive.matryoshka_dimensions, trainer.hidden}))
+    return dataclasses.replace(config, widths=widths)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -162,11 +215,8 @@ _INVOCATION_KEYS = {
     "mesh": "a mesh is made by the process that runs (--devices, torchrun), not named in a file",
     "progress": "a progress callback is a library argument, not a file key",
 }
-_LATER_TABLES = {
-    "eval": "evaluation settings",
-}
 _DATA_KEYS = ("train", "fields", "held_out")
-_TOP_KEYS = ("trainer", "data", "log", "checkpoint")
+_TOP_KEYS = ("trainer", "data", "eval", "log", "checkpoint")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
@@ -260,11 +310,6 @@ def _rebased(table: dict[str, Any], base: str | None) -> dict[str, Any]:
 
 def _build(table: dict[str, Any]) -> RunConfig:
     for key, value in table.items():
-        if key in _LATER_TABLES:
-            raise RunConfigError(
-                f"{key}: not a table of this version's run file ({_LATER_TABLES[key]} are not configurable yet); "
-                f"known tables: {', '.join(_TOP_KEYS)}"
-            )
         if key not in _TOP_KEYS:
             fields = {f.name for f in dataclasses.fields(TrainerInitVramConfig)} | {"init_from"}
             hint = f"trainer.{key}" if key in fields else _suggest(key, _TOP_KEYS, "")
@@ -293,7 +338,11 @@ def _build(table: dict[str, Any]) -> RunConfig:
         "checkpoint",
         {"every": int, "keep_last": int, "best": str, "mode": str},
     )
-    return RunConfig(trainer=resolved, init_from=init_from, data=data, log=log, checkpoint=checkpoint)
+    evaluation = EvalConfig()
+    if "eval" in table:
+        evaluation = _struct(EvalConfig, table["eval"], "eval")
+        check_eval(evaluation, resolved)  # checked, kept as written (empty widths stay derived)
+    return RunConfig(trainer=resolved, init_from=init_from, data=data, eval=evaluation, log=log, checkpoint=checkpoint)
 
 
 def _keyed(kind: type, table: dict[str, Any], prefix: str, types: dict[str, type]) -> Any:
@@ -444,6 +493,8 @@ def dump_run_config(config: RunConfig) -> str:
             data["held_out"] = list(config.data.held_out)
         data["fields"] = dict(config.data.fields)
         table["data"] = data
+    if config.eval != EvalConfig() or (config.data is not None and config.data.held_out):
+        table["eval"] = {f.name: getattr(config.eval, f.name) for f in dataclasses.fields(EvalConfig)}
     table["log"] = {k: v for k, v in dataclasses.asdict(config.log).items() if v is not None}
     table["checkpoint"] = {k: v for k, v in dataclasses.asdict(config.checkpoint).items() if v is not None}
     lines: list[str] = []

@@ -309,6 +309,10 @@ class Model:
             self._states_fn = torch.compile(self._states_forward, dynamic=False)
         self._lock = threading.Lock()
         self._decoders: DecodePool | None = None
+        self.keep_decoded = False
+        """Whether the model keeps every media item's decoded units (or why it failed), by its bytes, for later
+        calls on the same items: set by an evaluator that scores the same held-out items again and again."""
+        self._decoded: dict[tuple[Modality, bytes], Units | str] = {}
         self.notices = Notices() if notices is None else notices
         """The model's warnings, each kind shown once and counted over its calls: `notices.counts()` answers
         {"media": items answered invalid under errors="mask", "capacity.truncated": items cut to a row}."""
@@ -329,18 +333,39 @@ class Model:
             network, live, step = weights.network(device), None, weights.step
         else:
             network, live, step = trainer.network, trainer, 0
+        return cls._over(network, config, device, trainer.media, trainer.notices, segments, step, live)
+
+    @classmethod
+    def from_replica(cls, replica: Any, media: MediaPolicy, *, segments: int = 0) -> Model:
+        """A model over one device's replica (`uform.replica.replica.Replica`: a device worker's, evaluating
+        through the fleet), serving its live network as `from_trainer` does on one device; its warnings are
+        the replica's (`Replica.notices`)."""
+        return cls._over(replica.network, replica.config, replica.device, media, replica.notices, segments, 0, replica)
+
+    @classmethod
+    def _over(
+        cls,
+        network: Network,
+        config: TrainerInitVramConfig,
+        device: torch.device,
+        media: MediaPolicy,
+        notices: Notices,
+        segments: int,
+        step: int,
+        live: Any,
+    ) -> Model:
         return cls(
             network,
             config,
             device,
             rows=0,
             segments=min(_natural(segments, "segments") or 1 << 62, config.batch.max_segments_per_device),
-            media=trainer.media,
+            media=media,
             bf16=device.type == "cuda",
             compiled=False,
             step=step,
             trainer=live,
-            notices=trainer.notices,
+            notices=notices,
             _token=_PRIVATE,
         )
 
@@ -645,12 +670,24 @@ class Model:
         items = [i for i in window if job.modalities[i] != Modality.Text]
         if not items:
             return {}, []
-        if self._decoders is None:
-            self._decoders = DecodePool(self.media.workers, self.media.limits.timeout_seconds)
-        max_units = self.columns - self._prefix
-        return decode_items(
-            self._decoders, self.media, self.config.batch, job.modalities, job.contents, items, max_units
-        )
+        keys = {i: (job.modalities[i], bytes(job.contents[i])) for i in items} if self.keep_decoded else {}
+        kept = {i: self._decoded[k] for i, k in keys.items() if k in self._decoded}
+        fresh = [i for i in items if i not in kept]
+        units: dict[int, Units] = {i: u for i, u in kept.items() if not isinstance(u, str)}
+        failed = [(i, u) for i, u in kept.items() if isinstance(u, str)]
+        if fresh:
+            if self._decoders is None:
+                self._decoders = DecodePool(self.media.workers, self.media.limits.timeout_seconds)
+            max_units = self.columns - self._prefix
+            new_units, new_failed = decode_items(
+                self._decoders, self.media, self.config.batch, job.modalities, job.contents, fresh, max_units
+            )
+            units.update(new_units)
+            failed.extend(new_failed)
+            if self.keep_decoded:
+                self._decoded.update({keys[i]: u for i, u in new_units.items()})
+                self._decoded.update({keys[i]: why for i, why in new_failed})
+        return units, sorted(failed)
 
     def _prepare(self, job: _Job, members: list[int], rows: int, units: dict[int, Units]) -> _Prepared:
         """One batch through the trainer's packing; on the CPU only the rows it uses, on a compiled model the

@@ -1,6 +1,7 @@
 """Draws this example's images with Pillow and writes their captions (`captions.jsonl`), the data
 `examples/image_text.toml` trains on: shapes of several colours, sizes and places, each caption saying what
-is where. Run it again to redraw them (`python examples/image_text/draw.py`); the tests check the committed
+is where; and eight scenes none of those shows (`held_out.jsonl`, `images/held-NN.png`), which the run
+evaluates on. Run it again to redraw them (`python examples/image_text/draw.py`); the tests check the committed
 images are what it draws.
 """
 
@@ -31,6 +32,22 @@ def scenes() -> list[tuple[str, str, str, str]]:
     return out
 
 
+def held_out_scenes() -> list[tuple[str, str, str, str]]:
+    """Eight scenes of the same words that `scenes()` never draws, two of each colour."""
+    seen = set(scenes())
+    out: list[tuple[str, str, str, str]] = []
+    for i in range(len(COLOURS) * len(SHAPES) * len(PLACES) * len(SIZES)):
+        scene = (
+            list(COLOURS)[i % 4],
+            SHAPES[(i // 4) % 3],
+            list(PLACES)[(i // 12) % 3],
+            list(SIZES)[(i // 36 + i) % 2],
+        )
+        if scene not in seen and sum(c == scene[0] for c, *_ in out) < 2:
+            out.append(scene)
+    return out[:8]
+
+
 def draw(colour: str, shape: str, place: str, size: str) -> Image.Image:
     """One scene on a light grey ground."""
     image = Image.new("RGB", (SIDE, SIDE), (235, 235, 235))
@@ -48,18 +65,24 @@ def draw(colour: str, shape: str, place: str, size: str) -> Image.Image:
 
 
 def main(folder: str) -> None:
-    """Writes `folder/images/NN.png` and `folder/captions.jsonl`."""
+    """Writes `folder/images/NN.png` and `folder/captions.jsonl`, `folder/images/held-NN.png` and
+    `folder/held_out.jsonl`."""
     os.makedirs(os.path.join(folder, "images"), exist_ok=True)
-    with open(os.path.join(folder, "captions.jsonl"), "w", encoding="utf-8") as f:
-        for i, (colour, shape, place, size) in enumerate(scenes()):
-            name = f"images/{i:02d}.png"
+    write(folder, "captions.jsonl", "", "shape", scenes())
+    write(folder, "held_out.jsonl", "held-", "held", held_out_scenes())
+
+
+def write(folder: str, manifest: str, prefix: str, key: str, drawn: list[tuple[str, str, str, str]]) -> None:
+    with open(os.path.join(folder, manifest), "w", encoding="utf-8") as f:
+        for i, (colour, shape, place, size) in enumerate(drawn):
+            name = f"images/{prefix}{i:02d}.png"
             draw(colour, shape, place, size).save(os.path.join(folder, name), optimize=True)
             caption = (
                 f"a {size} {colour} {shape} at the {place}"
                 if place != "centre"
                 else (f"a {size} {colour} {shape} in the centre")
             )
-            f.write(json.dumps({"id": f"shape-{i:02d}", "image": name, "caption": caption}) + "\n")
+            f.write(json.dumps({"id": f"{key}-{i:02d}", "image": name, "caption": caption}) + "\n")
 
 
 if __name__ == "__main__":

@@ -331,6 +331,38 @@ class Replica:
 
         return self._queue.submit(copy)
 
+    def queued(self, work: Callable[[], Any]) -> Future:
+        """A `Future` of `work()`, run on the device thread after every step and save called before it and
+        before any called after: evaluation between steps sees the weights as they stand there, and no step
+        runs under it."""
+        self.check_open()
+        return self._queue.submit(work)
+
+    def held_out_terms(self, checked: CheckedStep, key: int) -> dict[str, tuple[float, float]]:
+        """Every term of the objective over `checked` (held-out items) under the current weights, each as
+        (sum, count): the prepare stage with the draws of step number `key` (so that every evaluation masks the
+        same positions), then one forward without gradients and without the world (each sum over this
+        replica's items alone). Nothing of the replica changes: no update, no step counted or numbered, no
+        warning. Run it on the device thread (`queued`), where no step runs beside it."""
+        batch, tensors, _failed = self.stage.prepare(checked, key)
+        cuda = self.device.type == "cuda"
+        inputs = to_device(
+            tensors,
+            self.device,
+            self.network.rotary,
+            attention=self.attention,
+            dtype=torch.bfloat16 if cuda else torch.float32,
+            dynamic=cuda,
+        )
+        was_training = self.network.training
+        self.network.eval()
+        try:
+            with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda):
+                terms, _ = self.network.losses(inputs, None, batch.positives, batch.late_positives)
+        finally:
+            self.network.train(was_training)
+        return {name: (float(term.sum), float(term.count)) for name, term in terms.items()}
+
     @property
     def steps_taken(self) -> int:
         """Optimizer steps applied so far, across resumes (a step skipped as non-finite is not one)."""
