@@ -9,11 +9,13 @@ extra `uform[plot]`) on its Agg canvas, so no display and no pyplot state are to
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .config import TrainerStepStats
 from .run_dir import METRICS_NAME, read_metrics
 
 __all__ = ["PLOT_NAME", "plot_run"]
@@ -21,16 +23,8 @@ __all__ = ["PLOT_NAME", "plot_run"]
 PLOT_NAME = "metrics.png"
 """The file `plot_run` writes into a folder it is given."""
 
-_LOSSES = (
-    "loss",
-    "contrastive_loss",
-    "masked_text_loss",
-    "masked_image_loss",
-    "masked_video_loss",
-    "masked_audio_loss",
-    "late_interaction_loss",
-    "choices_loss",
-)
+_LOSSES = tuple(f.name for f in dataclasses.fields(TrainerStepStats) if f.name.endswith("loss"))
+"""The loss terms a step record carries, as `TrainerStepStats` names them."""
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 
 

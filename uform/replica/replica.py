@@ -710,16 +710,8 @@ def _broken(world: World, error: BaseException, step: int) -> MeshError:
     return MeshError(message)
 
 
-_STAT_TERMS = (
-    "loss",
-    "contrastive_loss",
-    "masked_text_loss",
-    "masked_image_loss",
-    "masked_video_loss",
-    "masked_audio_loss",
-    "late_interaction_loss",
-    "choices_loss",
-)
+_STAT_TERMS = tuple(f.name for f in dataclasses.fields(TrainerStepStats) if f.name.endswith("loss"))
+"""The loss terms a step reports, by their `TrainerStepStats` names (reduced over the world as means)."""
 
 
 def _stat_vector(totals: dict[str, torch.Tensor], items: int) -> torch.Tensor:
