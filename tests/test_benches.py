@@ -1,6 +1,6 @@
 """The bench scripts that answer numbers run end to end on the CPU at a tiny scale (the lead runs them on a
 GPU at the reference geometry of docs/design.md §1): bench/encode.py (its --file path too); bench/onnx_cpu.py; bench/maxsim.py, whose current MaxSim agrees with the previous one it
-keeps as the reference; bench/scaling.py through an executor of two CPU workers; and bench/train_shards.py (uform.fit from tar shards against the library loop)."""
+keeps as the reference; bench/scaling.py through an executor of two CPU workers; bench/train_shards.py (uform.fit from tar shards against the library loop); and bench/pairs.py (uform's side)."""
 
 from __future__ import annotations
 
@@ -86,3 +86,12 @@ def test_train_shards_bench_smoke(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "bench-train-shards.json").read_text())
     assert result["library_pairs_per_second"] > 0 and result["fit_pairs_per_second"] > 0
     assert result["records"] == 32 and result["loader_cpu_ms_per_step"] > 0
+
+
+def test_pairs_bench_smoke(tmp_path: Path) -> None:
+    tiny = "--cpu --skip-open-clip --depth 1 --hidden 128 --pairs 4 --rows 4 --columns 640 --segments 8 --steps 3"
+    tiny += " --warmup 1"
+    environment = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(BENCH.parent)}
+    subprocess.run([sys.executable, str(BENCH / "pairs.py"), *tiny.split()], env=environment, check=True)
+    result = json.loads((tmp_path / "bench-pairs.json").read_text())
+    assert result["uform_pairs_per_second"] > 0 and result["geometry"]["pairs"] == 4

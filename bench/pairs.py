@@ -1,0 +1,173 @@
+"""Image-text contrastive training, side by side in one run: uform from JPEG bytes against open_clip's SigLIP on
+ready tensors (issue 12, goal 1).
+
+uform  one tower of `--depth` x `--hidden` (default 12 x 512) over `--pairs` 256 x 256 JPEGs (patch 16: 256
+       patches and a prefix each) and as many ~60-byte captions a step, objective contrastive (sigmoid), every
+       image attracting its caption; `--rows` x `--columns` with `--segments` (default 64 x 1024, 2 x pairs).
+       The JPEGs are decoded by the trainer's own decoders every step (distinct crops, cycled), packed and
+       corrupted on the host, steps submitted through `Trainer.deferred` as many in flight as `uform.fit` keeps.
+open_clip  `open_clip.model.CLIP` with two towers of the same depth and width (vision 256 px / patch 16, text
+       context 64, 8 heads, no causal mask), `open_clip.loss.SigLipLoss` (Zhai et al. 2023), bf16 autocast,
+       fused AdamW, `torch.compile`d, fed random preprocessed tensors of `--pairs` pairs (decoding excluded,
+       which favours it). The same construction as ../shared/bench/anchor_openclip.py, written here again.
+
+Both time the step period over `--steps` steps after `--warmup` (uform: between two completions; open_clip: CUDA
+events around each step) and report the median pairs/s, then uform's ratio to open_clip. open_clip is imported
+only for its side (`--skip-open-clip` leaves it out; it is not a dependency of uform's: on the GPU machine carry
+open_clip_torch, ftfy and wcwidth as wheels). Writes bench-pairs.json under $OUT (or the current folder).
+
+  python bench/pairs.py                      # the GPU, both sides
+  python bench/pairs.py --cpu --skip-open-clip --depth 1 --hidden 128 --pairs 4 --rows 4 --columns 640 --segments 8 --steps 3 --warmup 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import time
+from collections import deque
+from typing import Any
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from common import topic_slices, write_json  # sibling scripts, not a package
+from train_shards import jpeg
+
+
+def uform_rates(args: argparse.Namespace) -> list[float]:
+    """pairs/s of each uform step (the period between two completions), the JPEGs decoded every step."""
+    import uform as u
+    from uform.fitting import steps_in_flight
+
+    config = u.TrainerInitVramConfig(
+        depth=args.depth,
+        hidden=args.hidden,
+        objective=u.Objective.Contrastive,
+        batch=u.BatchShape(
+            max_rows_per_device=args.rows,
+            max_segments_per_device=args.segments,
+            max_columns_per_row=args.columns,
+            image=u.ImageShape(patch_side=16),
+        ),
+        schedule=u.Schedule(steps=10_000),
+        seed=42,
+    )
+    p = args.pairs
+    images = [jpeg(i) for i in range(4 * p)]  # four steps' worth of distinct crops, cycled
+    captions = topic_slices(4 * p, 60)
+    modalities = [u.Modality.Image] * p + [u.Modality.Text] * p
+    relations = u.Relations(attract=u.Edges(offsets=list(range(2 * p + 1)), ids=[*range(p, 2 * p), *range(p)]))
+    executor = u.Executor.cpu() if args.cpu else u.Executor.for_vram([0])
+    trainer = u.Trainer.init_vram(executor, config)
+    try:
+        deferred = trainer.deferred(executor)
+        depth = steps_in_flight(trainer)
+        in_flight: deque = deque()
+        rates: list[float] = []
+        finished = time.perf_counter()
+        total = args.warmup + args.steps
+        for k in range(total + depth):
+            if k < total:
+                at = (k % 4) * p
+                contents = [*images[at : at + p], *captions[at : at + p]]
+                in_flight.append(deferred.step(modalities, contents, u.TrainerStepConfig(relations=relations)))
+                if len(in_flight) < depth:
+                    continue
+            if not in_flight:
+                break
+            in_flight.popleft().result()
+            now = time.perf_counter()
+            rates.append(p / (now - finished))
+            finished = now
+    finally:
+        trainer.close()
+        executor.close()
+    return rates[args.warmup :]
+
+
+def open_clip_rates(args: argparse.Namespace) -> list[float]:
+    """pairs/s of each compiled open_clip SigLIP step on random preprocessed tensors (CUDA events)."""
+    import open_clip.model
+    import torch
+    from open_clip.loss import SigLipLoss
+
+    vision = {"image_size": 256, "layers": args.depth, "width": args.hidden, "patch_size": 16, "head_width": 64}
+    text = {
+        "context_length": 64,
+        "vocab_size": 32000,
+        "width": args.hidden,
+        "heads": args.hidden // 64,
+        "layers": args.depth,
+        "no_causal_mask": True,
+        "pool_type": "last",
+    }
+    model = open_clip.model.CLIP(embed_dim=args.hidden, vision_cfg=vision, text_cfg=text, init_logit_bias=-10)
+    model = model.cuda().train()
+    loss = SigLipLoss()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    compiled = torch.compile(model)
+    pixels = torch.randn(args.pairs, 3, 256, 256, device="cuda")
+    tokens = torch.randint(1, 30000, (args.pairs, 64), device="cuda")
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = compiled(pixels, tokens)
+            if isinstance(out, dict):
+                out = (out["image_features"], out["text_features"], out["logit_scale"], out["logit_bias"])
+            value = loss(out[0], out[1], out[2], out[3])
+        value.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    rates = []
+    for _ in range(args.steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        rates.append(args.pairs / (start.elapsed_time(end) / 1e3))
+    return rates
+
+
+def main() -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--depth", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--pairs", type=int, default=192)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--columns", type=int, default=1024)
+    parser.add_argument("--segments", type=int, default=0, help="0: two per pair")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--cpu", action="store_true", help="uform on the CPU (a smoke run; open_clip needs CUDA)")
+    parser.add_argument("--skip-open-clip", action="store_true")
+    args = parser.parse_args()
+    args.segments = args.segments or 2 * args.pairs
+
+    import torch
+
+    result: dict[str, Any] = {
+        "geometry": {k: getattr(args, k) for k in ("depth", "hidden", "pairs", "rows", "columns", "segments")},
+        "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+    }
+    result["uform_pairs_per_second"] = statistics.median(uform_rates(args))
+    print(f"uform, from JPEG bytes:            {result['uform_pairs_per_second']:,.0f} pairs/s", flush=True)
+    if not args.skip_open_clip:
+        result["open_clip_pairs_per_second"] = statistics.median(open_clip_rates(args))
+        result["ratio"] = result["uform_pairs_per_second"] / result["open_clip_pairs_per_second"]
+        print(f"open_clip SigLIP, ready tensors:   {result['open_clip_pairs_per_second']:,.0f} pairs/s")
+        print(f"ratio (uform / open_clip): {result['ratio']:.3f}")
+    print(write_json("bench-pairs.json", result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
