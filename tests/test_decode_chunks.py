@@ -102,3 +102,17 @@ def test_a_real_pool_decodes_chunks_alike() -> None:
     assert failed == [] and sorted(units) == list(range(len(contents)))
     alone = decode_item("image", contents[13], dict(vars(batch().image)), 255, MediaPolicy().limits)
     assert np.array_equal(units[13].values, alone.values)
+
+
+def test_the_decoder_keys_each_item_as_the_packer_would() -> None:
+    # The packer keys an item's media mask by item_key(modality, bytes); the decoder now computes it where the
+    # bytes already are, so the preparing thread need not: the two must be the very same number.
+    from uform.media.units import item_key
+
+    data = images(1)[0]
+    units = decode_item("image", data, dict(vars(batch().image)), 255, MediaPolicy().limits)
+    assert units.key == item_key(Modality.Image, data) and units.key != item_key(Modality.Video, data)
+    clip, _ = video("mp4")
+    assert decode_item("video", clip, dict(vars(batch().video)), 255, MediaPolicy().limits).key == item_key(
+        Modality.Video, clip
+    )

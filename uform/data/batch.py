@@ -13,7 +13,6 @@ corruption and media mask by its own digest too (`item_key`), so they do not dep
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from copy import deepcopy
@@ -25,7 +24,7 @@ import numpy as np
 from .. import vocab
 from ..config import TrainerInitVramConfig
 from ..enums import LateInteractionSide, Modality, Objective
-from ..media.units import Units
+from ..media.units import Units, item_key
 from ..relations import pair_targets
 from .corrupt import corrupt_text
 from .items import ChoiceTapes
@@ -76,17 +75,6 @@ def mask_units(kind: str, units: Units, ratio: float, rng: np.random.Generator) 
 def keyed_rng(seed: int, step: int, stream: int, *key: int) -> np.random.Generator:
     """The generator of one (seed, step, stream[, key...]): the same key gives the same draws on any machine."""
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, step, stream, *key])))
-
-
-def item_key(modality: Modality, content: bytes | memoryview) -> int:
-    """A 128-bit digest of an item's modality and bytes: the key of its own draws (corruption, media masks).
-
-    Keying an item's draws by what it is rather than where it sits makes them the same whichever items
-    share its step and whichever device or process it lands on, so the world's step is the same function
-    for any number of processes. Two equal items of one step draw alike.
-    """
-    digest = hashlib.blake2b(content, digest_size=16, person=b"uform.item" + bytes([int(modality)]))
-    return int.from_bytes(digest.digest(), "little")
 
 
 def covered_capacity(config: TrainerInitVramConfig) -> int:
@@ -269,7 +257,8 @@ def prepare(
         index = fill_units(rows, layout, i, prefixes[i], vocab.MODALITY_MARKER[modalities[i]], item.positions)
         ratio = getattr(config.masking, f"{kind}_mask_ratio")
         if masking:
-            rng = keyed_rng(config.seed, step, MEDIA_STREAM, item_key(modalities[i], contents[i]))
+            key = item_key(modalities[i], contents[i]) if item.key is None else item.key  # the decoder's, mostly
+            rng = keyed_rng(config.seed, step, MEDIA_STREAM, key)
             masked = mask_units(kind, item, ratio, rng)
         else:
             masked = np.zeros(len(item), dtype=bool)

@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..enums import Modality
 from ..notices import MediaWarning, Notices
 from .limits import MediaError, MediaLimits
-from .units import Units
+from .units import Units, item_key
 
 _NAMED = 8
 """Skipped items a media warning names one by one; the rest it counts."""
@@ -42,11 +43,21 @@ class MediaPolicy:
 
 
 def decode_item(kind: str, data: bytes, geometry: dict[str, Any], max_units: int, limits: MediaLimits) -> Units:
-    """Decodes one item of `kind` ("image", "video" or "audio") into at most `max_units` units.
+    """Decodes one item of `kind` ("image", "video" or "audio") into at most `max_units` units, keyed by its bytes
+    (`Units.key`, computed here, in the decoder, where the bytes already are).
 
     `geometry` holds the run's shape slice of that modality (patch_side, channels, tube_frames,
     frame_stride, chunk_samples, sample_rate, as the reference API's ImageShape / VideoShape / AudioShape name them).
     """
+    units = _decoded(kind, data, geometry, max_units, limits)
+    units.key = item_key(_MODALITY[kind], data)
+    return units
+
+
+_MODALITY = {"image": Modality.Image, "video": Modality.Video, "audio": Modality.Audio}
+
+
+def _decoded(kind: str, data: bytes, geometry: dict[str, Any], max_units: int, limits: MediaLimits) -> Units:
     # Local: the decoding libraries (optional, heavy) load here, in the worker processes, not where a trainer is
     # merely built, and text-only use never needs them installed.
     from .audio import audio_units

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..enums import Modality
 
 
 @dataclass
@@ -27,5 +30,20 @@ class Units:
     truncated: bool
     """Whether the item was cut (video in time, audio in length) to fit `max_units`."""
 
+    key: int | None = None
+    """The item's `item_key`, where the decoder computed it from the bytes it decoded (in parallel, off the
+    preparing thread); None leaves it to whoever needs it."""
+
     def __len__(self) -> int:
         return int(self.values.shape[0])
+
+
+def item_key(modality: Modality, content: bytes | memoryview) -> int:
+    """A 128-bit digest of an item's modality and bytes: the key of its own draws (corruption, media masks).
+
+    Keying an item's draws by what it is rather than where it sits makes them the same whichever items
+    share its step and whichever device or process it lands on, so the world's step is the same function
+    for any number of processes. Two equal items of one step draw alike.
+    """
+    digest = hashlib.blake2b(content, digest_size=16, person=b"uform.item" + bytes([int(modality)]))
+    return int.from_bytes(digest.digest(), "little")
