@@ -212,18 +212,7 @@ def prepare(
         dtype=np.int64,
     )
     lengths += chooses  # the appended MASK
-    room = None
-    if late:
-        li = config.late_interaction
-        room = LateRoom(
-            query=np.array([s in _QUERY_SIDES for s in side_of], dtype=bool),
-            document=np.array([s in _DOCUMENT_SIDES for s in side_of], dtype=bool),
-            prefix=np.array([len(p) for p in prefixes], dtype=np.int64),
-            span=li.max_query_span,
-            query_tokens=li.max_query_tokens_per_device,
-            documents=li.max_documents_per_device,
-            document_tokens=li.max_document_tokens_per_device,
-        )
+    room = late_room(config, side_of, np.array([len(p) for p in prefixes], dtype=np.int64)) if late else None
     layout = plan(
         lengths,
         bags if bags is not None else np.arange(n),
@@ -329,6 +318,21 @@ def prepare(
 
 _QUERY_SIDES = (LateInteractionSide.Query, LateInteractionSide.QueryAndDocument)
 _DOCUMENT_SIDES = (LateInteractionSide.Document, LateInteractionSide.QueryAndDocument)
+
+
+def late_room(config: TrainerInitVramConfig, sides: Sequence[LateInteractionSide], prefix: np.ndarray) -> LateRoom:
+    """The late-interaction room the packer plans a step's items in: which are queries and documents (by their
+    `sides`), their prefix lengths, and the run's bounds on query spans, tokens and documents."""
+    li = config.late_interaction
+    return LateRoom(
+        query=np.array([s in _QUERY_SIDES for s in sides], dtype=bool),
+        document=np.array([s in _DOCUMENT_SIDES for s in sides], dtype=bool),
+        prefix=prefix,
+        span=li.max_query_span,
+        query_tokens=li.max_query_tokens_per_device,
+        documents=li.max_documents_per_device,
+        document_tokens=li.max_document_tokens_per_device,
+    )
 
 
 def _bound(z: np.ndarray) -> int:

@@ -28,9 +28,8 @@ from typing import Any
 import numpy as np
 
 from ..config import TrainerInitVramConfig, resolve
-from ..data.batch import PACK_STREAM, keyed_rng
-from ..data.pack import LateRoom, plan
-from ..enums import LateInteractionSide
+from ..data.batch import PACK_STREAM, keyed_rng, late_room
+from ..data.pack import plan
 from ..notices import CapacityWarning, MediaWarning, Notices
 from .fields import RecordItems, read_record
 from .order import Position, ShareStream
@@ -43,9 +42,6 @@ COUNTS = ("records", "missing", "too_large", "empty")
 """What `Loader.counts` counts."""
 STATE_VERSION = 1
 """The version of `Loader.state()`'s layout."""
-
-_QUERY_SIDES = (LateInteractionSide.Query, LateInteractionSide.QueryAndDocument)
-_DOCUMENT_SIDES = (LateInteractionSide.Document, LateInteractionSide.QueryAndDocument)
 
 
 def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
@@ -284,17 +280,8 @@ class Loader:
         bags = np.array([k for k, r in enumerate(records) for _ in r.modalities], dtype=np.int64)
         late = None
         if c.late_interaction.weight > 0:
-            li = c.late_interaction
             sides = [s for r in records for s in r.sides]
-            late = LateRoom(
-                query=np.array([s in _QUERY_SIDES for s in sides], dtype=bool),
-                document=np.array([s in _DOCUMENT_SIDES for s in sides], dtype=bool),
-                prefix=np.full(len(sides), 2, dtype=np.int64),
-                span=li.max_query_span,
-                query_tokens=li.max_query_tokens_per_device,
-                documents=li.max_documents_per_device,
-                document_tokens=li.max_document_tokens_per_device,
-            )
+            late = late_room(c, sides, np.full(len(sides), 2, dtype=np.int64))  # a late prefix: marker and side
         layout = plan(
             lengths,
             bags,
