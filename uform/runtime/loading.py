@@ -59,21 +59,23 @@ class LoaderProcess:
     ) -> None:
         if not by_path(spec):
             raise TypeError("spec: a loader process reads data named by path, glob or URL; read others in process")
-        probe = Loader(open_source(spec, fields=fields), config, state=state, **shares)  # refusals raise here, now
-        self.step = probe.step
-        """The number of the next step `next_step` answers."""
-        self._state = probe.state()
         paths = [os.fspath(spec)] if isinstance(spec, (str, os.PathLike)) else [os.fspath(s) for s in spec]
         self._helper = Helper(
             _loader_main, (paths, dict(fields), config, state, shares), name="uform-loader", daemon=True
         )
         self._ahead: deque[Future] = deque()
         self._closed = False
+        self.step = 1
+        """The number of the next step `next_step` answers."""
+        self._state: dict[str, Any] = {}
         self._helper.start()
         try:
             self._helper.ready.result(BOOT_SECONDS)
+            # The process opens the loader once (a resumed position is replayed there alone); its refusal (a
+            # bad state, an unknown field) raises here, now, as an in-process Loader's would.
+            self.step, self._state = self._helper.submit(_OPEN).result()
             for _ in range(AHEAD):
-                self._ahead.append(self._helper.submit(None))
+                self._ahead.append(self._helper.submit(_NEXT))
         except BaseException:
             self.close()
             raise
@@ -83,7 +85,7 @@ class LoaderProcess:
         if self._closed:
             raise ValueError("loader: it was closed")
         step_input, state = self._ahead.popleft().result()  # a refused step: the ones read after it fail alike
-        self._ahead.append(self._helper.submit(None))
+        self._ahead.append(self._helper.submit(_NEXT))
         self._state = state
         self.step = step_input.step + 1
         return step_input
@@ -107,6 +109,9 @@ class LoaderProcess:
         self.close()
 
 
+_OPEN, _NEXT = "open", "next"  # the calls a loader process answers
+
+
 def _loader_main(
     link: Link,
     paths: list[str],
@@ -115,12 +120,14 @@ def _loader_main(
     state: dict[str, Any] | None,
     shares: dict[str, int],
 ) -> None:
-    """The process: open the source, then answer each call with the next step and the position after it."""
+    """The process: open the loader when asked (answering its position, or its refusal), then answer each call
+    with the next step and the position after it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training loop's to handle
     endpoint = link.open()
-    loader = Loader(open_source(paths, fields=fields), config, state=state, **shares)
     if not endpoint.ready():
         return
+    loader: Loader | None = None
+    refused: BaseException | None = None
     while True:
         try:
             frame = endpoint.receive()
@@ -129,10 +136,21 @@ def _loader_main(
         if frame is None:
             break
         try:
-            step_input = loader.next_step()
-        except BaseException as error:  # the loop raises it for this step
+            if frame.load() == _OPEN:
+                try:
+                    loader = Loader(open_source(paths, fields=fields), config, state=state, **shares)
+                except BaseException as error:
+                    refused = error
+                    raise
+                answer: Any = (loader.step, loader.state())
+            elif loader is None:
+                raise RuntimeError(f"loader: it could not be opened ({refused!r})")
+            else:
+                step_input = loader.next_step()
+                answer = (step_input, loader.state())
+        except BaseException as error:  # the loop raises it for this call
             endpoint.fail(frame.ident, error)
             continue
-        if not endpoint.reply(frame.ident, (step_input, loader.state())):
+        if not endpoint.reply(frame.ident, answer):
             break
     endpoint.close()
