@@ -73,8 +73,7 @@ def wav_units(data: bytes, chunk_samples: int, sample_rate: int, most: int) -> i
             if not rate or not block or size in (0, 0xFFFFFFFF):
                 return None  # an open-ended stream or an odd layout: the decoder says
             frames = min(size, len(data) - at - 8) // block
-            samples = frames if rate == sample_rate else -(-frames * sample_rate // rate)
-            return min(most, -(-samples // chunk_samples))
+            return _audio_units(frames, rate, chunk_samples, sample_rate, most)
         at += 8 + size + (size & 1)
     return None
 
@@ -101,6 +100,12 @@ def sound_units(data: bytes, chunk_samples: int, sample_rate: int, most: int) ->
         return None
     if kind == "mp3":
         frames = math.ceil(frames * MP3_MARGIN) + chunk_samples
+    return _audio_units(frames, rate, chunk_samples, sample_rate, most)
+
+
+def _audio_units(frames: int, rate: int, chunk_samples: int, sample_rate: int, most: int) -> int:
+    """Frames of `chunk_samples` that `frames` source samples at `rate` make once resampled to `sample_rate`
+    (rounded up, as the resampler's length may be) and cut to `most`."""
     samples = frames if rate == sample_rate else -(-frames * sample_rate // rate)
     return min(most, -(-samples // chunk_samples))
 
