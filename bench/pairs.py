@@ -81,10 +81,37 @@ def uform_rates(args: argparse.Namespace) -> list[float]:
             now = time.perf_counter()
             rates.append(p / (now - finished))
             finished = now
+        if args.profile:
+            profile_steps(
+                deferred,
+                args.profile,
+                lambda k: [*images[(k % 4) * p : (k % 4) * p + p], *captions[(k % 4) * p : (k % 4) * p + p]],
+                modalities,
+                relations,
+            )
     finally:
         trainer.close()
         executor.close()
     return rates[args.warmup :]
+
+
+def profile_steps(deferred: Any, steps: int, contents: Any, modalities: list, relations: Any) -> None:
+    """The device's kernels over `steps` more steps, by total device time (torch.profiler), and a Chrome trace."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import uform as u
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        futures = [
+            deferred.step(modalities, contents(k), u.TrainerStepConfig(relations=relations)) for k in range(steps)
+        ]
+        for future in futures:
+            future.result()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+    prof.export_chrome_trace(os.path.join(os.environ.get("OUT", "."), "pairs-trace.json"))
 
 
 def open_clip_rates(args: argparse.Namespace) -> list[float]:
@@ -147,6 +174,7 @@ def main() -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--cpu", action="store_true", help="uform on the CPU (a smoke run; open_clip needs CUDA)")
     parser.add_argument("--skip-open-clip", action="store_true")
+    parser.add_argument("--profile", type=int, default=0, help="then profile this many more uform steps")
     args = parser.parse_args()
     args.segments = args.segments or 2 * args.pairs
 

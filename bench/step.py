@@ -36,7 +36,7 @@ def bench_uform(args: argparse.Namespace) -> dict:
 
     executor = u.Executor.for_vram([0])
     config = joint_config(args)
-    trainer = u.Trainer.init_vram(executor, config)
+    trainer = u.Trainer.init_vram(executor, config, host_processes=args.host_processes)
     n = args.segments
     per_item = args.rows * args.columns // n - 1  # prefix + content fill the rows exactly
     items = topic_slices(n, per_item)
@@ -54,7 +54,7 @@ def bench_uform(args: argparse.Namespace) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    in_flight(run, range(args.warmup, args.warmup + args.steps), 2)
+    in_flight(run, range(args.warmup, args.warmup + args.steps), args.in_flight)
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - t0) / args.steps
     last = stats[-1]
@@ -118,6 +118,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--skip-bert", action="store_true")
+    parser.add_argument(
+        "--host-processes", type=int, default=None, help="Trainer.init_vram(host_processes=); default: the trainer's"
+    )
+    parser.add_argument("--in-flight", type=int, default=2, help="answers left pending while the next is submitted")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)

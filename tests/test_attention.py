@@ -25,6 +25,7 @@ from uform.model.network import Network
 
 flex_attention_module = pytest.importorskip("torch.nn.attention.flex_attention")
 create_block_mask = flex_attention_module.create_block_mask
+BlockMask = flex_attention_module.BlockMask
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -150,6 +151,34 @@ def test_block_tables_match_create_block_mask(index: int) -> None:
             for t in range(tiles):
                 n = int(ours_num[r, 0, t])
                 assert sorted(ours_idx[r, 0, t, :n].tolist()) == sorted(idx[r, 0, t, :n].tolist()), (name, r, t)
+
+
+@pytest.mark.parametrize("index", range(len(MONOTONE)))
+def test_the_query_tables_are_the_transposed_key_tables(index: int) -> None:
+    """document_mask hands backward the key tables as its query tables (the mask is symmetric) instead of
+    transposing them: they must list, tile by tile, what `BlockMask.from_kv_blocks` computes by transposing."""
+    seg = torch.from_numpy(MONOTONE[index])
+    carried = {k: torch.from_numpy(v) for k, v in block_tables(MONOTONE[index]).items()}
+    ours = document_mask(seg, "flex", carried).block
+    reference = BlockMask.from_kv_blocks(
+        carried["kv_num_blocks"],
+        carried["kv_indices"],
+        carried["full_kv_num_blocks"],
+        carried["full_kv_indices"],
+        BLOCK_SIZE=BLOCK,
+        seq_lengths=(seg.shape[1], seg.shape[1]),
+    )
+    for num, idx, ref_num, ref_idx in (
+        (ours.q_num_blocks, ours.q_indices, reference.q_num_blocks, reference.q_indices),
+        (ours.full_q_num_blocks, ours.full_q_indices, reference.full_q_num_blocks, reference.full_q_indices),
+    ):
+        assert torch.equal(num, ref_num)
+        rows, _, tiles = num.shape
+        for r in range(rows):
+            for t in range(tiles):
+                n = int(num[r, 0, t])
+                assert idx[r, 0, t, :n].tolist() == sorted(ref_idx[r, 0, t, :n].tolist()), (r, t)
+    assert ours.BLOCK_SIZE == (BLOCK, BLOCK) and ours.seq_lengths == (seg.shape[1], seg.shape[1])
 
 
 def test_block_tables_have_c_order_strides() -> None:

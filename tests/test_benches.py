@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 import torch
 
@@ -95,3 +96,21 @@ def test_pairs_bench_smoke(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(BENCH / "pairs.py"), *tiny.split()], env=environment, check=True)
     result = json.loads((tmp_path / "bench-pairs.json").read_text())
     assert result["uform_pairs_per_second"] > 0 and result["geometry"]["pairs"] == 4
+
+
+def test_attention_bench_layouts_and_flops() -> None:
+    """bench/attention.py (GPU only) times attention over two packed layouts; their segments and the useful FLOPs
+    it divides by are checked here against a count made by hand."""
+    bench = load("attention")
+    text = bench.layout("text", 4, 1024)
+    assert text.shape == (4, 1024)
+    assert sorted(np.unique(text, return_counts=True)[1].tolist()) == [256] * 16  # tile-aligned, rows full
+    pairs = bench.layout("pairs", 4, 1024)
+    for row in pairs:
+        assert np.all(np.diff(row) >= 0)  # ids never decrease along a row, padding last
+    _, counts = np.unique(pairs, return_counts=True)
+    padding = counts[-1]
+    assert counts[:-1].tolist() == [257, 61] * 12  # three image-caption pairs a row
+    assert padding == 4 * (1024 - 3 * (257 + 61))
+    by_hand = sum(3.5 * 4 * n * n * 64 * 8 for n in counts.tolist())
+    assert bench.useful_flops(pairs, 8, 64) == by_hand

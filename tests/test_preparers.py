@@ -188,6 +188,24 @@ def test_the_default_and_the_argument(executor: Executor) -> None:
     trainer = Trainer.init_vram(executor, run_config())
     assert trainer.host_processes == 0  # the CPU executor's default: its kernels run without the lock
     trainer.close()
+
+
+def test_the_cuda_default_follows_the_run() -> None:
+    """Two preparer processes where media is decoded, one for text alone (a second one made the text step slower
+    on the H200), none on the CPU: the rule reads only the executor's device type and the run's modalities."""
+    from types import SimpleNamespace
+
+    from uform.runtime.preparation import default_host_processes
+
+    cuda = SimpleNamespace(device=torch.device("cuda"))
+    text = run_config(batch=BatchShape(max_rows_per_device=4, max_segments_per_device=16, max_columns_per_row=256))
+    assert default_host_processes(cuda, run_config()) == 2  # type: ignore[arg-type]
+    assert default_host_processes(cuda, text) == 1  # type: ignore[arg-type]
+    for shape in (ImageShape(patch_side=16), VideoShape(patch_side=16), AudioShape(chunk_samples=320)):
+        kind = {ImageShape: "image", VideoShape: "video", AudioShape: "audio"}[type(shape)]
+        one = dataclasses.replace(text, batch=dataclasses.replace(text.batch, **{kind: shape}))
+        assert default_host_processes(cuda, one) == 2, kind  # type: ignore[arg-type]
+    assert default_host_processes(SimpleNamespace(device=torch.device("cpu")), run_config()) == 0  # type: ignore[arg-type]
     for bad, error in ((-1, ValueError), (True, TypeError), (1.5, TypeError), ("1", TypeError)):
         with pytest.raises(error, match="host_processes"):
             Trainer.init_vram(executor, run_config(), host_processes=bad)  # type: ignore[arg-type]

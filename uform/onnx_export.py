@@ -54,7 +54,7 @@ class EncodeGraph(nn.Module):
         self.kinds = list(network.media)
 
     def forward(self, tokens: Tensor, positions: Tensor, segments: Tensor, counts: Tensor, *media: Tensor) -> Tensor:
-        cos, sin = self.network.rotary(positions, torch.float32)  # [R, 1, C, K/2] each
+        cos, sin = self.network.rotary(positions, torch.float32)  # [R, C, 1, K/2] each
         parts = {}
         for k, kind in enumerate(self.kinds):
             values, index, valid = media[3 * k : 3 * k + 3]

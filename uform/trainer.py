@@ -93,8 +93,8 @@ class Trainer:
         `host_processes` says where each step's prepare stage runs (decode, pack, corrupt, pair; `uform.runtime.preparers`):
         0 on two threads of this process, N >= 1 in N processes of its own (started on the first step, each
         with its share of `media.workers` decoders), which leave this process only the device stage, so its
-        interpreter lock is the device thread's. None (the default) is 1 on CUDA and 0 on the CPU (see
-        `default_host_processes`).
+        interpreter lock is the device thread's. None (the default) is 2 on CUDA for a run with a media modality,
+        1 for text alone, and 0 on the CPU (see `default_host_processes`).
         Where it runs changes no result: the batches, and so the training, are bitwise the same.
 
         `world_compile` says how the step of a world of several CUDA devices compiles: "whole" (the default)
@@ -138,10 +138,10 @@ class Trainer:
         if executor.has_workers():
             backend = Replicas.start(executor, config, media, host_processes, world_compile, start)
             mesh: Mesh | None = backend.mesh
-            hosts = default_host_processes(executor) if host_processes is None else host_processes
+            hosts = default_host_processes(executor, config) if host_processes is None else host_processes
         else:
             mesh = config.mesh
-            hosts = default_host_processes(executor) if host_processes is None else host_processes
+            hosts = default_host_processes(executor, config) if host_processes is None else host_processes
             stage = Preparation.factory(media, executor.device, hosts)
             world = None if mesh is None else mesh.world
             backend = Replica.build(

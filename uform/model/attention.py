@@ -42,13 +42,17 @@ class DocumentMask:
     """The FlexAttention BlockMask (flex)."""
     dense: Tensor | None = None
     """[R, 1, C, C] bool (dense)."""
+    options: dict[str, Any] | None = None
+    """FlexAttention's kernel options (flex; `kernel_options`), chosen eagerly, outside the compiled step."""
 
 
-def document_mask(segments: Tensor, kind: str, tables: dict[str, Tensor] | None = None) -> DocumentMask:
+def document_mask(
+    segments: Tensor, kind: str, tables: dict[str, Tensor] | None = None, block: int = BLOCK
+) -> DocumentMask:
     """The mask of segment ids [R, C] for the `kind` attention path.
 
-    For "flex", `tables` are `block_tables` already on the device (made on the host, off the critical
-    path); without them they are computed here.
+    For "flex", `tables` are `block_tables` of tile side `block` already on the device (made on the host,
+    off the critical path); without them they are computed here.
     """
     if kind == "dense":
         same = segments[:, None, :, None] == segments[:, None, None, :]  # [R, 1, C, C]
@@ -56,27 +60,63 @@ def document_mask(segments: Tensor, kind: str, tables: dict[str, Tensor] | None 
     if kind != "flex":
         raise ValueError(f"attention: unknown path {kind!r}; expected 'flex' or 'dense'")
     if tables is None:
-        tables = {k: torch.from_numpy(v).to(segments.device) for k, v in block_tables(segments.cpu().numpy()).items()}
+        tables = {
+            k: torch.from_numpy(v).to(segments.device) for k, v in block_tables(segments.cpu().numpy(), block).items()
+        }
 
     def same_segment(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
         return segments[b, q] == segments[b, k]
 
-    block = BlockMask.from_kv_blocks(
-        tables["kv_num_blocks"],
-        tables["kv_indices"],
-        tables["full_kv_num_blocks"],
-        tables["full_kv_indices"],
-        BLOCK_SIZE=BLOCK,
-        mask_mod=same_segment,
+    # The document mask is symmetric (a key tile meets a query tile exactly when that query tile meets it), so the
+    # tables by query tile that backward reads are the tables by key tile: given as they are instead of letting
+    # `BlockMask.from_kv_blocks` transpose them on the device thread every step (a vmap over the rows; ~4 ms of
+    # that thread's time a reference step, py-spy on the H200).
+    full_blocks, full_indices = tables["full_kv_num_blocks"], tables["full_kv_indices"]
+    mask = BlockMask(
         seq_lengths=(segments.shape[1], segments.shape[1]),
+        kv_num_blocks=tables["kv_num_blocks"],
+        kv_indices=tables["kv_indices"],
+        full_kv_num_blocks=full_blocks,
+        full_kv_indices=full_indices,
+        q_num_blocks=tables["kv_num_blocks"],
+        q_indices=tables["kv_indices"],
+        full_q_num_blocks=full_blocks,
+        full_q_indices=full_indices,
+        BLOCK_SIZE=(block, block),
+        mask_mod=same_segment,
     )
-    return DocumentMask(kind, block=block)
+    return DocumentMask(kind, block=mask, options=kernel_options(segments.device))
+
+
+# FlexAttention's tiles on Hopper (sm90) for head width 64, from `bench/attention.py` on an H200 (BENCHMARKS.md):
+# forward 64 x 64 tiles, 4 warps, 2 stages; backward 64-wide tiles throughout, 4 warps, 3 stages. Against the
+# kernel's defaults (128-wide tiles) they take a layer's forward + backward from 1.88 to ~1.45 ms where segments
+# straddle tiles (image-caption steps) and leave tile-aligned text about as it was. Other GPUs keep the defaults.
+_HOPPER_TILES = {
+    "fwd_BLOCK_M": 64,
+    "fwd_BLOCK_N": 64,
+    "fwd_num_warps": 4,
+    "fwd_num_stages": 2,
+    "bwd_BLOCK_M1": 64,
+    "bwd_BLOCK_N1": 64,
+    "bwd_BLOCK_M2": 64,
+    "bwd_BLOCK_N2": 64,
+    "bwd_num_warps": 4,
+    "bwd_num_stages": 3,
+}
+
+
+def kernel_options(device: torch.device) -> dict[str, Any] | None:
+    """FlexAttention's kernel options on `device` (head width 64): the measured tiles on Hopper, else the defaults."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+        return dict(_HOPPER_TILES)
+    return None
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
     """q, k, v [R, H, C, K] -> [R, H, C, K]."""
     if mask.kind == "flex":
-        return flex_attention(q, k, v, block_mask=mask.block)  # type: ignore[misc, return-value]
+        return flex_attention(q, k, v, block_mask=mask.block, kernel_options=mask.options)  # type: ignore[misc, return-value, arg-type]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense)
 
 

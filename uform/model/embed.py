@@ -30,7 +30,7 @@ class TokenEmbedding(nn.Module):
 
 
 class AxialRotary(nn.Module):
-    """Answers (cos, sin) [R, 1, C, F] for positions [R, C, 3]; `rotate` applies them to [R, H, C, K]."""
+    """Answers (cos, sin) [R, C, 1, F] for positions [R, C, 3]; `rotate` applies them to [R, C, H, K]."""
 
     inverse_frequency: Tensor
     axis: Tensor
@@ -49,11 +49,11 @@ class AxialRotary(nn.Module):
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         chosen = positions[..., self.axis].float()  # [R, C, F]
         angles = chosen * self.inverse_frequency  # [R, C, F]
-        return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)  # [R, 1, C, F]
+        return angles.cos().unsqueeze(2), angles.sin().unsqueeze(2)  # [R, C, 1, F]
 
     @staticmethod
     def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """Rotates the (first half, second half) pairs of x [R, H, C, K]."""
+        """Rotates the (first half, second half) pairs of x [R, C, H, K] (any layout whose code broadcasts)."""
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)

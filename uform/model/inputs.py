@@ -24,7 +24,7 @@ from ..data.batch import MEDIA_KINDS, Batch
 from .attention import DocumentMask, document_mask
 
 Rotary = Callable[[Tensor, torch.dtype], tuple[Tensor, Tensor]]
-"""positions [R, C, 3] and a dtype -> the rotary code (cos, sin) [R, 1, C, K/2] (`Network.rotary`)."""
+"""positions [R, C, 3] and a dtype -> the rotary code (cos, sin) [R, C, 1, K/2] (`Network.rotary`)."""
 
 
 @dataclass
@@ -76,8 +76,8 @@ class DeviceBatch:
     z: Tensor  # [S, S] float32 +1 / -1 / 0 pair targets
     w: Tensor  # [S, S] float32 pair weights
     mask: DocumentMask  # which keys each query sees, in the attention path's form
-    cos: Tensor  # [R, 1, C, K/2] rotary code, in the step's compute dtype
-    sin: Tensor  # [R, 1, C, K/2]
+    cos: Tensor  # [R, C, 1, K/2] rotary code, in the step's compute dtype
+    sin: Tensor  # [R, C, 1, K/2]
     media: dict[str, MediaUnits]  # per live media modality ("image", "video", "audio")
     late: LateParts | None = None
     choice: ChoiceParts | None = None

@@ -98,7 +98,7 @@ class Network(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=generator) * std)
 
     def rotary(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """The rotary code (cos, sin) [R, 1, C, K/2] of axial positions [R, C, 3], in `dtype`."""
+        """The rotary code (cos, sin) [R, C, 1, K/2] of axial positions [R, C, 3], in `dtype`."""
         cos, sin = self.tower.rotary(positions)
         return cos.to(dtype), sin.to(dtype)
 

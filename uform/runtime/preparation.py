@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from ..config import TrainerInitVramConfig
-from ..data.batch import Batch
+from ..data.batch import Batch, media_features
 from ..media.decode import MediaPolicy
 from ..media.units import Units
 from ..replica.checked_step import CheckedStep
@@ -113,15 +113,20 @@ def _job(checked: CheckedStep) -> PrepareJob:
     )
 
 
-def default_host_processes(executor: Executor) -> int:
-    """Preparer processes of a trainer that does not say (`Trainer.init_vram`): two on CUDA, none on the CPU.
+def default_host_processes(executor: Executor, config: TrainerInitVramConfig) -> int:
+    """Preparer processes of a trainer that does not say (`Trainer.init_vram`): on CUDA two for a run with a media
+    modality and one for text alone; none on the CPU.
 
     On CUDA the device thread needs the interpreter lock to launch kernels and the in-process prepare stage's
-    Python holds it; one preparer process then prepares one step at a time under its own lock (its decoders aside),
-    slower than the device runs one. Measured on the H200 machine (`python bench/data_wait.py --executor cuda
+    Python holds it. Measured on the H200 machine (`python bench/data_wait.py --executor cuda
     --host-processes N --in-flight F`, 128 JPEGs beside 128 texts at the reference geometry, fed instantly
     58.5 ms/step), 2026-12-01: one process, two steps in flight, 77.2 ms/step (24% waiting for data); two
-    processes, three in flight, 63.1 ms/step (7%); four, five in flight, 65.7. So two, with a loop that keeps
-    `host_processes + 1` steps in flight (`uform.fit` does). On the CPU the device stage's kernels run without the
-    lock and a process would only cost its start."""
-    return 2 if executor.device.type == "cuda" else 0
+    processes, three in flight, 63.1 ms/step (7%); four, five in flight, 65.7. A text step's prepare stage is
+    shorter than the device step in one process, and a second one made it slower (`python bench/step.py
+    --skip-bert --host-processes N`, the reference Joint text step: one 51.5 / 56.2 ms, two 61.1 / 70.2 ms, in
+    two calls; none 78.2 ms). So two, with a loop that keeps `host_processes + 1` steps in flight (`uform.fit`
+    does), where media is decoded, else one. On the CPU the device stage's kernels run without the lock and a
+    process would only cost its start."""
+    if executor.device.type != "cuda":
+        return 0
+    return 2 if media_features(config) else 1

@@ -288,7 +288,7 @@ def _worker_init(state: dict[str, Any], device: torch.device, argument: Any, pro
         _worker_close(state, device, None, progress)
     run = dataclasses.replace(config, mesh=mesh, progress=progress if relayed else None)
     executor = mesh.executor
-    hosts = default_host_processes(executor) if host_processes is None else host_processes
+    hosts = default_host_processes(executor, config) if host_processes is None else host_processes
     stage = Preparation.factory(media, executor.device, hosts)
     replica = Replica.build(
         executor.device, run, mesh.world, stage, host_processes=hosts, world_compile=world_compile, init_from=init_from

@@ -1,0 +1,236 @@
+"""Document-masked attention alone, forward + backward, at the step's geometry (issue 12, goal 4's levers).
+
+Shape legend: R rows, C columns, H heads, K head width (64), N segments.
+
+Times one layer's attention of q, k, v [R, H, C, K] bf16 under a document mask, forward and backward, for:
+
+  flex        FlexAttention with uform's own block tables (`uform.data.blocks`), compiled, default kernel configs
+  flex <opts> the same with explicit `kernel_options` (tile sides, warps, stages; forward and backward)
+  varlen      `torch.nn.attention.varlen.varlen_attn` (FlashAttention 2's variable-length kernels) over the
+              segments laid end to end, padding its own sequence per row (where this torch has it)
+
+and two layouts of segments: "text" (256 segments of 256 in 64 x 1024, tile-aligned: every tile is whole) and
+"pairs" (segments of 257 and 61 positions alternating, first-fit into rows, as an image-caption step packs:
+most tiles straddle two segments). Useful FLOPs count only same-segment (query, key) pairs: forward 4 L^2 K H
+per segment of L, backward 2.5x forward (FlashAttention 2's accounting).
+
+  python bench/attention.py                      # the GPU
+  python bench/attention.py --layout pairs --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from common import write_json  # sibling scripts, not a package
+
+from uform.data.blocks import block_tables
+from uform.model.attention import document_mask
+
+
+def layout(name: str, rows: int, columns: int) -> np.ndarray:
+    """Segment ids [R, C] (non-decreasing along each row; the padding after a row's last segment carries the
+    largest id, as the packer lays it)."""
+    lengths = [256] * (rows * columns // 256) if name == "text" else [257, 61] * (rows * columns // 318)
+    segments = np.empty((rows, columns), dtype=np.int64)
+    row, column, sid = 0, 0, 0
+    spans = []
+    for length in lengths:
+        if column + length > columns:
+            row, column = row + 1, 0
+        if row == rows:
+            break
+        spans.append((row, column, length, sid))
+        column += length
+        sid += 1
+    pad = sid
+    segments[:] = pad
+    for r, c, length, s in spans:
+        segments[r, c : c + length] = s
+    return segments
+
+
+def useful_flops(segments: np.ndarray, heads: int, width: int) -> float:
+    _, counts = np.unique(segments, return_counts=True)
+    forward = float(np.sum(4.0 * counts.astype(np.float64) ** 2 * width * heads))
+    return 3.5 * forward
+
+
+def timed(fn: Any, steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def flex_runner(
+    q: Any, k: Any, v: Any, segments_t: Any, tables: Any, options: dict[str, Any] | None, block: int, mode: str | None
+) -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    mask = document_mask(segments_t, "flex", tables, block)
+    compiled = torch.compile(flex_attention, dynamic=False, mode=mode)
+
+    def run() -> None:
+        out = compiled(q, k, v, block_mask=mask.block, kernel_options=options)
+        out.backward(torch.ones_like(out))
+
+    return run, lambda: compiled(q, k, v, block_mask=mask.block, kernel_options=options)
+
+
+def varlen_runner(q: Any, k: Any, v: Any, segments: np.ndarray) -> Any:
+    from torch.nn.attention.varlen import varlen_attn
+
+    rows, columns = segments.shape
+    flat = segments.reshape(-1)
+    # A sequence starts wherever the id changes or a row starts (each row's padding is its own sequence).
+    starts = np.flatnonzero(np.r_[True, (flat[1:] != flat[:-1]) | (np.arange(1, flat.size) % columns == 0)])
+    cu = torch.tensor(np.r_[starts, flat.size], dtype=torch.int32, device="cuda")
+    longest = int(np.diff(cu.cpu().numpy()).max())
+
+    def packed(t: Any) -> Any:  # [R, H, C, K] -> [R*C, H, K]
+        return t.transpose(1, 2).reshape(rows * columns, t.shape[1], t.shape[3])
+
+    def forward() -> Any:
+        return varlen_attn(packed(q), packed(k), packed(v), cu, cu, longest, longest)
+
+    def run() -> None:
+        out = forward()
+        out.backward(torch.ones_like(out))
+
+    return run, forward
+
+
+def main() -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--columns", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--layout", choices=("text", "pairs", "both"), default="both")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="default configs only")
+    parser.add_argument("--blocks", default="128,64", help="FlexAttention tile sides of the block mask")
+    parser.add_argument("--autotune", action="store_true", help="also inductor's max-autotune over flex's configs")
+    parser.add_argument("--varlen", action="store_true", help="also FlashAttention 2's varlen kernels")
+    args = parser.parse_args()
+    width = 64
+    torch._dynamo.config.recompile_limit = 1024  # one compile per (config, layout): not a recompile storm
+    torch._dynamo.config.cache_size_limit = 1024
+    configs: list[tuple[str, dict[str, Any] | None]] = [("flex default", None)]
+    if not args.quick:
+        for bm, bn, warps, stages in ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2)):
+            configs.append(
+                (
+                    f"flex fwd {bm}x{bn} w{warps} s{stages}",
+                    {"fwd_BLOCK_M": bm, "fwd_BLOCK_N": bn, "fwd_num_warps": warps, "fwd_num_stages": stages},
+                )
+            )
+        for m1, n1, m2, n2, warps, stages in (
+            (64, 64, 64, 64, 4, 3),
+            (32, 64, 64, 32, 4, 3),
+            (64, 128, 128, 64, 8, 3),
+            (32, 128, 128, 32, 4, 3),
+            (64, 64, 64, 64, 8, 2),
+        ):
+            configs.append(
+                (
+                    f"flex bwd {m1}/{n1}/{m2}/{n2} w{warps} s{stages}",
+                    {
+                        "bwd_BLOCK_M1": m1,
+                        "bwd_BLOCK_N1": n1,
+                        "bwd_BLOCK_M2": m2,
+                        "bwd_BLOCK_N2": n2,
+                        "bwd_num_warps": warps,
+                        "bwd_num_stages": stages,
+                    },
+                )
+            )
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": {}}
+    if args.autotune:
+        configs.append(("flex max-autotune", None))
+    for name in ("text", "pairs") if args.layout == "both" else (args.layout,):
+        segments = layout(name, args.rows, args.columns)
+        segments_t = torch.from_numpy(segments).cuda()
+        flops = useful_flops(segments, args.heads, width)
+        generator = torch.Generator(device="cuda").manual_seed(0)
+        # Leaves [R, C, H, K] handed over as [R, H, C, K] views, the layout the tower's blocks give attention.
+        shape = (args.rows, args.columns, args.heads, width)
+        leaves = [
+            torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_()
+            for _ in range(3)
+        ]
+        q, k, v = (t.transpose(1, 2) for t in leaves)
+        runners: list[tuple[str, Any]] = []
+        for block in (int(b) for b in args.blocks.split(",")):
+            tables = {key: torch.from_numpy(value).cuda() for key, value in block_tables(segments, block).items()}
+            for label, options in configs:
+                mode = "max-autotune-no-cudagraphs" if "autotune" in label else None
+                if block < 128 and options is None and mode is None:  # the defaults' tiles are 128 wide
+                    options = {
+                        "BLOCK_M": block,
+                        "BLOCK_N": block,
+                        "bwd_BLOCK_M1": block // 2,
+                        "bwd_BLOCK_N1": block,
+                        "bwd_BLOCK_M2": block,
+                        "bwd_BLOCK_N2": block // 2,
+                    }
+                sides = [v for key, v in (options or {}).items() if "BLOCK" in key]
+                if any(block % side for side in sides):
+                    continue
+                runners.append((f"b{block} {label}", flex_runner(q, k, v, segments_t, tables, options, block, mode)))
+        if args.varlen:
+            try:
+                runners.append(("varlen (FA2)", varlen_runner(q, k, v, segments)))
+            except (ImportError, RuntimeError) as error:
+                print(f"varlen: not available here ({error})")
+        reference = None
+        for label, (run, forward) in runners:
+            try:
+                with torch.no_grad():
+                    out = forward().float()
+                out = out.reshape(args.rows, args.columns, args.heads, width) if out.dim() == 3 else out.transpose(1, 2)
+                if reference is None:
+                    reference = out
+                error = float((out - reference).abs().max())
+                ms = timed(run, args.steps, args.warmup)
+                forward_ms = timed(lambda f=forward: f(), args.steps, args.warmup)
+            except Exception as failure:  # a config the kernel refuses is reported, not fatal
+                print(f"{name:5s} {label:40s} failed: {str(failure).splitlines()[0][:120]}", flush=True)
+                continue
+            tflops = flops / (ms / 1e3) / 1e12
+            results["rows"][f"{name} {label}"] = {
+                "ms": ms,
+                "forward_ms": forward_ms,
+                "tflops": tflops,
+                "max_error": error,
+            }
+            print(
+                f"{name:5s} {label:40s} fwd+bwd {ms:7.3f} ms  fwd {forward_ms:7.3f} ms  {tflops:6.1f} TFLOP/s useful"
+                f"  |diff| {error:.2e}",
+                flush=True,
+            )
+            for t in leaves:
+                t.grad = None
+    print(write_json("bench-attention.json", results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
