@@ -31,6 +31,15 @@ needs a GPU that runs the device stage without the interpreter):
 
 `--host-only` skips the two trained runs (the prepare stage at the reference geometry needs no device).
 
+Video and audio steps (issue 12): `--clips N` adds N MP4 clips (`--clip-size` WxH, `--clip-frames` frames, panning
+over the photographs as bench/decode.py makes them; H.264 where PyAV's wheel has it; tubes of 2 x 16², RGB) and
+`--recordings N` adds N recordings of pygame's sample sound (`--audio` mp3, flac or wav; 16 kHz frames of 320), each
+paired with one of the texts as the JPEGs are. The reference video and audio steps:
+
+  python bench/data_wait.py --images 0 --clips 64 --texts 64 --text-bytes 200
+  python bench/data_wait.py --images 0 --recordings 128 --audio mp3 --texts 128 --text-bytes 100
+  python bench/data_wait.py --images 0 --recordings 128 --audio flac --texts 128 --text-bytes 100
+
 Prints a table and writes bench-data-wait.json under $OUT (or the current folder). Usage:
   python bench/data_wait.py [--executor cuda] [--images 128 --texts 128 --steps 20 --warmup 5 --workers 0]
   python bench/data_wait.py --executor cpu --threads 1 --host-only --host-steps 20
@@ -73,14 +82,48 @@ def crops(count: int, side: int = 256) -> list[bytes]:
     return out
 
 
+def clips(args: argparse.Namespace) -> list[bytes]:
+    """`args.clips` MP4s cycling over as many distinct pans as there are photographs."""
+    from decode import clip
+
+    width, height = (int(v) for v in args.clip_size.split("x"))
+    made = [clip(name, (width, height), args.clip_frames)[0] for name in PHOTOS[: min(len(PHOTOS), args.clips)]]
+    return [made[i % len(made)] for i in range(args.clips)]
+
+
+def recordings(args: argparse.Namespace) -> list[bytes]:
+    """`args.recordings` copies of pygame's sample sound as `args.audio` (FLAC encoded here from the WAV)."""
+    from decode import recordings as samples
+
+    found = dict(samples())
+    if args.audio == "flac":
+        import soundfile
+
+        samples_, rate = soundfile.read(io.BytesIO(found["wav"]), dtype="int16")
+        buffer = io.BytesIO()
+        soundfile.write(buffer, samples_, rate, format="FLAC")
+        data = buffer.getvalue()
+    else:
+        data = found[args.audio]
+    return [data] * args.recordings
+
+
 def step_items(args: argparse.Namespace) -> tuple[list[Any], list[bytes], Any]:
     import uform as u
 
     text = topic_text()
-    modalities = [u.Modality.Image] * args.images + [u.Modality.Text] * args.texts
-    contents = crops(args.images) + [text[i * args.text_bytes : (i + 1) * args.text_bytes] for i in range(args.texts)]
-    pairs = min(args.images, args.texts)
-    ids = [[args.images + i] if i < pairs else [] for i in range(args.images)]
+    media = (
+        [(u.Modality.Image, c) for c in crops(args.images)]
+        + [(u.Modality.Video, c) for c in (clips(args) if args.clips else [])]
+        + [(u.Modality.Audio, c) for c in (recordings(args) if args.recordings else [])]
+    )
+    count = len(media)
+    modalities = [m for m, _ in media] + [u.Modality.Text] * args.texts
+    contents = [c for _, c in media] + [
+        text[i * args.text_bytes : (i + 1) * args.text_bytes] for i in range(args.texts)
+    ]
+    pairs = min(count, args.texts)
+    ids = [[count + i] if i < pairs else [] for i in range(count)]
     ids += [[i] if i < pairs else [] for i in range(args.texts)]
     offsets = np.cumsum([0] + [len(x) for x in ids]).tolist()
     relations = u.Relations(attract=u.Edges(offsets=offsets, ids=[j for x in ids for j in x]))
@@ -241,6 +284,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=0, help="decoder processes; 0: one per core")
     add_geometry(parser)
     parser.add_argument("--images", type=int, default=128)
+    parser.add_argument("--clips", type=int, default=0, help="MP4 clips a step")
+    parser.add_argument("--clip-size", default="128x96")
+    parser.add_argument("--clip-frames", type=int, default=24)
+    parser.add_argument("--recordings", type=int, default=0, help="recordings a step")
+    parser.add_argument("--audio", choices=("mp3", "flac", "wav"), default="mp3")
     parser.add_argument("--texts", type=int, default=128)
     parser.add_argument("--text-bytes", type=int, default=200)
     parser.add_argument("--steps", type=int, default=20)
@@ -268,7 +316,12 @@ def main() -> None:
     from uform.media.decode import MediaPolicy
 
     executor = u.Executor.for_vram([0]) if args.executor == "cuda" else u.Executor.cpu()
-    config = joint_config(args, batch={"image": u.ImageShape(patch_side=16, channels=4)})
+    shapes: dict[str, Any] = {"image": u.ImageShape(patch_side=16, channels=4)}
+    if args.clips:
+        shapes["video"] = u.VideoShape(patch_side=16, tube_frames=2, channels=3)
+    if args.recordings:
+        shapes["audio"] = u.AudioShape(chunk_samples=320)
+    config = joint_config(args, batch=shapes)
     modalities, contents, relations = step_items(args)
     media = MediaPolicy(workers=args.workers)
     trainer = u.Trainer.init_vram(executor, config, media=media, host_processes=args.host_processes)
@@ -302,7 +355,14 @@ def main() -> None:
         "host_processes": trainer.host_processes,
         "in_flight": args.in_flight,
         "geometry": {"depth": args.depth, "hidden": args.hidden, "rows": args.rows, "columns": args.columns},
-        "items": {"images": args.images, "texts": args.texts, "text_bytes": args.text_bytes},
+        "items": {
+            "images": args.images,
+            "clips": args.clips,
+            "recordings": args.recordings,
+            "audio": args.audio if args.recordings else None,
+            "texts": args.texts,
+            "text_bytes": args.text_bytes,
+        },
         "placed": int(batch.layout.placed.sum()),
         "dropped": batch.dropped,
         "tokens_per_step": tokens,
@@ -311,7 +371,8 @@ def main() -> None:
         "pressure": pressure,
     }
     print(
-        f"{args.images} JPEGs 256x256 + {args.texts} texts of {args.text_bytes} B, {result['placed']} placed, "
+        f"{args.images} JPEGs 256x256 + {args.clips} MP4 clips + {args.recordings} {args.audio} recordings + "
+        f"{args.texts} texts of {args.text_bytes} B, {result['placed']} placed, "
         f"{result['dropped']} dropped, {tokens} tokens/step, {workers} decoders on {result['cores']} cores, "
         f"{trainer.host_processes} preparer processes, {args.in_flight} steps in flight, {result['device']}:"
     )

@@ -15,10 +15,17 @@ With `--file`, the same items go through `uform encode`'s path too (`uform.encod
 disk (texts inline, images as files beside it) read by `uform.sources`, embedded `--batch` records at a time and
 written to Parquet at `--width` and `--dtype` ("text_file", "image_file" in the table).
 
+With `--peers` (CUDA only), the same call also times the peers of issue 12's serving goal on random inputs:
+transformers' `BertModel` of the same depth and width (8 heads, 4x MLP, SDPA attention, bf16 weights, inference,
+`--bert-sequences` sequences of `--bert-tokens` tokens a call: tokens/s against uform's text positions/s), and
+open_clip's `VisionTransformer` of the same depth and width (`--image-side` px, patch `--patch-side`, bf16 weights,
+compiled, fed ready tensors of `--vit-images` images a call: images/s against uform's from JPEG bytes). transformers
+is on the GPU machine; carry open_clip_torch, ftfy and wcwidth as wheels there.
+
 Each figure is the best of `--repeats` timed calls after one warm-up call (which compiles on CUDA). Prints
 a table and writes bench-encode.json under $OUT (or the current folder).
 
-  python bench/encode.py --device cuda --file
+  python bench/encode.py --device cuda --file --peers
   python bench/encode.py --device cpu --depth 2 --hidden 128 --rows 8 --columns 256 --segments 32 \\
       --texts 256 --images 32 --image-side 64 --file
 """
@@ -101,6 +108,51 @@ def timed(call: Any, repeats: int) -> tuple[float, float]:
     return warm, best
 
 
+def peer_rates(args: argparse.Namespace) -> dict[str, Any]:
+    """BertModel tokens/s and open_clip ViT images/s (inference, bf16, CUDA) at uform's depth and width."""
+    from transformers import BertConfig, BertModel
+
+    heads = args.hidden // 64
+    out: dict[str, Any] = {}
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.depth,
+        num_attention_heads=heads,
+        intermediate_size=4 * args.hidden,
+        max_position_embeddings=max(512, args.bert_tokens),
+        attn_implementation="sdpa",
+    )
+    bert = BertModel(config).cuda().to(torch.bfloat16).eval()
+    ids = torch.randint(1, 30000, (args.bert_sequences, args.bert_tokens), device="cuda")
+
+    def run_bert() -> None:
+        with torch.no_grad():
+            bert(input_ids=ids).last_hidden_state.float().sum().item()
+
+    warm, best = timed(run_bert, args.repeats)
+    tokens = args.bert_sequences * args.bert_tokens
+    out["bert"] = {"tokens_per_s": tokens / best, "sequences_per_s": args.bert_sequences / best, "warmup_s": warm}
+    print(f"{'BertModel':<10} {tokens / best:>12,.0f} tokens/s ({args.bert_sequences / best:,.0f} sequences/s)")
+    import open_clip.model
+
+    vision = open_clip.model.CLIPVisionCfg(
+        layers=args.depth, width=args.hidden, head_width=64, patch_size=args.patch_side, image_size=args.image_side
+    )
+    tower = open_clip.model._build_vision_tower(args.hidden, vision).cuda().to(torch.bfloat16).eval()
+    compiled = torch.compile(tower)
+    pixels = torch.randn(args.vit_images, 3, args.image_side, args.image_side, device="cuda", dtype=torch.bfloat16)
+
+    def run_vit() -> None:
+        with torch.no_grad():
+            compiled(pixels).float().sum().item()
+
+    warm, best = timed(run_vit, args.repeats)
+    out["open_clip_vit"] = {"images_per_s": args.vit_images / best, "warmup_s": warm}
+    print(f"{'open_clip ViT':<13} {args.vit_images / best:>9,.0f} images/s (ready tensors)")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -117,6 +169,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--width", type=int, default=None, help="--file: a Matryoshka width (default: full)")
     parser.add_argument("--dtype", default="f16", choices=("f32", "f16", "bf16", "i8"), help="--file: scalar type")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench-encode.json")
+    parser.add_argument("--peers", action="store_true", help="also BertModel and open_clip's ViT (CUDA)")
+    parser.add_argument("--bert-sequences", type=int, default=1024)
+    parser.add_argument("--bert-tokens", type=int, default=64)
+    parser.add_argument("--vit-images", type=int, default=192)
     args = parser.parse_args(argv)
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -162,6 +218,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             _, best = timed(lambda: pool.map(decode_item, jobs), args.repeats)
         results["decode"] = {"items": len(images), "items_per_s": len(images) / best, "workers": pool.workers}
         print(f"{'decode':<6} {len(images) / best:>12,.1f} items/s  ({pool.workers} decoder processes)", flush=True)
+    if args.peers:
+        results["peers"] = peer_rates(args)
+        if "text" in results:
+            positions = results["text"]["items_per_s"] * (args.text_bytes + 1)
+            results["text_positions_per_s"] = positions
+            results["text_vs_bert"] = positions / results["peers"]["bert"]["tokens_per_s"]
+            print(f"uform text positions/s / BertModel tokens/s: {results['text_vs_bert']:.2f}")
+        if "image" in results:
+            results["image_vs_vit"] = (
+                results["image"]["items_per_s"] / results["peers"]["open_clip_vit"]["images_per_s"]
+            )
+            print(f"uform JPEG images/s / open_clip ViT images/s: {results['image_vs_vit']:.2f}")
     write_json("bench-encode.json", results, args.out)
     sys.stdout.flush()
     return results

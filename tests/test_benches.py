@@ -1,6 +1,7 @@
 """The bench scripts that answer numbers run end to end on the CPU at a tiny scale (the lead runs them on a
 GPU at the reference geometry of docs/design.md §1): bench/encode.py (its --file path too); bench/onnx_cpu.py; bench/maxsim.py, whose current MaxSim agrees with the previous one it
-keeps as the reference; bench/scaling.py through an executor of two CPU workers; bench/train_shards.py (uform.fit from tar shards against the library loop); and bench/pairs.py (uform's side)."""
+keeps as the reference; bench/scaling.py through an executor of two CPU workers; bench/train_shards.py (uform.fit from tar shards against the library loop); bench/pairs.py (uform's side);
+bench/data_wait.py's video and audio steps; and bench/attention.py's layouts and FLOP count."""
 
 from __future__ import annotations
 
@@ -114,3 +115,16 @@ def test_attention_bench_layouts_and_flops() -> None:
     assert padding == 4 * (1024 - 3 * (257 + 61))
     by_hand = sum(3.5 * 4 * n * n * 64 * 8 for n in counts.tolist())
     assert bench.useful_flops(pairs, 8, 64) == by_hand
+
+
+def test_data_wait_bench_builds_video_and_audio_steps(tmp_path: Path) -> None:
+    """bench/data_wait.py's video and audio steps (MP4 clips, FLAC encoded from pygame's WAV) are prepared end to end
+    on the CPU (`--host-only`; the GPU runs the timed steps), every item placed."""
+    tiny = "--executor cpu --threads 1 --host-only --host-steps 1 --images 0 --clips 2 --clip-frames 6"
+    tiny += " --recordings 2 --audio flac --texts 4 --depth 1 --hidden 128 --rows 8 --columns 1024 --segments 16"
+    tiny += " --workers 1"
+    environment = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(BENCH.parent)}
+    subprocess.run([sys.executable, str(BENCH / "data_wait.py"), *tiny.split()], env=environment, check=True)
+    result = json.loads((tmp_path / "bench-data-wait.json").read_text())
+    assert result["items"]["clips"] == 2 and result["items"]["recordings"] == 2 and result["items"]["audio"] == "flac"
+    assert result["placed"] == 8 and result["dropped"] == 0

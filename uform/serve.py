@@ -594,6 +594,9 @@ class Model:
             host.start()
             try:
                 done, at = 0, 0
+                # One batch's readout stays in flight while the next batch is launched, so the device never
+                # idles through a readback and the next launch (the trainer's deferred steps, for serving).
+                landing: tuple[_Prepared, Tensor, Any] | None = None
                 while True:
                     message = handoff.get()
                     if message[0] == "error":
@@ -608,7 +611,10 @@ class Model:
                         done += len(message[1])
                     else:
                         prepared = message[1]
-                        answers.append((prepared, self._device(job, prepared)))
+                        launched = (prepared, *self._device(job, prepared))
+                        if landing is not None:
+                            answers.append(_landed(landing))
+                        landing = launched
                         truncated += prepared.truncated
                         done += len(prepared.members)
                     if progress is not None and done < total and at < len(points) and done >= points[at]:
@@ -616,6 +622,8 @@ class Model:
                             at += 1
                         if progress(done, total) is False:
                             raise Stopped(f"{_VERB_NAMES[job.verb]} stopped at {done} of {total} items")
+                if landing is not None:
+                    answers.append(_landed(landing))
                 if progress is not None and progress(total, total) is False:
                     raise Stopped(f"{_VERB_NAMES[job.verb]} stopped at {total} of {total} items")
             finally:
@@ -740,8 +748,9 @@ class Model:
             truncated=batch.truncated,
         )
 
-    def _device(self, job: _Job, prepared: _Prepared) -> Tensor:
-        """One batch's forward and readout, answered on the host."""
+    def _device(self, job: _Job, prepared: _Prepared) -> tuple[Tensor, Any]:
+        """One batch's forward and readout, launched: answers the readout's host tensor and the CUDA event after
+        which it holds the answer (None on the CPU, where it is ready); `_landed` waits for it."""
         device = self.device
         network = self.network
         inputs = self._inputs(prepared)
@@ -749,14 +758,23 @@ class Model:
             if job.verb == "encode":
                 pooled = self._pooled_fn(inputs)  # [S, D] f32
                 slots = torch.from_numpy(prepared.slots).to(device)
-                return F.normalize(pooled[slots, : job.width].float(), dim=-1).cpu()
-            states = self._states_fn(inputs)  # [R, C, D]
-            flat = states.reshape(-1, states.shape[-1])
-            at = flat[torch.from_numpy(prepared.gather).to(device)]
-            if job.verb == "tokens":
-                assert network.token_head is not None
-                return network.token_head(at).float().cpu()  # [T, W]
-            return network.text_head(at).float().cpu()  # [n, 256]
+                out = F.normalize(pooled[slots, : job.width].float(), dim=-1)  # [n, width]
+            else:
+                states = self._states_fn(inputs)  # [R, C, D]
+                flat = states.reshape(-1, states.shape[-1])
+                at = flat[torch.from_numpy(prepared.gather).to(device)]
+                if job.verb == "tokens":
+                    assert network.token_head is not None
+                    out = network.token_head(at).float()  # [T, W]
+                else:
+                    out = network.text_head(at).float()  # [n, 256]
+        if device.type != "cuda":
+            return out, None
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return host, event
 
     def _inputs(self, prepared: _Prepared) -> DeviceBatch:
         """A prepared batch's host tensors on the device (`model.inputs.to_device`, as the trainer's step);
@@ -773,6 +791,14 @@ class Model:
 
     def _states_forward(self, batch: DeviceBatch) -> Tensor:
         return self.network.states(batch)
+
+
+def _landed(launched: tuple[_Prepared, Tensor, Any]) -> tuple[_Prepared, Tensor]:
+    """A launched batch's (prepared, readout) once its device work is done (`Model._device`)."""
+    prepared, host, event = launched
+    if event is not None:
+        event.synchronize()
+    return prepared, host
 
 
 _VERB_NAMES = {"encode": "encode", "tokens": "tokens", "choose": "text_choose"}
