@@ -129,3 +129,19 @@ def random_checkpoint(args: Any, path: str, *, patch_side: int = 16, widths: tup
     tensors = {f"weights.{k}": v for k, v in network.state_dict().items()}
     write_checkpoint(path, tensors, {"uform.format": "uform.trainer.1", "uform.config": to_json(config)})
     return path
+
+
+def bert_config(depth: int, hidden: int, vocab: int, positions: int) -> Any:
+    """transformers' `BertConfig` of a tower shaped like uform's: `depth` layers of `hidden` (heads of 64, MLP 4x),
+    SDPA attention, `vocab` token ids and `positions` positions."""
+    from transformers import BertConfig
+
+    return BertConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=depth,
+        num_attention_heads=hidden // 64,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=positions,
+        attn_implementation="sdpa",
+    )

@@ -48,7 +48,13 @@ import torch
 # Run as a script, the checkout's uform wins over an installed one; its sibling `common` is found when loaded too.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_geometry, random_checkpoint, topic_slices, write_json  # sibling modules, not a package
+from common import (
+    add_geometry,
+    bert_config,
+    random_checkpoint,
+    topic_slices,
+    write_json,
+)  # sibling modules, not a package
 
 
 def jpegs(count: int, side: int, seed: int = 0) -> list[bytes]:
@@ -110,19 +116,10 @@ def timed(call: Any, repeats: int) -> tuple[float, float]:
 
 def peer_rates(args: argparse.Namespace) -> dict[str, Any]:
     """BertModel tokens/s and open_clip ViT images/s (inference, bf16, CUDA) at uform's depth and width."""
-    from transformers import BertConfig, BertModel
+    from transformers import BertModel
 
-    heads = args.hidden // 64
     out: dict[str, Any] = {}
-    config = BertConfig(
-        vocab_size=30522,
-        hidden_size=args.hidden,
-        num_hidden_layers=args.depth,
-        num_attention_heads=heads,
-        intermediate_size=4 * args.hidden,
-        max_position_embeddings=max(512, args.bert_tokens),
-        attn_implementation="sdpa",
-    )
+    config = bert_config(args.depth, args.hidden, 30522, max(512, args.bert_tokens))
     bert = BertModel(config).cuda().to(torch.bfloat16).eval()
     ids = torch.randint(1, 30000, (args.bert_sequences, args.bert_tokens), device="cuda")
 

@@ -23,6 +23,7 @@ import time
 import torch
 from common import (  # sibling modules, not a package
     add_geometry,
+    bert_config,
     in_flight,
     joint_config,
     pair_relations,
@@ -71,18 +72,9 @@ def bench_uform(args: argparse.Namespace) -> dict:
 
 
 def bench_bert(args: argparse.Namespace) -> dict:
-    from transformers import BertConfig, BertForMaskedLM
+    from transformers import BertForMaskedLM
 
-    heads = args.hidden // 64
-    config = BertConfig(
-        vocab_size=260,
-        hidden_size=args.hidden,
-        num_hidden_layers=args.depth,
-        num_attention_heads=heads,
-        intermediate_size=4 * args.hidden,
-        max_position_embeddings=args.columns,
-        attn_implementation="sdpa",
-    )
+    config = bert_config(args.depth, args.hidden, 260, args.columns)
     model = BertForMaskedLM(config).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, 256, (args.rows, args.columns), device="cuda")
