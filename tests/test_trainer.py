@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -718,6 +719,25 @@ def test_a_short_run_decreases_the_loss(make_trainer) -> None:
         losses.append(stats.loss)
     assert np.isfinite(losses).all()
     assert np.mean(losses[-5:]) < losses[0], losses
+
+
+def test_weights_come_after_the_answers_of_the_steps_they_include(make_trainer, monkeypatch) -> None:
+    """The steps' futures resolve on the completion thread, the copy on the device thread: `weights()` must not
+    answer before the steps it includes are answered, however late the completion thread runs."""
+    import uform.replica.replica as replica_module
+
+    complete = replica_module._complete
+
+    def late(finish, done) -> None:
+        time.sleep(0.3)
+        complete(finish, done)
+
+    monkeypatch.setattr(replica_module, "_complete", late)
+    trainer = make_trainer()
+    futures = [trainer.deferred(trainer.executor).step(["text"] * 2, ["a deferred", "pair"]) for _ in range(2)]
+    weights = trainer.weights()
+    assert all(f.done() for f in futures) and weights.step == 2
+    trainer.close()
 
 
 def test_weights_are_a_copy_after_every_step_called(make_trainer) -> None:

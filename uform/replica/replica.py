@@ -22,7 +22,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -321,7 +321,8 @@ class Replica:
         return self._queue.submit(self._run_save, config, data)
 
     def weights(self) -> Future:
-        """A `Future` of the network's `Weights` after every step called before it."""
+        """A `Future` of the network's `Weights` after every step called before it, resolved after those steps'
+        own futures (so a caller holding the weights holds answered steps)."""
         self.check_open()
 
         def copy() -> Weights:
@@ -329,7 +330,18 @@ class Replica:
             tensors = {k: v.detach().to("cpu", copy=True) for k, v in self.network.state_dict().items()}
             return Weights(self.config, self._step_count, tensors)
 
-        return self._queue.submit(copy)
+        copied = self._queue.submit(copy)
+        answered: Future = Future()
+        answered.set_running_or_notify_cancel()
+
+        def relay(_: Future) -> None:  # on the device thread, after it queued every earlier step's completion
+            try:
+                self._completion.submit(_pass_on, copied, answered)  # in order: behind those completions
+            except RuntimeError:  # the completion thread is shut down: nothing is left behind it
+                _pass_on(copied, answered)
+
+        copied.add_done_callback(relay)
+        return answered
 
     def queued(self, work: Callable[[], Any]) -> Future:
         """A `Future` of `work()`, run on the device thread after every step and save called before it and
@@ -728,6 +740,18 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     host.copy_(tensor.detach(), non_blocking=True)
     return host
+
+
+def _pass_on(source: Future, target: Future) -> None:
+    """Resolves `target` as `source` resolved."""
+    if source.cancelled():
+        target.set_exception(CancelledError())
+        return
+    error = source.exception()
+    if error is not None:
+        target.set_exception(error)
+    else:
+        target.set_result(source.result())
 
 
 def _complete(finish: Callable[[], Any], done: Future) -> None:
