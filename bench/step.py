@@ -10,6 +10,11 @@ segments per device), bf16 autocast, fused AdamW, full steps (forward, loss, bac
   hf_bert       transformers' BertForMaskedLM (SDPA attention) on random ids and labels over every
                 position, as ../shared/bench/anchor_gpu.py measures it.
 
+Model FLOPs utilisation (`mfu`) counts useful FLOPs only: 6 x the tower's parameters (12 D² a block) x the step's
+positions, plus same-segment attention (4 L² K H per segment of L positions per block forward, 3.5x that for
+forward + backward); embeddings, heads, the optimizer and padding are not counted. It is taken against
+`--peak-tflops` (776: the bf16 matrix-multiply rate measured on the H200, ../shared/bench/anchor-h200.json).
+
 Prints a table and writes bench-step.json under $OUT (or the current folder). Usage:
   python bench/step.py [--depth 12 --hidden 512 --rows 64 --columns 1024 --segments 256 --steps 30]
 """
@@ -17,10 +22,13 @@ Prints a table and writes bench-step.json under $OUT (or the current folder). Us
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # sibling modules, not a package
     add_geometry,
     bert_config,
@@ -30,6 +38,15 @@ from common import (  # sibling modules, not a package
     topic_slices,
     write_json,
 )
+
+
+def useful_flops(depth: int, hidden: int, rows: int, columns: int, segments: int) -> float:
+    """The useful FLOPs of one training step over `segments` equal segments filling `rows` x `columns`."""
+    positions = rows * columns
+    length = positions / segments
+    matrices = 6.0 * depth * 12 * hidden * hidden * positions
+    attention = 3.5 * depth * segments * 4.0 * length * length * hidden  # K x H = D
+    return matrices + attention
 
 
 def bench_uform(args: argparse.Namespace) -> dict:
@@ -68,6 +85,9 @@ def bench_uform(args: argparse.Namespace) -> dict:
         "loss": last.loss,
         "dropped": last.dropped,
         "first_loss": stats[0].loss,
+        "mfu": useful_flops(args.depth, args.hidden, args.rows, args.columns, args.segments)
+        / seconds
+        / (args.peak_tflops * 1e12),
     }
 
 
@@ -113,6 +133,7 @@ def main() -> None:
     parser.add_argument(
         "--host-processes", type=int, default=None, help="Trainer.init_vram(host_processes=); default: the trainer's"
     )
+    parser.add_argument("--peak-tflops", type=float, default=776.0, help="the GPU's measured bf16 matmul rate")
     parser.add_argument("--in-flight", type=int, default=2, help="answers left pending while the next is submitted")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -130,6 +151,9 @@ def main() -> None:
         if name in results:
             r = results[name]
             print(f"{name:<14} {r['ms']:>9.2f} {r['tokens_per_s']:>12,.0f} {r['peak_gib']:>9.2f}")
+    print(
+        f"uform model FLOPs utilisation: {100 * results['uform_joint']['mfu']:.1f}% of {args.peak_tflops:.0f} TFLOP/s"
+    )
     if "speedup_vs_bert" in results:
         print(f"uform / BERT tokens/s: {results['speedup_vs_bert']:.2f}x")
     sys.stdout.flush()

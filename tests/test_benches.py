@@ -128,3 +128,16 @@ def test_data_wait_bench_builds_video_and_audio_steps(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "bench-data-wait.json").read_text())
     assert result["items"]["clips"] == 2 and result["items"]["recordings"] == 2 and result["items"]["audio"] == "flac"
     assert result["placed"] == 8 and result["dropped"] == 0
+
+
+def test_step_bench_counts_the_towers_own_parameters() -> None:
+    """bench/step.py's useful FLOPs: 6 x the tower's matrix parameters x positions (counted here off uform's own
+    `Tower`) plus same-segment attention, 4 L² D a block forward and 3.5x that with backward."""
+    from uform.model.tower import Tower
+
+    bench = load("step")
+    depth, hidden, rows, columns, segments = 2, 128, 4, 256, 8
+    matrices = sum(p.numel() for p in Tower(depth, hidden).parameters() if p.dim() == 2)
+    length = rows * columns // segments
+    by_hand = 6 * matrices * rows * columns + 3.5 * depth * segments * 4 * length**2 * hidden
+    assert bench.useful_flops(depth, hidden, rows, columns, segments) == by_hand
