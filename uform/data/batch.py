@@ -14,7 +14,7 @@ corruption and media mask by its own digest too (`item_key`), so they do not dep
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -40,6 +40,11 @@ MEDIA_STREAM = 3
 MEDIA_KINDS = {Modality.Image: "image", Modality.Video: "video", Modality.Audio: "audio"}
 UNIT_DTYPES: dict[str, type[np.generic]] = {"image": np.uint8, "video": np.uint8, "audio": np.float32}
 """The dtype of each modality's unit values, as the decoders answer them (`media.units.Units`)."""
+
+Alloc = Callable[[tuple[int, ...], type[np.generic]], np.ndarray]
+"""Makes an array of a shape and dtype whose contents the caller overwrites whole (`np.empty`'s contract): where
+`prepare` builds a step's media arrays, the largest of its answer (a preparer process's builds them straight into
+the shared memory its answer crosses in)."""
 
 
 def media_features(config: TrainerInitVramConfig) -> dict[str, int]:
@@ -187,6 +192,7 @@ def prepare(
     units: Mapping[int, Units] | None = None,
     skipped: np.ndarray | None = None,
     choices: ChoiceTapes | None = None,
+    alloc: Alloc = np.empty,
 ) -> Batch:
     """Packs, corrupts and pairs one step's items for one device. Inputs were checked by the caller.
 
@@ -194,7 +200,8 @@ def prepare(
     items that did not (they take no room, score no pair, and are counted apart from `dropped`).
     `choices` (read where the run trains them) gives the text items that make a choice: each becomes
     its state, its bytes with a MASK appended (the head cut where the row is too short), and is left
-    uncorrupted, so the choice reads the state exactly as `text_choose` will.
+    uncorrupted, so the choice reads the state exactly as `text_choose` will. `alloc` makes the media
+    arrays (`Batch.media`), each written whole here: the answer is the same wherever they lie.
     """
     b = config.batch
     R, C, S = b.max_rows_per_device, b.max_columns_per_row, b.max_segments_per_device
@@ -253,7 +260,7 @@ def prepare(
             masked = np.zeros(len(item), dtype=bool)
         gathered[kind].append((item.values, index, masked))
         truncated[i] |= item.truncated
-    media = {kind: _stack_units(gathered[kind], f, UNIT_DTYPES[kind]) for kind, f in features.items()}
+    media = {kind: _stack_units(gathered[kind], f, UNIT_DTYPES[kind], alloc) for kind, f in features.items()}
 
     capacity = covered_capacity(config)
     target_index = np.zeros(capacity, dtype=np.int64)
@@ -426,22 +433,24 @@ def _choice_arrays(
 
 
 def _stack_units(
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], features: int, dtype: type[np.generic]
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], features: int, dtype: type[np.generic], alloc: Alloc
 ) -> dict[str, np.ndarray]:
-    """One modality's units of the step, padded with inert units (valid 0, never masked) to at least two;
-    values in the modality's own dtype even when the step has none of its units (a stable dtype for the
-    compiled step)."""
+    """One modality's units of the step, padded with inert units (zero values, valid 0, never masked) to at
+    least two; values in the modality's own dtype even when the step has none of its units (a stable dtype for
+    the compiled step). Each unit is copied once, into arrays of `alloc` written whole."""
     count = sum(len(index) for _, index, _ in parts)
     padded = max(2, count)
-    values: np.ndarray = np.zeros((padded, features), dtype=dtype)
-    index = np.zeros(padded, dtype=np.int64)
-    masked = np.zeros(padded, dtype=bool)
-    valid = np.zeros(padded, dtype=np.float32)
-    at = 0
-    for v, i, m in parts:
-        values[at : at + len(i)] = v
-        index[at : at + len(i)] = i
-        masked[at : at + len(i)] = m
-        at += len(i)
+    values = alloc((padded, features), dtype)  # [U, F]
+    index = alloc((padded,), np.int64)
+    masked = alloc((padded,), np.bool_)
+    valid = alloc((padded,), np.float32)
+    if parts:
+        np.concatenate([v for v, _, _ in parts], out=values[:count], casting="unsafe")
+        np.concatenate([i for _, i, _ in parts], out=index[:count], casting="unsafe")
+        np.concatenate([m for _, _, m in parts], out=masked[:count], casting="unsafe")
+    values[count:] = 0
+    index[count:] = 0
+    masked[count:] = False
     valid[:count] = 1.0
+    valid[count:] = 0.0
     return {"values": values, "index": index, "masked": masked, "valid": valid}
