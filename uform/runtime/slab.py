@@ -218,7 +218,11 @@ def read_out_of_band(
         with memoryview(exporter) as typed:
             view = typed.cast("B")
         del exporter  # the views hold it now, through `view`
-        return pickle.loads(header, buffers=[view[at : at + length] for at, length in spans])
+        try:
+            return pickle.loads(header, buffers=[view[at : at + length] for at, length in spans])
+        except BaseException:
+            del view  # not kept alive by the traceback's frame: nothing views the bytes, so they are free now
+            raise
     if not copy:
         view = memoryview(slab)
         return pickle.loads(header, buffers=[view[at : at + length] for at, length in spans])
