@@ -4,7 +4,7 @@ Pins: a buffer its writer built inside the slab's ``placed`` range crosses where
 are copied after it; held views (``freed``) keep their bytes taken until the last view of a message is gone,
 derived arrays included, and free them at once when the message does not unpickle; `Areas` never offers a helper
 the bytes of a reply still viewed, frees them when its views go (even from inside its own lock), prefers the
-lowest gap that holds the largest reply so far, and withdraws an offer the reply did not use.
+lowest gap that holds the largest reply so far, else the longest.
 """
 
 from __future__ import annotations
@@ -77,11 +77,10 @@ def test_areas_never_offer_bytes_a_reply_still_holds() -> None:
     free_second = areas.hold([(100 * a, 100 * a)])
     free_first()  # the gap at the front holds a reply as long as the largest so far: offered first
     assert areas.held == [(100 * a, 200 * a)] and areas.offer() == (0, 100 * a)
-    areas.settle()  # that reply crossed the pipe: nothing taken
+    # that reply crossed the pipe: it took nothing
     free_third = areas.hold([(300 * a, 400 * a)])  # a larger reply, further on
     assert areas.held == [(100 * a, 200 * a), (300 * a, 700 * a)]
     assert areas.offer() == (700 * a, 1000 * a)  # no gap holds 400: the longest one
-    areas.settle()
     with areas._lock:  # a finalizer may run where the lock is held: freeing never waits for it
         free_second()
         free_third()
@@ -92,7 +91,6 @@ def test_areas_offer_the_longest_gap_when_none_holds_the_largest_reply() -> None
     areas = Areas(100)
     free = areas.hold([(0, 60)])
     assert areas.offer() == (64, 100)  # shorter than the largest reply (64), but the only room there is
-    areas.settle()
     free()
     full = Areas(64)
     full.hold([(0, 64)])

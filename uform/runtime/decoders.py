@@ -406,7 +406,6 @@ class _Batch:
             if worker.future is not future or worker.state not in (_LOADING, _RUNNING):
                 return  # a worker the calling thread already gave up on (timed out, interrupted)
             assert worker.job is not None
-            worker.areas.settle()  # a result in the slab is held already (the helper's lease): the rest of the gap is free
             error = future.exception()
             elapsed = time.monotonic() - worker.sent_at
             if isinstance(error, ProcessDied):

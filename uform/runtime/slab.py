@@ -238,9 +238,10 @@ def message_area(spans: Spans) -> tuple[int, int]:
 
 class Areas:
     """Which bytes of one slab hold a helper's replies that its owner still views (`read_out_of_band`'s held
-    views), so that the helper writes its next reply elsewhere: each call is offered one free gap (`offer`), the
-    reply's bytes are held (`hold`, the helper's `lease`) until the last view of them is gone, and an offer the
-    reply did not use (it crossed the pipe, or failed) is withdrawn (`settle`). One call at a time per slab.
+    views), so that the helper writes its next reply elsewhere: each call is offered one free gap (`offer`), and
+    the reply's bytes are held (`hold`, the helper's `lease`) until the last view of them is gone. One call at a
+    time per slab (a decoder gets its next job only once it answered the last), so an offer needs no keeping: a
+    reply that did not use it (it crossed the pipe, or failed) took nothing.
 
     A freed area is queued (a deque's append, safe from any thread and from a finalizer that runs inside this
     object's own lock) and returned to the free bytes at the next `offer` or `hold`."""
@@ -248,14 +249,13 @@ class Areas:
     def __init__(self, size: int) -> None:
         self.size = size
         self._held: dict[int, int] = {}  # start -> end of each held area; they never overlap
-        self._offered: tuple[int, int] | None = None
         self._want = 0  # the largest reply held so far: offers prefer the lowest gap at least this long
         self._freed: collections.deque[int] = collections.deque()
         self._lock = threading.Lock()
 
     def offer(self) -> tuple[int, int]:
         """(start, end): the gap the next reply may be written into (the lowest at least as long as the largest
-        reply so far, else the longest); it stays offered until `hold` or `settle`."""
+        reply so far, else the longest; (0, 0) when every byte is held)."""
         with self._lock:
             self._drain()
             taken = sorted(self._held.items())
@@ -267,25 +267,18 @@ class Areas:
             if at < self.size:
                 gaps.append((at, self.size))
             roomy = [g for g in gaps if g[1] - g[0] >= self._want]
-            self._offered = roomy[0] if roomy else max(gaps, key=lambda g: g[1] - g[0], default=(0, 0))
-            return self._offered
+            return roomy[0] if roomy else max(gaps, key=lambda g: g[1] - g[0], default=(0, 0))
 
     def hold(self, spans: Spans) -> Callable[[], None]:
-        """Holds the bytes a reply's buffers span (they lie in the offered gap) and withdraws the offer; answers
-        the callback that frees them."""
+        """Holds the bytes a reply's buffers span (they lie in the gap it was offered); answers the callback that
+        frees them."""
         start, end = message_area(spans)
         end = -(-end // SLAB_ALIGN) * SLAB_ALIGN
         with self._lock:
             self._drain()
             self._held[start] = end
             self._want = max(self._want, end - start)
-            self._offered = None
         return functools.partial(self._freed.append, start)
-
-    def settle(self) -> None:
-        """Withdraws the offer (the reply came without the slab, or not at all)."""
-        with self._lock:
-            self._offered = None
 
     @property
     def held(self) -> list[tuple[int, int]]:
