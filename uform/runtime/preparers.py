@@ -29,10 +29,13 @@ The processes (``host_processes=N``, started on the first step that needs one):
   unlinked at once and mapped by the preparer process through its descriptor, so no name outlives a killed process), and the rest of its checked arguments (modalities, bags, groups, sides, choices,
   relations) pickled beside them with protocol 5, large buffers out of band into the same area. The preparer process
   reads the contents as views of the slab (no copy) and answers the `Batch`, the block tables and the skipped
-  items the same way, into the slot's output area (`uform.runtime.slab.write_out_of_band`, the decoders' own mechanism).
-  The trainer's process maps the answer's arrays from the slab and copies each once, into page-locked memory on
-  CUDA (where the asynchronous copy to the GPU reads it) or an owned array on the CPU; the slot is then free for
-  the next step. Pages of a slab are reserved before they are written (``posix_fallocate``), so a full /dev/shm
+  items the same way, into the slot's output area (`uform.runtime.slab.write_out_of_band`, the decoders' own mechanism);
+  the step's media arrays are built there in the first place (`_Built`: its decoders' units, views of their slabs,
+  are stacked straight into the area), so the answer names them where they lie and a unit is copied once between
+  a decoder's slab and the trainer's process. The trainer's process maps the answer's arrays from the slab and
+  copies each once, into page-locked memory on CUDA (where the asynchronous copy to the GPU reads it) or an owned
+  array on the CPU; the slot is then free for the next step (a step whose wait was interrupted keeps its slot
+  until its answer came back). Pages of a slab are reserved before they are written (``posix_fallocate``), so a full /dev/shm
   sends the message through the pipe instead of killing a process with SIGBUS; areas keep the pages they reached.
 - Failures answer the step that met them, in the trainer's process: a strict `MediaError` naming the item (the
   trainer unchanged), any other exception of the prepare stage as itself, and a preparer process that died (killed, out
