@@ -665,6 +665,7 @@ class Model:
                 if stop.is_set():
                     return
                 yield ("batch", self._prepare(job, members, rows, units))
+            del units  # views of the decoders' slabs (packed into the batches now): free before the next window
 
     def _decode(self, job: _Job, window: range) -> tuple[dict[int, Units], list[tuple[int, str]]]:
         items = [i for i in window if job.modalities[i] != Modality.Text]
