@@ -179,15 +179,34 @@ def thread_cpu(name_prefix: str) -> float:
     return total
 
 
+def process_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system, every thread's, dead ones too) of the processes `pids`, from /proc (0 where
+    there is none): what a preparer process spends of its own, its decoders (processes of their own) apart."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def preparer_pids(trainer: Any) -> list[int]:
+    """The trainer's preparer processes' pids (none when it prepares in process)."""
+    preparers = getattr(trainer.replica.stage, "preparers", None)
+    return [] if preparers is None else [p.pid for p in preparers.processes]
+
+
 class Pressure:
     """The interpreter-lock pressure of a stretch of work: this process's CPU time outside the device thread
-    (and the probe) per step, and the probe's lateness."""
+    (and the probe) per step, and the probe's lateness; and the CPU time of processes `pids` (the preparers)."""
 
-    def __init__(self, steps: int, probe: bool = True) -> None:
+    def __init__(self, steps: int, probe: bool = True, pids: list[int] | None = None) -> None:
         self.steps = steps
         self.probe = Probe() if probe else None
+        self.pids = pids or []
 
     def __enter__(self) -> Pressure:
+        self.preparers = process_cpu(self.pids)
         self.cpu = time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID)
         self.device = thread_cpu("uform-device")
         self.wall = time.perf_counter()
@@ -206,6 +225,7 @@ class Pressure:
             "ms_per_step": self.wall / self.steps * 1e3,
             "main_cpu_ms_per_step": (total - device - probe_cpu) / self.steps * 1e3,
             "device_cpu_ms_per_step": device / self.steps * 1e3,
+            "preparer_cpu_ms_per_step": (process_cpu(self.pids) - self.preparers) / self.steps * 1e3,
         }
         if self.probe is not None:
             self.result["probe"] = self.probe.summary()
@@ -228,7 +248,7 @@ def timed_steps(trainer: Any, modalities: list[Any], contents: list[bytes], rela
         return (time.perf_counter() - started) / count
 
     run(args.warmup)
-    with Pressure(args.steps) as pressure:
+    with Pressure(args.steps, pids=preparer_pids(trainer)) as pressure:
         seconds = run(args.steps)
     return seconds, stats, pressure.result
 
@@ -238,10 +258,11 @@ def prepare_step(trainer: Any, checked: Any, args: argparse.Namespace) -> dict[s
     with ThreadPoolExecutor(2, thread_name_prefix="bench-host") as pool:
         list(pool.map(lambda step: trainer.replica.prepare(checked, step), range(20_000, 20_006)))
         first = 20_006
-        with Pressure(args.host_steps, probe=False) as quiet:
+        pids = preparer_pids(trainer)
+        with Pressure(args.host_steps, probe=False, pids=pids) as quiet:
             list(pool.map(lambda step: trainer.replica.prepare(checked, step), range(first, first + args.host_steps)))
         first += args.host_steps
-        with Pressure(args.host_steps) as probed:
+        with Pressure(args.host_steps, pids=pids) as probed:
             list(pool.map(lambda step: trainer.replica.prepare(checked, step), range(first, first + args.host_steps)))
     return {**probed.result, "without_probe": quiet.result}
 
@@ -273,7 +294,7 @@ def describe(name: str, row: dict[str, Any]) -> str:
     probe = row["probe"]
     return (
         f"  {name:<9} {row['ms_per_step']:6.1f} ms/step  main CPU outside the device thread "
-        f"{row['main_cpu_ms_per_step']:5.1f} ms/step  probe late p50 {probe['p50_us']:5.0f} us, p99 "
+        f"{row['main_cpu_ms_per_step']:5.1f} ms/step  preparers' CPU {row['preparer_cpu_ms_per_step']:5.1f} ms/step  probe late p50 {probe['p50_us']:5.0f} us, p99 "
         f"{probe['p99_us']:5.0f} us, p99.9 {probe['p999_us']:5.0f} us"
     )
 

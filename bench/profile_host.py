@@ -2,7 +2,9 @@
 Joint step (128 JPEGs 256 x 256 + 128 texts of 200 B; docs/design.md §1), in process, under cProfile.
 
 Prints: one image's decode alone (`media.image_units`, no pool), the pool's decode of a step's images
-(`Replica.decode`), the whole prepare stage, then cProfile's top functions by own time and by cumulative time
+(`Replica.decode`), the whole prepare stage, the prepare stage with decoding excluded (`data.batch.prepare` of the
+step's units decoded once: its media arrays in fresh memory, as in process, and in memory reused every step, as a
+preparer process builds them in its slab), then cProfile's top functions by own time and by cumulative time
 over `--steps` prepare calls. No device is used (the CPU executor's prepare is the CUDA one's but for the block
 tables, counted apart with `--flex`).
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import pathlib
 import pstats
 import sys
@@ -36,6 +39,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import uform as u
+    from uform.data.batch import prepare as pack
     from uform.media import image_units
     from uform.media.decode import MediaPolicy
 
@@ -75,12 +79,40 @@ def main() -> None:
             profiler.disable()
             prepare.append(time.perf_counter() - started)
         workers = replica.stage.decode_workers
+        units, _ = replica.decode(checked)
+        units = {i: dataclasses.replace(x, values=np.array(x.values)) for i, x in units.items()}  # off the slabs
     finally:
         trainer.close()
+    reused: dict[tuple, np.ndarray] = {}
+
+    def same_memory(shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray:
+        return reused.setdefault((shape, np.dtype(dtype).str), np.empty(shape, dtype))
+
+    alone = {}
+    for name, alloc in (("fresh", np.empty), ("reused", same_memory)):
+        took = []
+        for step in range(args.steps + 2):
+            started = time.perf_counter()
+            pack(
+                config,
+                checked.modalities,
+                checked.contents,
+                bags=checked.bags,
+                groups=checked.groups,
+                sides=checked.sides,
+                relations=checked.relations,
+                step=step,
+                units=units,
+                choices=checked.choices,
+                alloc=alloc,
+            )
+            took.append(time.perf_counter() - started)
+        alone[name] = np.median(took[2:]) * 1e3
     print(
         f"one image alone {one * 1e3:.2f} ms ({args.images} of them: {one * args.images * 1e3:.0f} ms of one core); "
         f"the pool's decode of a step {np.median(decode) * 1e3:.1f} ms over {workers} decoders (ideal "
-        f"{one * args.images / workers * 1e3:.1f}); prepare {np.median(prepare) * 1e3:.1f} ms/step (profiled)"
+        f"{one * args.images / workers * 1e3:.1f}); prepare {np.median(prepare) * 1e3:.1f} ms/step (profiled); "
+        f"decoding excluded {alone['fresh']:.1f} ms/step with fresh media arrays, {alone['reused']:.1f} in reused memory"
     )
     stats = pstats.Stats(profiler)
     stats.sort_stats("tottime").print_stats(args.top)

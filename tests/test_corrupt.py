@@ -9,6 +9,7 @@ import pytest
 
 from uform import vocab
 from uform.config import Masking
+from uform.data.batch import keyed_rng, keyed_rngs
 from uform.data.corrupt import corrupt_text, cover_spans
 from uform.enums import Modality
 
@@ -250,3 +251,21 @@ def test_corrupt_text_no_spans() -> None:
     assert not covered.any() and np.array_equal(inputs, tokens)
     inputs, covered = corrupt_text(tokens, [(0, 1, 0), (1, 0, 3)], masking, generators(0, [0, 0]))
     assert not covered.any()  # round(0.15 * 3) == 0
+
+
+def test_keyed_rngs_are_state_for_state_the_keyed_rng_of_each_key() -> None:
+    """The generators made at once (the seed sequences hashed together in numpy) are numpy's own, state for state:
+    keys of every word count (0, one word, 128-bit digests, beyond), steps past 32 bits, any stream."""
+    rng = np.random.default_rng(5)
+    digests = [int.from_bytes(rng.bytes(16), "little") for _ in range(40)]
+    keys = [0, 1, 2**32 - 1, 2**32, 2**64 + 3, 2**128 - 1, 2**160 + 7, *digests, digests[0]]
+    for seed, step, stream in ((0, 0, 0), (42, 7, 2), (2**40 + 1, 123_456_789_012, 3), (11, 2**32, 1)):
+        made = keyed_rngs(seed, step, stream, keys)
+        assert len(made) == len(keys)
+        for key, generator in zip(keys, made, strict=True):
+            expected = keyed_rng(seed, step, stream, key)
+            assert generator.bit_generator.state == expected.bit_generator.state, (seed, step, stream, key)
+            assert np.array_equal(generator.integers(0, 2**63, size=4), expected.integers(0, 2**63, size=4))
+    assert keyed_rngs(1, 2, 3, []) == []
+    with pytest.raises(ValueError, match="non-negative"):
+        keyed_rngs(1, 2, 3, [-1])

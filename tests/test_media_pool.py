@@ -74,6 +74,10 @@ def big_array(n: int) -> np.ndarray:
     return np.arange(n, dtype=np.float32)
 
 
+def filled(value: int, n: int) -> np.ndarray:
+    return np.full(n, value, dtype=np.uint8)
+
+
 def arrays(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     """Several buffers in one result, one of them not contiguous (it cannot go out of band)."""
     grid = np.arange(n * 3, dtype=np.int64).reshape(n, 3)
@@ -258,7 +262,7 @@ def test_results_with_several_buffers_come_back_whole_and_writable(pool: DecodeP
         np.testing.assert_array_equal(grid, expected[1])
         np.testing.assert_array_equal(strided, expected[2])
         assert label == "label" and values.flags.writeable and grid.flags.writeable
-        values[0, 0] = 1  # the parent owns its copy
+        values[0, 0] = 1  # writable: a view of the slab that no later result writes over
 
 
 def test_results_larger_than_the_slab_cross_the_pipe() -> None:
@@ -269,6 +273,30 @@ def test_results_larger_than_the_slab_cross_the_pipe() -> None:
         np.testing.assert_array_equal(outcome.value, np.arange(1_000_000, dtype=np.float32))
         (outcome,) = small.map(big_array, jobs_of((1000,)))  # and the slab still serves small ones
         np.testing.assert_array_equal(outcome.value, np.arange(1000, dtype=np.float32))
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="slabs live in /dev/shm")
+def test_results_are_views_of_the_slab_that_no_later_result_overwrites() -> None:
+    n = 3 << 20  # 3 MiB each: two held results and a third fit the slab only side by side
+    with DecodePool(workers=1, timeout_seconds=2) as one:
+        (first,) = values(one.map(filled, jobs_of((1, n))))
+        (worker,) = one._workers
+        assert worker.helper is not None and worker.helper.slab is not None
+        slab = np.frombuffer(worker.helper.slab, dtype=np.uint8)
+        assert np.shares_memory(first, slab)  # a view of the worker's slab: not copied out
+        del slab
+        assert worker.areas.held == [(0, n)]
+        second, third = values(one.map(filled, jobs_of((2, n), (3, n))))  # the same worker, while `first` lives
+        assert (first == 1).all() and (second == 2).all() and (third == 3).all()
+        assert worker.areas.held == [(0, n), (n, 2 * n), (2 * n, 3 * n)]
+        del second  # its bytes are free again, and the lowest gap that holds a result is offered first
+        (fourth,) = values(one.map(filled, jobs_of((4, n))))
+        assert worker.areas.held == [(0, n), (n, 2 * n), (2 * n, 3 * n)] and (fourth == 4).all()
+        assert (first == 1).all() and (third == 3).all()
+        (timed_out,) = one.map(hang, jobs_of((30.0,)))  # the worker is killed: what it answered stays readable
+        assert timed_out.error is not None and (first == 1).all() and (fourth == 4).all()
+        del first, third, fourth
+        assert worker.areas.held == []
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="slabs live in /dev/shm")

@@ -450,6 +450,33 @@ def test_masks_hit_their_ratios_and_tubes_agree_across_time() -> None:
         assert any(not np.array_equal(masks[0], m) for m in masks[1:]), f"item {i}: the same mask every step"
 
 
+def dirty(shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray:
+    """An `alloc` whose memory holds garbage, as a preparer's slab holds the last step's arrays."""
+    array = np.empty(shape, dtype)
+    array.reshape(-1).view(np.uint8)[:] = 0xA5
+    return array
+
+
+def test_the_media_arrays_are_the_same_in_memory_that_holds_anything() -> None:
+    """`prepare` writes its media arrays whole, the padding units too, so the step is bitwise the same whatever
+    memory `alloc` gives (a preparer process builds them in its slab, over the last step's)."""
+    config = resolve(media_config(rows=6, columns=256, segments=8, audio=160))
+    kinds = ["image", "image", "text"]  # video and audio: their padding units alone
+    contents = [MASK_ITEMS[0][1](), MASK_ITEMS[1][1](), b"a caption"]
+    mods = parse_modalities(kinds)
+    units = {i: decode(config, "image", contents[i]) for i in (0, 1)}
+    answers = [
+        prepare(
+            config, mods, contents, bags=None, groups=None, sides=None, relations=None, step=4, units=units, **extra
+        )
+        for extra in ({}, {"alloc": dirty})
+    ]
+    clean, built = (a.arrays() for a in answers)
+    assert sorted(clean) == sorted(built) and clean["image.valid"].sum() == 42 and clean["video.valid"].sum() == 0
+    for name, array in clean.items():
+        assert array.dtype == built[name].dtype and np.array_equal(array, built[name]), name
+
+
 def test_no_masking_under_contrastive() -> None:
     config = resolve(media_config(Objective.Contrastive, rows=6, columns=256, segments=8, audio=160))
     kinds = [k for k, _ in MASK_ITEMS]

@@ -18,7 +18,9 @@ import signal
 import time
 import warnings
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -54,7 +56,7 @@ from uform.config import resolve
 from uform.media.decode import MediaPolicy
 from uform.media.limits import MediaError, MediaLimits
 from uform.notices import MediaWarning, Notices
-from uform.runtime.preparers import PrepareJob, PreparerError, Preparers, prepare_step
+from uform.runtime.preparers import PREPARE_SLOTS, PrepareJob, PreparerError, Preparers, prepare_step
 from uform.runtime.remote_error import RemoteError, pack_error, unpack_error
 
 SHM = Path("/dev/shm")
@@ -452,6 +454,53 @@ def test_the_transport_answers_the_same_whichever_way_it_goes(monkeypatch: pytes
         assert (host.slab is None) == (how == "no shared memory")
     finally:
         hosts.close()
+
+
+@pytest.mark.skipif(not SHM.is_dir(), reason="slabs live in /dev/shm")
+def test_the_media_arrays_are_built_where_the_answer_crosses() -> None:
+    """The step's image patches are stacked straight into the slot's output area, so the answer names them
+    there rather than copying them once more (it used to copy them in after the rest, from memory of its own)."""
+    config = resolve(run_config())
+    policy = MediaPolicy(workers=1)
+    hosts = Preparers(1, config, policy, "dense", pin=False)
+    try:
+        contents = [jpeg(), b"one", jpeg("coffee.png"), b"two"]
+        batch, _, failed = hosts.prepare(
+            PrepareJob(modalities=[Modality.Image, Modality.Text] * 2, contents=contents), 5
+        )
+        values = batch.media["image"]["values"]
+        assert failed == [] and values.shape == (2 * 4 * 3, 16 * 16 * 4)  # two 64 x 48 images, RGBA patches of 16
+        (host,) = [h for h in hosts._processes if h is not None]
+        assert host.slab is not None
+        starts = [s * (hosts.input_bytes + hosts.output_bytes) + hosts.input_bytes for s in range(PREPARE_SLOTS)]
+        assert any(bytes(host.slab[at : at + values.nbytes]) == values.tobytes() for at in starts)
+    finally:
+        hosts.close()
+
+
+class Interrupted(Future):
+    """A step's answer whose wait is interrupted (Ctrl-C in the waiting thread) until it has come."""
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            raise KeyboardInterrupt
+        return super().result(timeout)
+
+
+def test_an_interrupted_wait_keeps_its_slot_until_the_step_comes_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose wait was interrupted is still being prepared into its slot's areas: the slot is not given to
+    another step until its answer came back (both would write the same output area)."""
+    hosts = Preparers(1, resolve(run_config()), MediaPolicy(workers=1), "dense", pin=False)
+    host = uform.runtime.preparers._Preparer(0, SimpleNamespace(died=None, process=None))  # type: ignore[arg-type]
+    hosts._processes[0] = host
+    answer = Interrupted()
+    monkeypatch.setattr(hosts, "_send", lambda *_: answer)
+    with pytest.raises(KeyboardInterrupt):
+        hosts.prepare(text_job(), 1)
+    assert host.free == [0]  # the slot of the step in flight stays taken
+    answer.set_result(None)  # the answer came (nobody reads it)
+    assert sorted(host.free) == list(range(PREPARE_SLOTS))
+    hosts.close()
 
 
 def test_an_exception_that_does_not_pickle_comes_back_as_a_runtime_error() -> None:

@@ -126,6 +126,24 @@ def test_encode_of_media_equals_the_arena_of_a_contrastive_step(served: dict[str
     assert float(similarity[~torch.eye(8, dtype=torch.bool)].max()) < 0.9999
 
 
+def test_units_kept_decoded_hold_memory_of_their_own(served: dict[str, Any]) -> None:
+    """The decoders answer views of their shared memory, taken while the views live: an evaluator's model keeps
+    its held-out media's units for its whole life, so it copies them out first and the decoders keep their room."""
+    model = load(served["path"], media=MediaPolicy(workers=1))
+    try:
+        model.keep_decoded = True
+        first = model.encode(served["modalities"], served["contents"])
+        assert torch.equal(model.encode(served["modalities"], served["contents"]), first)  # the second from the cache
+        kept = [u for u in model._decoded.values() if not isinstance(u, str)]
+        (worker,) = model._decoders._workers
+        assert len(kept) == 5 and worker.areas.held == []
+        slab = np.frombuffer(worker.helper.slab, dtype=np.uint8)
+        assert not any(np.shares_memory(u.values, slab) or np.shares_memory(u.positions, slab) for u in kept)
+        del slab
+    finally:
+        model.close()
+
+
 def test_many_media_items_answer_what_each_alone_answers(served: dict[str, Any]) -> None:
     model = load(served["path"], rows=1, segments=2, media=MediaPolicy(workers=2))
     try:

@@ -673,6 +673,7 @@ class Model:
                 if stop.is_set():
                     return
                 yield ("batch", self._prepare(job, members, rows, units))
+            del units  # views of the decoders' slabs (packed into the batches now): free before the next window
 
     def _decode(self, job: _Job, window: range) -> tuple[dict[int, Units], list[tuple[int, str]]]:
         items = [i for i in window if job.modalities[i] != Modality.Text]
@@ -690,11 +691,12 @@ class Model:
             new_units, new_failed = decode_items(
                 self._decoders, self.media, self.config.batch, job.modalities, job.contents, fresh, max_units
             )
-            units.update(new_units)
-            failed.extend(new_failed)
-            if self.keep_decoded:
+            if self.keep_decoded:  # kept for the evaluator's life: off the decoders' slabs, which they would hold
+                new_units = {i: u.owned() for i, u in new_units.items()}
                 self._decoded.update({keys[i]: u for i, u in new_units.items()})
                 self._decoded.update({keys[i]: why for i, why in new_failed})
+            units.update(new_units)
+            failed.extend(new_failed)
         return units, sorted(failed)
 
     def _prepare(self, job: _Job, members: list[int], rows: int, units: dict[int, Units]) -> _Prepared:

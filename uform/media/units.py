@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -36,6 +37,11 @@ class Units:
 
     def __len__(self) -> int:
         return int(self.values.shape[0])
+
+    def owned(self) -> Units:
+        """These units in memory of their own: a decoder pool answers views of its processes' shared memory,
+        taken until the views go, so units kept for long (a cache) are copied out first."""
+        return dataclasses.replace(self, values=np.array(self.values), positions=np.array(self.positions))
 
 
 def item_key(modality: Modality, content: bytes | memoryview) -> int:

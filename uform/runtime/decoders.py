@@ -14,10 +14,13 @@ A job is sent to one worker once and never run twice, not even after its worker 
 Each worker is a `uform.runtime.helper.Helper` (a `uform.runtime.child.Child` by default, which never imports the
 caller's main module, so a script without a main guard can decode; or a `multiprocessing` process) with a slab
 of shared memory of its own, `_SLAB_BYTES` long: a result's large buffers (numpy arrays: an image's patches are
-256 KiB) come back through it and are copied out once, by the pool's one reader thread (`helper.Readers`, which
-waits on every worker's pipe at once, so answers never contend with one another for the interpreter lock); a
-worker gets its next job only after that, from the same thread, so one slab per worker suffices, and a result larger than the slab crosses the pipe. A job
-is pickled ``(function, args, kwargs)``. Before running a job whose unpickling was slow (its first job, or any
+256 KiB) come back through it, read by the pool's one reader thread (`helper.Readers`, which waits on every
+worker's pipe at once, so answers never contend with one another for the interpreter lock), and the outcome's
+arrays are views of the slab, not copies: held views (`uform.runtime.slab.read_out_of_band`), whose bytes the
+worker never overwrites while any of them lives. Each job names the gap of the slab its result may be written
+into (`uform.runtime.slab.Areas`: the bytes of earlier results still viewed are left out), so a caller may keep
+one map's outcomes while the next map runs; once the last view of a result is gone, its bytes are free again. A
+result that does not fit the gap offered crosses the pipe. A job is pickled ``(function, args, kwargs, area)``. Before running a job whose unpickling was slow (its first job, or any
 that took over `_SLOW_LOAD_SECONDS`: an import of the job function's module) a worker sends the note
 ``"started"``, and the job's time limit runs from then, so neither the interpreter start nor a first import
 counts against the decode (they have their own generous limits, `uform.runtime.helper.BOOT_SECONDS` and
@@ -51,6 +54,7 @@ from .child import START_METHOD, Process
 from .child import context as context_of
 from .helper import BOOT_SECONDS, Helper, Link, NotDelivered, ProcessDied, Readers, UnreadableAnswer, close_all
 from .remote_error import describe
+from .slab import Areas
 
 __all__ = ["DecodePool", "JobError", "Outcome", "decode_parallelism"]
 
@@ -60,8 +64,9 @@ T = TypeVar("T")
 _LOAD_SECONDS = 60.0
 # Consecutive failed worker starts, with no start succeeding in between, after which `map` gives up.
 _BOOT_FAILURES = 3
-# Each worker's shared-memory slab for result buffers (virtual until touched: a slab holds one result at a time).
-_SLAB_BYTES = 16 << 20
+# Each worker's shared-memory slab for result buffers (virtual until touched: it holds every result still viewed,
+# a preparer's two steps' worth at most, and offers the lowest gap that fits, so its pages stay few).
+_SLAB_BYTES = 64 << 20
 # Unpickling a job for longer than this (an import) makes the worker announce the job's start, re-arming its limit.
 _SLOW_LOAD_SECONDS = 0.05
 
@@ -98,10 +103,11 @@ class JobError(Exception):
 class _Worker:
     """The pool's view of one worker: its helper and where its job stands."""
 
-    __slots__ = ("deadline", "future", "helper", "job", "sent_at", "state", "warm")
+    __slots__ = ("areas", "deadline", "future", "helper", "job", "sent_at", "state", "warm")
 
-    def __init__(self, deadline: float) -> None:
+    def __init__(self, deadline: float, slab_bytes: int) -> None:
         self.helper: Helper | None = None
+        self.areas = Areas(slab_bytes)  # the bytes of its slab that results still viewed hold
         self.state = _BOOTING
         self.deadline = deadline  # monotonic; math.inf when idle
         self.job: int | None = None  # index into the current map's jobs while loading or running
@@ -255,13 +261,14 @@ class DecodePool:
         """Starts workers until those idle or starting cover the ``wanted`` pending jobs, up to the pool's size."""
         available = sum(w.state in (_IDLE, _BOOTING) for w in self._workers)
         while available < wanted and len(self._workers) < self.workers:
-            worker = _Worker(time.monotonic() + BOOT_SECONDS)
+            worker = _Worker(time.monotonic() + BOOT_SECONDS, self.slab_bytes)
             helper = Helper(
                 _worker_main,
                 name="uform-decoder",
                 context=self.context,
                 slab_bytes=self.slab_bytes,
                 slab_prefix="uform-decoder-",
+                lease=worker.areas.hold,  # a result's arrays are views of the slab until the caller drops them
                 # The callbacks hold the worker, the lock and the event, never the pool (collected when unused).
                 on_note=functools.partial(_started, worker, self.timeout_seconds, self._guard, self._wake),
                 readers=self._readers,
@@ -378,8 +385,9 @@ class _Batch:
                 worker.state, worker.deadline = _RUNNING, sent_at + self.timeout
             else:
                 worker.state, worker.deadline = _LOADING, sent_at + self.timeout + _LOAD_SECONDS
+            area = worker.areas.offer()  # where its result may go: no bytes a result still viewed holds
             try:
-                future = helper.submit((self.function, tuple(args), dict(kwargs)))
+                future = helper.submit((self.function, tuple(args), dict(kwargs), area))
             except NotDelivered:  # it died while idle: the job never reached it, so it may go to another worker
                 worker.state, worker.job, worker.deadline = _GONE, None, math.inf  # buried once reaped
                 self.pending.appendleft(index)
@@ -472,7 +480,7 @@ def _worker_main(link: Link) -> None:
             return
         ident, loading = frame.ident, time.monotonic()
         try:
-            function, args, kwargs = frame.load()
+            function, args, kwargs, area = frame.load()
         except BaseException as exc:
             reason = describe(exc)
             if "__main__" in reason:
@@ -489,7 +497,7 @@ def _worker_main(link: Link) -> None:
                 sent = endpoint.fail(ident, exc)
             else:
                 try:
-                    sent = endpoint.reply(ident, value, area=(0, None))
+                    sent = endpoint.reply(ident, value, area=area)
                 except Exception as exc:  # an unpicklable result (or one whose pickling raised)
                     sent = endpoint.fail(ident, JobError(f"could not send the result: {describe(exc)}"))
                 del value

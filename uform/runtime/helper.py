@@ -80,6 +80,9 @@ _IN_SLAB = 0x80  # a kind's flag: the body is (header, spans) of a message whose
 
 Reserve = Callable[[int], bool]
 """Backs the first n bytes of an area of the slab with memory; False when there is no room."""
+Lease = Callable[[list[tuple[int, int]]], Callable[[], None]]
+"""Takes the spans of the slab that a reply's buffers hold (the owner may not reuse them) and answers what to run
+once the last view of them is gone (it may)."""
 
 
 def exit_status(exitcode: int | None) -> str:
@@ -130,13 +133,15 @@ def _encode(
     area: tuple[int, int | None] | None = None,
     reserve: Reserve | None = None,
     in_band_below: int = 0,
+    placed: tuple[int, int] | None = None,
 ) -> memoryview:
     """One message: its header, then `payload` pickled, its large buffers into `area` of `slab` where given and
-    they fit (else everything in band). Raises what pickling the payload raises."""
+    they fit (else everything in band), those already in `placed` of the slab named where they lie. Raises what
+    pickling the payload raises."""
     written = None
     if slab is not None and area is not None:
         with contextlib.suppress(Exception):  # e.g. a non-contiguous buffer: the payload goes in band
-            written = write_out_of_band(payload, slab, area[0], area[1], reserve, in_band_below)
+            written = write_out_of_band(payload, slab, area[0], area[1], reserve, in_band_below, placed)
     buffer = io.BytesIO()
     if written is not None:
         buffer.write(_HEADER.pack(kind | _IN_SLAB, ident))
@@ -147,15 +152,17 @@ def _encode(
     return buffer.getbuffer()  # no copy: the pipe writes it as it is
 
 
-def _decode(data: bytes, slab: mmap.mmap | None, copy: bool) -> Any:
-    """The payload of one message; with `copy` False, its buffers in the slab are views of it."""
+def _decode(data: bytes, slab: mmap.mmap | None, copy: bool, lease: Lease | None = None) -> Any:
+    """The payload of one message; with `copy` False, its buffers in the slab are views of it (held views
+    through `lease`, which answers the callback to run once they are all gone)."""
     kind = data[0]
     body = memoryview(data)[_HEADER.size :]
     if kind & _IN_SLAB:
         if slab is None:
             raise ValueError("a message whose buffers are in a slab, from a process without one")
         header, spans = pickle.loads(body)
-        return read_out_of_band(header, spans, slab, copy)
+        freed = None if lease is None else lease(spans)
+        return read_out_of_band(header, spans, slab, copy, freed)
     return pickle.loads(body)
 
 
@@ -227,10 +234,12 @@ class Endpoint:
         area: tuple[int, int | None] | None = None,
         reserve: Reserve | None = None,
         in_band_below: int = 0,
+        placed: tuple[int, int] | None = None,
     ) -> bool:
-        """Answers call `ident` with `value` (its large buffers into `area` of the slab where they fit); False
-        when the owner is gone. Raises what pickling `value` raises (nothing was sent)."""
-        return self._send(_encode(_OK, ident, value, self.slab, area, reserve, in_band_below))
+        """Answers call `ident` with `value` (its large buffers into `area` of the slab where they fit, those the
+        helper built in `placed` of the slab named where they lie); False when the owner is gone. Raises what
+        pickling `value` raises (nothing was sent)."""
+        return self._send(_encode(_OK, ident, value, self.slab, area, reserve, in_band_below, placed))
 
     def fail(self, ident: int, error: BaseException) -> bool:
         """Answers call `ident` with `error` (its type and traceback cross); False when the owner is gone."""
@@ -267,7 +276,9 @@ class Helper:
     ``context`` is a start method of `uform.runtime.child.context`. ``slab_bytes`` > 0 gives it a slab of that
     many bytes (sparse: pages are touched as they are written; none where /dev/shm is missing). ``views``: the
     replies' buffers in the slab stay views of it (the owner copies them out, then reuses the area) rather than
-    copies. ``on_note(payload)`` runs on the reader thread for each note of the helper. ``lost(died)`` makes the
+    copies. ``lease``: the replies' buffers in the slab stay views of it, held: ``lease(spans)`` runs on the
+    reader thread before the reply resolves, and the callback it answers runs once the last view of that reply's
+    buffers is gone (the owner then reuses those bytes; until then it gives the helper other ones). ``on_note(payload)`` runs on the reader thread for each note of the helper. ``lost(died)`` makes the
     exception that calls still pending fail with when the process ends (default: the `ProcessDied` itself).
     ``on_exit(helper)`` runs on the reader thread once the process ended and every call was failed. The
     callbacks must not hold the owner strongly where the owner relies on being collected. ``readers``: the
@@ -283,6 +294,7 @@ class Helper:
         slab_bytes: int = 0,
         slab_prefix: str = "uform-slab-",
         views: bool = False,
+        lease: Lease | None = None,
         daemon: bool = True,
         on_note: Callable[[Any], None] | None = None,
         lost: Callable[[ProcessDied], BaseException] | None = None,
@@ -296,7 +308,8 @@ class Helper:
         self._ctx: Any = context_of(context)  # ValueError for an unknown start method
         self._slab_bytes = slab_bytes
         self._slab_prefix = slab_prefix
-        self._views = views
+        self._views = views or lease is not None
+        self._lease = lease
         self._daemon = daemon
         self._on_note = on_note
         self._lost = lost
@@ -461,7 +474,7 @@ class Helper:
             if base == _ERROR:
                 error = unpack_error(memoryview(data)[_HEADER.size :], f"{self.name} (pid {self.pid})")
             else:
-                value = _decode(data, self.slab, copy=not self._views)
+                value = _decode(data, self.slab, copy=not self._views, lease=self._lease)
         except Exception as exc:  # a class that does not load here; the helper itself is fine
             future.set_exception(UnreadableAnswer(describe(exc)))
             return True
@@ -487,7 +500,7 @@ class Helper:
         with self._send_lock, contextlib.suppress(OSError):  # never while a message is being sent
             assert self._conn is not None
             self._conn.close()
-        if not self._views:  # every reply was copied out: nothing views the slab
+        if not self._views or self._lease is not None:  # copied out, or held views that keep the mapping alive
             self.release()
         if not self.ready.done():
             self.ready.set_exception(died)

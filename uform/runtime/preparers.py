@@ -29,10 +29,13 @@ The processes (``host_processes=N``, started on the first step that needs one):
   unlinked at once and mapped by the preparer process through its descriptor, so no name outlives a killed process), and the rest of its checked arguments (modalities, bags, groups, sides, choices,
   relations) pickled beside them with protocol 5, large buffers out of band into the same area. The preparer process
   reads the contents as views of the slab (no copy) and answers the `Batch`, the block tables and the skipped
-  items the same way, into the slot's output area (`uform.runtime.slab.write_out_of_band`, the decoders' own mechanism).
-  The trainer's process maps the answer's arrays from the slab and copies each once, into page-locked memory on
-  CUDA (where the asynchronous copy to the GPU reads it) or an owned array on the CPU; the slot is then free for
-  the next step. Pages of a slab are reserved before they are written (``posix_fallocate``), so a full /dev/shm
+  items the same way, into the slot's output area (`uform.runtime.slab.write_out_of_band`, the decoders' own mechanism);
+  the step's media arrays are built there in the first place (`_Built`: its decoders' units, views of their slabs,
+  are stacked straight into the area), so the answer names them where they lie and a unit is copied once between
+  a decoder's slab and the trainer's process. The trainer's process maps the answer's arrays from the slab and
+  copies each once, into page-locked memory on CUDA (where the asynchronous copy to the GPU reads it) or an owned
+  array on the CPU; the slot is then free for the next step (a step whose wait was interrupted keeps its slot
+  until its answer came back). Pages of a slab are reserved before they are written (``posix_fallocate``), so a full /dev/shm
   sends the message through the pipe instead of killing a process with SIGBUS; areas keep the pages they reached.
 - Failures answer the step that met them, in the trainer's process: a strict `MediaError` naming the item (the
   trainer unchanged), any other exception of the prepare stage as itself, and a preparer process that died (killed, out
@@ -67,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..config import TrainerInitVramConfig
-from ..data.batch import Batch, prepare
+from ..data.batch import Alloc, Batch, prepare
 from ..data.blocks import block_tables
 from ..data.items import ChoiceTapes
 from ..enums import LateInteractionSide, Modality
@@ -153,11 +156,12 @@ def prepare_step(
     decoders: Callable[[], DecodePool],
     job: PrepareJob,
     step: int,
+    alloc: Alloc = np.empty,
 ) -> Prepared:
     """Decodes the step's media items in `decoders()` (the pool, made on first need), then packs, corrupts and
-    pairs the step (`data.batch.prepare`) and, on the flex attention path, builds its block tables. Raises
-    `MediaError` naming the first item that failed under a strict `policy`."""
-    units, failed = decode_media(config, policy, decoders, job)
+    pairs the step (`data.batch.prepare`, its media arrays made by `alloc`) and, on the flex attention path,
+    builds its block tables. Raises `MediaError` naming the first item that failed under a strict `policy`."""
+    units, failed = decode_media(config, policy, decoders, job)  # views of the decoders' slabs, held until dropped
     skipped = None
     if units or failed:
         skipped = np.zeros(len(job.modalities), dtype=bool)
@@ -175,7 +179,9 @@ def prepare_step(
         units=units,
         skipped=skipped,
         choices=job.choices,
+        alloc=alloc,
     )
+    del units  # copied into the batch: the decoders may write over those bytes again
     tables = block_tables(batch.segments) if attention == "flex" else {}
     return Prepared(batch, tables, failed)
 
@@ -268,6 +274,7 @@ class Preparers:
         `PreparerError` when the process died holding the step."""
         for _attempt in range(3):
             host, slot = self._acquire()
+            future: Any = None
             try:
                 try:
                     future = self._send(host, slot, job, step)
@@ -283,7 +290,10 @@ class Preparers:
                 tensors = adopt(answer, self.pin)
                 return answer.batch, tensors, answer.failed
             finally:
-                self._release(host, slot)
+                if future is None or future.done():
+                    self._release(host, slot)
+                else:  # an interrupted wait: the process still prepares the step into this slot, so it stays taken
+                    future.add_done_callback(functools.partial(self._released, host, slot))
         raise PreparerError(f"uform: step {step}: preparer processes keep dying before they take a step")
 
     @property
@@ -341,6 +351,9 @@ class Preparers:
                 return started, started.free.pop()
         _shutdown([started], self._owner)  # closed while it started: the finalizer already ran, so end it here
         raise RuntimeError("uform: the trainer's preparer processes were closed")
+
+    def _released(self, host: _Preparer, slot: int, _future: Any) -> None:
+        self._release(host, slot)
 
     def _release(self, host: _Preparer, slot: int) -> None:
         with self._cond:
@@ -422,6 +435,32 @@ class Preparers:
                 host.broken = True
             helper.kill()
             raise
+
+
+class _Built:
+    """The `data.batch.Alloc` of a step prepared in a preparer process: the step's media arrays (its largest by
+    far: 32 MiB of image patches at the reference geometry) are built straight into its slot's output area, one
+    after the other from its start, so its answer names them where they lie and copies only the rest
+    (`write_out_of_band`'s ``placed``). Pages are reserved first; an array that finds no room is made in this
+    process's memory and copied in with the rest. The trainer's process is done with the area's previous answer
+    before the slot's next step is sent (`Preparers.prepare` frees a slot only once its answer came back and was
+    copied), so nothing here writes over bytes still read."""
+
+    def __init__(self, slab: Any, fd: int | None, reserved: list[int], slot: int, start: int, end: int) -> None:
+        self.slab, self.fd, self.reserved, self.slot = slab, fd, reserved, slot
+        self.start, self.end = start, end
+        self.at = start  # the end of the arrays built so far (aligned)
+
+    def __call__(self, shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray:
+        count = int(np.prod(shape, dtype=np.int64))
+        nbytes = count * np.dtype(dtype).itemsize
+        after = self.at + -(-nbytes // SLAB_ALIGN) * SLAB_ALIGN
+        room = self.slab is not None and nbytes > 0 and after <= self.end
+        if not room or not reserve_area(self.fd, self.reserved, self.slot, self.start, after - self.start):
+            return np.empty(shape, dtype)
+        array = np.frombuffer(self.slab, dtype=dtype, count=count, offset=self.at).reshape(shape)
+        self.at = after
+        return array
 
 
 def _wake(cond: threading.Condition, _: object = None) -> None:
@@ -523,15 +562,19 @@ class _PreparerState:
         try:
             slot, step, record = frame.load()
             job = self._job(slot, record)
-            answer = prepare_step(self.config, self.policy, self.attention, self.decoders, job, step)
-            del job, record
             start = slot * (self.input_bytes + self.output_bytes) + self.input_bytes
+            end = start + self.output_bytes
+            built = _Built(endpoint.slab, endpoint.slab_fd, self.reserved, slot, start, end)
+            answer = prepare_step(self.config, self.policy, self.attention, self.decoders, job, step, built)
+            del job, record
+            at = built.at  # the rest of the answer's buffers are copied in after those built in place
             endpoint.reply(
                 frame.ident,
                 answer,
-                area=(start, start + self.output_bytes),
-                reserve=lambda length: reserve_area(endpoint.slab_fd, self.reserved, slot, start, length),
+                area=(at, end),
+                reserve=lambda length: reserve_area(endpoint.slab_fd, self.reserved, slot, start, at - start + length),
                 in_band_below=_IN_BAND_BELOW,
+                placed=(start, at),
             )
         except BaseException as error:  # the trainer's process raises it for the step
             endpoint.fail(frame.ident, error)

@@ -9,7 +9,10 @@ descriptor and mapping.
 
 A message crosses a slab as pickle protocol 5 (`write_out_of_band`): its large buffers (numpy arrays,
 `pickle.PickleBuffer`) are written into an area of the slab, and the small pickled rest names where they lie;
-`read_out_of_band` unpickles around them, as copies or as views of the slab. Pages are reserved before they are
+`read_out_of_band` unpickles around them, as copies or as views of the slab (held views: each message's views
+hold one exporter of the slab of their own, whose collection tells the owner those bytes are free again). A
+buffer the writer already built inside the slab (`write_out_of_band`'s ``placed``) is named where it lies, not
+copied. Pages are reserved before they are
 written where the writer has the descriptor (``posix_fallocate``, `reserve_area`), so a full /dev/shm sends the
 message through the pipe instead of killing a process with SIGBUS.
 
@@ -18,19 +21,26 @@ Standard library only: the decode pool's workers import it before anything else.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import ctypes
+import functools
 import mmap
 import os
 import pickle
 import tempfile
+import threading
+import weakref
 from collections.abc import Callable
 from multiprocessing import reduction
 from typing import Any
 
 __all__ = [
     "SLAB_ALIGN",
+    "Areas",
     "SlabFile",
     "create_slab",
+    "message_area",
     "read_out_of_band",
     "release_slab",
     "reserve_area",
@@ -128,11 +138,14 @@ def write_out_of_band(
     end: int | None = None,
     reserve: Callable[[int], bool] | None = None,
     in_band_below: int = 0,
+    placed: tuple[int, int] | None = None,
 ) -> tuple[bytes, Spans] | None:
     """(header, spans): `message` pickled with its out-of-band buffers (those of `in_band_below` bytes or more)
     written into `slab[start:end]`; None when it has none, or they do not fit, or `reserve(length)` (which backs
-    the first `length` bytes of that area) says there is no room: the message then crosses whole. Raises what
-    pickling raises (a non-contiguous buffer too, which cannot go out of band)."""
+    the first `length` bytes of that area) says there is no room: the message then crosses whole. A buffer that
+    already lies wholly within `slab[placed[0]:placed[1]]` (built there by the writer, whose pages it reserved) is
+    named where it lies and not copied; that range must not overlap `slab[start:end]`. Raises what pickling
+    raises (a non-contiguous buffer too, which cannot go out of band)."""
     buffers: list[pickle.PickleBuffer] = []
 
     def out_of_band(buffer: pickle.PickleBuffer) -> bool:
@@ -147,25 +160,133 @@ def write_out_of_band(
         return None
     end = len(slab) if end is None else end
     views = [b.raw() for b in buffers]
-    spans, at = [], start
+    base = _address(slab) if placed is not None else None
+    spans, copies, at = [], [], start
     for view in views:
+        where = None if base is None or placed is None else _offset_in(view, base, placed)
+        if where is not None:
+            spans.append((where, view.nbytes))
+            continue
         if at + view.nbytes > end:
             return None
         spans.append((at, view.nbytes))
+        copies.append((view, at))
         at += -(-view.nbytes // SLAB_ALIGN) * SLAB_ALIGN
-    if reserve is not None and not reserve(spans[-1][0] + spans[-1][1] - start):
+    if copies and reserve is not None and not reserve(copies[-1][1] + copies[-1][0].nbytes - start):
         return None
-    for view, (at, length) in zip(views, spans, strict=True):
-        slab[at : at + length] = view  # the one copy, into the slab
+    for view, offset in copies:
+        slab[offset : offset + view.nbytes] = view  # the one copy, into the slab
     return header, spans
 
 
-def read_out_of_band(header: bytes, spans: Spans, slab: mmap.mmap, copy: bool = True) -> Any:
+def _address(buffer: Any) -> int | None:
+    """The address of a writable buffer's first byte (None for a read-only one, which cannot lie in a slab that
+    its writer built in place)."""
+    try:
+        anchor = ctypes.c_char.from_buffer(buffer)
+    except (TypeError, ValueError):  # read-only, or empty
+        return None
+    address = ctypes.addressof(anchor)
+    del anchor  # its export of the buffer goes with it
+    return address
+
+
+def _offset_in(view: memoryview, base: int, placed: tuple[int, int]) -> int | None:
+    """Where `view` lies in the slab mapped at `base`, if wholly within `placed`; else None."""
+    address = _address(view) if view.nbytes else None
+    if address is None:
+        return None
+    offset = address - base
+    return offset if placed[0] <= offset and offset + view.nbytes <= placed[1] else None
+
+
+def read_out_of_band(
+    header: bytes, spans: Spans, slab: mmap.mmap, copy: bool = True, freed: Callable[[], None] | None = None
+) -> Any:
     """The message `write_out_of_band` wrote. `copy` takes each buffer out of the slab (the one copy); without
-    it the message's arrays are views of the slab, valid until the writer reuses those bytes."""
+    it the message's arrays are views of the slab, valid until the writer reuses those bytes. With `freed`, they
+    are held views: they share one exporter of the slab, and `freed()` runs once the last of them is gone (on
+    the thread that dropped it), so the owner reuses those bytes only then."""
+    if freed is not None:
+        try:
+            exporter = (ctypes.c_char * len(slab)).from_buffer(slab)
+        except BaseException:  # nothing views the bytes: they are free at once
+            freed()
+            raise
+        handle = weakref.finalize(exporter, freed)  # also when unpickling fails below: the exporter goes then
+        handle.atexit = False
+        with memoryview(exporter) as typed:
+            view = typed.cast("B")
+        del exporter  # the views hold it now, through `view`
+        try:
+            return pickle.loads(header, buffers=[view[at : at + length] for at, length in spans])
+        except BaseException:
+            del view  # not kept alive by the traceback's frame: nothing views the bytes, so they are free now
+            raise
     if not copy:
         view = memoryview(slab)
         return pickle.loads(header, buffers=[view[at : at + length] for at, length in spans])
     with memoryview(slab) as view:
         buffers = [bytearray(view[at : at + length]) for at, length in spans]
     return pickle.loads(header, buffers=buffers)
+
+
+def message_area(spans: Spans) -> tuple[int, int]:
+    """(start, end): the bytes of a slab that a message's out-of-band buffers span."""
+    return min(at for at, _ in spans), max(at + length for at, length in spans)
+
+
+class Areas:
+    """Which bytes of one slab hold a helper's replies that its owner still views (`read_out_of_band`'s held
+    views), so that the helper writes its next reply elsewhere: each call is offered one free gap (`offer`), and
+    the reply's bytes are held (`hold`, the helper's `lease`) until the last view of them is gone. One call at a
+    time per slab (a decoder gets its next job only once it answered the last), so an offer needs no keeping: a
+    reply that did not use it (it crossed the pipe, or failed) took nothing.
+
+    A freed area is queued (a deque's append, safe from any thread and from a finalizer that runs inside this
+    object's own lock) and returned to the free bytes at the next `offer` or `hold`."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._held: dict[int, int] = {}  # start -> end of each held area; they never overlap
+        self._want = 0  # the largest reply held so far: offers prefer the lowest gap at least this long
+        self._freed: collections.deque[int] = collections.deque()
+        self._lock = threading.Lock()
+
+    def offer(self) -> tuple[int, int]:
+        """(start, end): the gap the next reply may be written into (the lowest at least as long as the largest
+        reply so far, else the longest; (0, 0) when every byte is held)."""
+        with self._lock:
+            self._drain()
+            taken = sorted(self._held.items())
+            gaps, at = [], 0
+            for start, end in taken:
+                if start > at:
+                    gaps.append((at, start))
+                at = max(at, end)
+            if at < self.size:
+                gaps.append((at, self.size))
+            roomy = [g for g in gaps if g[1] - g[0] >= self._want]
+            return roomy[0] if roomy else max(gaps, key=lambda g: g[1] - g[0], default=(0, 0))
+
+    def hold(self, spans: Spans) -> Callable[[], None]:
+        """Holds the bytes a reply's buffers span (they lie in the gap it was offered); answers the callback that
+        frees them."""
+        start, end = message_area(spans)
+        end = -(-end // SLAB_ALIGN) * SLAB_ALIGN
+        with self._lock:
+            self._drain()
+            self._held[start] = end
+            self._want = max(self._want, end - start)
+        return functools.partial(self._freed.append, start)
+
+    @property
+    def held(self) -> list[tuple[int, int]]:
+        """The held areas, (start, end) each, in order (for inspection and tests)."""
+        with self._lock:
+            self._drain()
+            return sorted(self._held.items())
+
+    def _drain(self) -> None:
+        while self._freed:
+            self._held.pop(self._freed.popleft(), None)
