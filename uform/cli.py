@@ -9,7 +9,7 @@
     uform encode MODEL --input FILE --output FILE [--field NAME=ROLE ...] [--width N] [--dtype f32|f16|bf16|i8]
                  [--batch N] [--cpu] [--quiet]
     uform serve MODEL [--host 127.0.0.1] [--port 8000] [--cpu] [--name NAME] [--max-inputs N] [--max-body-bytes N]
-                [--max-queue N] [--rows N] [--segments N] [--log-level LEVEL]
+                [--max-queue N] [--batch-wait-ms N] [--rows N] [--segments N] [--log-level LEVEL]
     uform version
 
 `uform train` exits 0 when done (or stopped by --stop-after), 2 on a refused run, and 128 + the signal (130 for
@@ -226,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-queue", type=_positive, default=16384, help="most items waiting; past it, 503 (%(default)s)"
     )
+    serve.add_argument(
+        "--batch-wait-ms",
+        type=_natural,
+        default=50,
+        help="under load, the most a model call waits for as many items as the last one carried (%(default)s ms; 0: never)",
+    )
     serve.add_argument("--rows", type=_natural, default=0, help="rows of one forward (0: the run's)")
     serve.add_argument("--segments", type=_natural, default=0, help="items of one forward (0: the run's)")
     serve.add_argument(
@@ -345,7 +351,7 @@ def _encode(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from .server import Limits, model_name, serve_http  # the serve extra (fastapi, uvicorn), for this command alone
+        from .server import Limits, model_name, serve_http  # the serve extra, for this command alone
     except ImportError as error:
         print(f"uform serve: needs the serve extra (pip install 'uform[serve]'): {error}", file=sys.stderr)
         return 2
@@ -360,7 +366,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     executor = Executor.cpu() if args.cpu or not torch.cuda.is_available() else Executor.for_vram([0])
     try:
-        limits = Limits(max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs, max_queued=args.max_queue)
+        limits = Limits(
+            max_body_bytes=args.max_body_bytes,
+            max_inputs=args.max_inputs,
+            max_queued=args.max_queue,
+            batch_wait_ms=args.batch_wait_ms,
+        )
         serve_http(
             args.model,
             host=args.host,
