@@ -9,7 +9,7 @@
     uform encode MODEL --input FILE --output FILE [--field NAME=ROLE ...] [--width N] [--dtype f32|f16|bf16|i8]
                  [--batch N] [--cpu] [--quiet]
     uform serve MODEL [--host 127.0.0.1] [--port 8000] [--cpu] [--name NAME] [--max-inputs N] [--max-body-bytes N]
-                [--max-queue N] [--batch-wait-ms N] [--rows N] [--segments N] [--log-level LEVEL]
+                [--max-queue N] [--batch-wait-ms N] [--rows N] [--segments N] [--log-level LEVEL] [--access-log]
     uform version
 
 `uform train` exits 0 when done (or stopped by --stop-after), 2 on a refused run, and 128 + the signal (130 for
@@ -240,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="info",
         help="uvicorn's log level (%(default)s)",
     )
+    serve.add_argument("--access-log", action="store_true", help="log a line per request (at info)")
 
     commands.add_parser("version", help="print the library's version", description="Prints uform's version.")
     return parser
@@ -380,6 +381,7 @@ def _serve(args: argparse.Namespace) -> int:
             name=args.name,
             limits=limits,
             log_level=args.log_level,
+            access_log=args.access_log,
             rows=args.rows,
             segments=args.segments,
             ready=ready,

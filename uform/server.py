@@ -1,4 +1,4 @@
-"""An embeddings server over a served `Model`: `create_app(model)` is the ASGI app (FastAPI), `Server` runs it
+"""An embeddings server over a served `Model`: `create_app(model)` is the ASGI app (Starlette), `Server` runs it
 with uvicorn on a socket of its own in a background thread, and `serve_http(path)` loads a model and serves it
 until SIGINT or SIGTERM (what `uform serve` calls). Needs the `serve` extra: `pip install "uform[serve]"`.
 
@@ -6,7 +6,8 @@ Routes: `POST /v1/embeddings` (OpenAI's shape, so OpenAI's clients work; the bod
 `POST /v1/maxsim` (late-interaction scores, for a model that trained a token head), `GET /v1/models`,
 `GET /health`. Every request's items go through one `Batcher`: concurrent requests of the same kind ride one
 model call (up to the model's `segments` items), one call at a time on its worker thread, so a burst of small
-requests fills the model's fixed capacities instead of running one by one.
+requests fills the model's fixed capacities instead of running one by one; under load a call waits a little
+(`Limits.batch_wait_ms`) for the requests the last one answered to come back.
 
 Refusals are answered, never raised through: a body past `max_body_bytes` is 413 before it is read whole;
 malformed JSON, a wrong type, an unknown field, too many inputs, a width the model lacks, a broken media item
@@ -338,9 +339,12 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 class Server:
     """uvicorn serving `app` on `host`:`port` (0: a free port) from a thread of its own; `start` returns once
-    it listens, `url` says where, `stop` shuts it down gracefully (requests in flight are answered)."""
+    it listens, `url` says where, `stop` shuts it down gracefully (requests in flight are answered).
+    `access_log` logs a line per request at `log_level` info."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning") -> None:
+    def __init__(
+        self, app: Any, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning", access_log: bool = False
+    ) -> None:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port: expected an int in [0, 65535], got {port!r}")
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
@@ -354,7 +358,11 @@ class Server:
         self.host = host
         self.port = int(self._socket.getsockname()[1])
         """The port it listens on (the one the system chose when asked for 0)."""
-        config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=30)
+        # No line per request unless asked (`access_log`): at thousands of requests a second its formatting and
+        # writing cost a third of what the server spends on a request.
+        config = uvicorn.Config(
+            app, log_level=log_level, access_log=access_log, lifespan="on", timeout_graceful_shutdown=30
+        )
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._main, name="uform-http", daemon=True)
         self._failed: BaseException | None = None
@@ -420,6 +428,7 @@ def serve_http(
     name: str | None = None,
     limits: Limits | None = None,
     log_level: str = "info",
+    access_log: bool = False,
     rows: int = 0,
     segments: int = 0,
     ready: Callable[[str, Model], None] | None = None,
@@ -428,7 +437,8 @@ def serve_http(
     SIGINT or SIGTERM, then answers the requests in flight and returns (a second SIGINT stops at once).
     A model loaded here (on `executor`, one forward of `rows` and `segments` as `uform.load` takes them) is
     warmed up first (compiled on CUDA) and closed at the end; `ready(url, model)` is called once the server
-    listens. Must run on the main thread (it takes the signals)."""
+    listens; `access_log` logs a line per request. Must run on the main thread (it takes the signals). While it
+    serves, the objects alive when it started are frozen out of the garbage collector's scans (`gc.freeze`)."""
     owned = not isinstance(model, Model)
     served = model if isinstance(model, Model) else load(model, executor, rows=rows, segments=segments)
     try:
@@ -436,7 +446,7 @@ def serve_http(
             _warm_up(served)
         app = create_app(served, name=name, limits=limits)
         try:
-            server = Server(app, host, port, log_level=log_level)
+            server = Server(app, host, port, log_level=log_level, access_log=access_log)
         except BaseException:  # the port taken, say: the app never ran, so its batcher stops here
             app.state.batcher.close()
             raise
