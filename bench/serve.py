@@ -51,6 +51,7 @@ def start_server(args: argparse.Namespace, path: str) -> tuple[subprocess.Popen,
     """`python -m uform serve` on a free loopback port; answers the process and its URL once it listens."""
     command = [sys.executable, "-m", "uform", "serve", path, "--port", "0", "--log-level", "warning"]
     command += ["--cpu"] if args.device == "cpu" else []
+    command += [] if args.batch_wait_ms is None else ["--batch-wait-ms", str(args.batch_wait_ms)]
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=environment)
     assert process.stdout is not None
@@ -184,6 +185,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--encoding-format", choices=("float", "base64"), default="base64")
     parser.add_argument(
         "--client", choices=("http", "httpx"), default="http", help="the bench's own HTTP/1.1 client, or httpx"
+    )
+    parser.add_argument(
+        "--batch-wait-ms", type=int, default=None, help="the server's --batch-wait-ms (default: the server's own)"
     )
     parser.add_argument("--startup-timeout", type=float, default=1800, help="seconds the server may take to listen")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench-serve.json")

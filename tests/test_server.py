@@ -523,7 +523,9 @@ def test_the_serve_bench_runs_on_the_cpu(tmp_path: Path) -> None:
     assert 1 <= results["model_calls"] <= 24 and results["requests_per_call"] == 24 / results["model_calls"]
     assert results["inputs_per_call"] == 2 * results["requests_per_call"]
     assert json.loads((tmp_path / "bench-serve.json").read_text())["requests"] == 24
-    results = bench.main(f"{tiny} --requests 8 --concurrency 2 --warmup 2 --client httpx --out {tmp_path}".split())
+    results = bench.main(
+        f"{tiny} --requests 8 --concurrency 2 --warmup 2 --client httpx --batch-wait-ms 0 --out {tmp_path}".split()
+    )
     assert results["requests"] == 8 and results["model_calls"] >= 1
 
 
@@ -558,11 +560,12 @@ def test_create_app_refuses_what_it_cannot_serve_honestly(tmp_path: Path) -> Non
     for wait in (-1, 0.5, True):
         with pytest.raises(ValueError, match=r"limits\.batch_wait_ms"):
             Limits(batch_wait_ms=wait)  # type: ignore[arg-type]
-    with load(path) as model:
-        for wait in (7, 0):
+    # A call waits for company by default only on a compiled model, whose every call runs its full capacity.
+    for compiled, wait, linger in ((False, 7, 0.007), (False, 0, 0.0), (False, None, 0.0), (True, None, 0.05)):
+        with load(path, compiled=compiled) as model:
             batcher = create_app(model, limits=Limits(batch_wait_ms=wait)).state.batcher
             batcher.close()  # the app never ran, so its lifespan did not close it
-            assert batcher.linger == wait / 1e3
+            assert batcher.linger == linger
 
 
 def test_an_exported_model_folder_is_served_as_its_checkpoint_under_the_folder_name(tmp_path: Path) -> None:

@@ -229,8 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--batch-wait-ms",
         type=_natural,
-        default=50,
-        help="under load, the most a model call waits for as many items as the last one carried (%(default)s ms; 0: never)",
+        default=None,
+        help="under load, the most ms a model call waits for as many items as the last one carried (0: never; "
+        "default 50 on a compiled model, on the GPU, and 0 on the CPU, where a call costs what it holds)",
     )
     serve.add_argument("--rows", type=_natural, default=0, help="rows of one forward (0: the run's)")
     serve.add_argument("--segments", type=_natural, default=0, help="items of one forward (0: the run's)")
