@@ -2,15 +2,22 @@
 worker thread takes the oldest request together with every waiting request of the same key that still fits
 the call's capacity, runs one call over their items, and hands each request its slice through a `Future`.
 
-Why a worker thread and no timer: the model runs one call at a time anyway (`Model` holds a lock), so while a
-call runs the requests that arrive meanwhile pile up and ride the next call together; a lone request runs at
-once, never waiting for company. The queue is bounded in items: a request that would overflow it is refused
-with `Busy` at once (the server answers 503), so memory stays bounded under any load.
+Why a worker thread: the model runs one call at a time anyway (`Model` holds a lock), so while a call runs the
+requests that arrive meanwhile pile up and ride the next call together. An idle batcher runs a lone request at
+once. Under load it may `linger`: clients that waited for one call send their next requests just after it
+answers, spread over the time the server takes to answer and read them, and the first to arrive would
+otherwise start a call of its own while the rest wait out that call (a model at a fixed capacity costs the
+same whatever a call holds, so alternate calls of a few and of the rest answer half of what it could). So the
+next call waits, at most `linger` seconds after the last one ended and never longer than it took, until as
+many items of its key wait as that call carried. The queue is bounded in items: a request that would overflow
+it is refused with `Busy` at once (the server answers 503), so memory stays bounded under any load.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
@@ -42,7 +49,8 @@ class _Request(Generic[K, I, R]):
 class Batcher(Generic[K, I, R]):
     """Runs `run(key, items) -> results` (one result per item, in order) on a worker thread over the items of
     as many waiting requests of one key as fit `capacity` items (a single larger request runs alone).
-    `max_queued` bounds the items waiting; `submit` beyond it raises `Busy`."""
+    `max_queued` bounds the items waiting; `submit` beyond it raises `Busy`. `linger` (seconds, 0: never) is
+    how long a call may wait, just after the last one, for as many items as the last call of its key carried."""
 
     def __init__(
         self,
@@ -50,6 +58,7 @@ class Batcher(Generic[K, I, R]):
         *,
         capacity: int,
         max_queued: int,
+        linger: float = 0.0,
         name: str = "uform-batcher",
     ) -> None:
         for label, value in (("capacity", capacity), ("max_queued", max_queued)):
@@ -57,19 +66,31 @@ class Batcher(Generic[K, I, R]):
                 raise TypeError(f"{label}: expected an int, got {type(value).__name__}")
             if value < 1:
                 raise ValueError(f"{label}: must be positive, got {value}")
+        if isinstance(linger, bool) or not isinstance(linger, (int, float)):
+            raise TypeError(f"linger: expected seconds as a number, got {type(linger).__name__}")
+        if not (math.isfinite(linger) and linger >= 0):
+            raise ValueError(f"linger: must be finite and at least 0 seconds, got {linger}")
         self._run = run
         self.capacity = capacity
         """Items one call gathers at most (from several requests; one larger request runs alone)."""
         self.max_queued = max_queued
         """Items that may wait at once."""
+        self.linger = float(linger)
+        """Seconds a call may wait after the last one for as many items as the last call of its key carried."""
         self._pending: deque[_Request[K, I, R]] = deque()
         self._queued = 0
+        self._queued_by_key: dict[K, int] = {}
+        self._carried: dict[K, int] = {}  # items the last call of each key ran
+        self._last_end = -math.inf  # time.monotonic() when the last call answered
+        self._last_seconds = 0.0  # how long it ran
         self._closed = False
         self._condition = threading.Condition()
         self.calls = 0
         """Calls run so far."""
         self.requests = 0
         """Requests answered (a result or an error) so far."""
+        self.items = 0
+        """Items those calls ran."""
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -93,6 +114,7 @@ class Batcher(Generic[K, I, R]):
                 raise Busy(f"{self._queued} items are waiting, at most {self.max_queued} may")
             self._pending.append(request)
             self._queued += len(request.items)
+            self._queued_by_key[key] = self._queued_by_key.get(key, 0) + len(request.items)
             self._condition.notify()
         return request.future
 
@@ -104,6 +126,7 @@ class Batcher(Generic[K, I, R]):
             dropped = list(self._pending)
             self._pending.clear()
             self._queued = 0
+            self._queued_by_key.clear()
             self._condition.notify_all()
         for request in dropped:
             if request.future.set_running_or_notify_cancel():
@@ -122,6 +145,7 @@ class Batcher(Generic[K, I, R]):
         with self._condition:
             while not self._pending and not self._closed:
                 self._condition.wait()
+            self._linger()
             if not self._pending:
                 return None
             head = self._pending.popleft()
@@ -135,7 +159,22 @@ class Batcher(Generic[K, I, R]):
                     kept.append(request)
             self._pending = kept
             self._queued -= count
+            self._queued_by_key[head.key] -= count
             return group
+
+    def _linger(self) -> None:
+        """Under load, waits (the condition held) for the head's key to gather what its last call carried, at
+        most `linger` after the last call ended and no longer than it ran; an idle batcher passes at once."""
+        if not self._pending or self.linger == 0:
+            return
+        key = self._pending[0].key
+        wanted = min(self._carried.get(key, 0), self.capacity)
+        deadline = self._last_end + min(self.linger, self._last_seconds)
+        while not self._closed and self._queued_by_key.get(key, 0) < wanted:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._condition.wait(left)
 
     def _main(self) -> None:
         while (group := self._take()) is not None:
@@ -143,6 +182,7 @@ class Batcher(Generic[K, I, R]):
             if not live:
                 continue
             items = [item for r in live for item in r.items]
+            started = time.monotonic()
             try:
                 results: Any = list(self._run(live[0].key, items))
                 if len(results) != len(items):  # pragma: no cover - a broken `run`
@@ -155,5 +195,9 @@ class Batcher(Generic[K, I, R]):
                 for r in live:
                     r.future.set_result(results[start : start + len(r.items)])
                     start += len(r.items)
+            self._last_end = time.monotonic()
+            self._last_seconds = self._last_end - started
+            self._carried[live[0].key] = len(items)
             self.calls += 1
             self.requests += len(live)
+            self.items += len(items)

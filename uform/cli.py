@@ -9,7 +9,7 @@
     uform encode MODEL --input FILE --output FILE [--field NAME=ROLE ...] [--width N] [--dtype f32|f16|bf16|i8]
                  [--batch N] [--cpu] [--quiet]
     uform serve MODEL [--host 127.0.0.1] [--port 8000] [--cpu] [--name NAME] [--max-inputs N] [--max-body-bytes N]
-                [--max-queue N] [--rows N] [--segments N] [--log-level LEVEL]
+                [--max-queue N] [--batch-wait-ms N] [--rows N] [--segments N] [--log-level LEVEL] [--access-log]
     uform version
 
 `uform train` exits 0 when done (or stopped by --stop-after), 2 on a refused run, and 128 + the signal (130 for
@@ -226,6 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-queue", type=_positive, default=16384, help="most items waiting; past it, 503 (%(default)s)"
     )
+    serve.add_argument(
+        "--batch-wait-ms",
+        type=_natural,
+        default=None,
+        help="under load, the most ms a model call waits for as many items as the last one carried (0: never; "
+        "default 50 on a compiled model, on the GPU, and 0 on the CPU, where a call costs what it holds)",
+    )
     serve.add_argument("--rows", type=_natural, default=0, help="rows of one forward (0: the run's)")
     serve.add_argument("--segments", type=_natural, default=0, help="items of one forward (0: the run's)")
     serve.add_argument(
@@ -234,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="info",
         help="uvicorn's log level (%(default)s)",
     )
+    serve.add_argument("--access-log", action="store_true", help="log a line per request (at info)")
 
     commands.add_parser("version", help="print the library's version", description="Prints uform's version.")
     return parser
@@ -345,7 +353,7 @@ def _encode(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from .server import Limits, model_name, serve_http  # the serve extra (fastapi, uvicorn), for this command alone
+        from .server import Limits, model_name, serve_http  # the serve extra, for this command alone
     except ImportError as error:
         print(f"uform serve: needs the serve extra (pip install 'uform[serve]'): {error}", file=sys.stderr)
         return 2
@@ -360,7 +368,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     executor = Executor.cpu() if args.cpu or not torch.cuda.is_available() else Executor.for_vram([0])
     try:
-        limits = Limits(max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs, max_queued=args.max_queue)
+        limits = Limits(
+            max_body_bytes=args.max_body_bytes,
+            max_inputs=args.max_inputs,
+            max_queued=args.max_queue,
+            batch_wait_ms=args.batch_wait_ms,
+        )
         serve_http(
             args.model,
             host=args.host,
@@ -369,6 +382,7 @@ def _serve(args: argparse.Namespace) -> int:
             name=args.name,
             limits=limits,
             log_level=args.log_level,
+            access_log=args.access_log,
             rows=args.rows,
             segments=args.segments,
             ready=ready,
