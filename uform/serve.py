@@ -774,7 +774,7 @@ class Model:
             return out, None
         host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
         host.copy_(out, non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # waited for by sleeping, not by spinning a core
         event.record(torch.cuda.current_stream(device))
         return host, event
 
