@@ -409,3 +409,28 @@ def test_bad_arguments_are_value_errors() -> None:
         with pytest.raises(ValueError) as raised:
             decode(data, **arguments)  # type: ignore[arg-type]
         assert not isinstance(raised.value, MediaError)
+
+
+@pytest.mark.parametrize("shape", [(32, 48, 4), (30, 45, 3), (16, 16, 1), (2, 32, 16, 3), (3, 17, 33, 3)])
+def test_tile_lays_patches_and_tubes_out_as_a_loop_over_them_does(shape: tuple[int, ...]) -> None:
+    """`tile` against a plain loop over the zero-padded picture: whole-patch sizes (which skip the padded copy)
+    and ragged ones, pictures [H, W, C] and frames [T, H, W, C], a read-only input as Pillow's arrays are."""
+    from uform.media.grid import tile
+
+    side = 16
+    pixels = np.random.default_rng(len(shape)).integers(0, 256, size=shape, dtype=np.uint8)
+    pixels.setflags(write=False)
+    frames = pixels if pixels.ndim == 4 else pixels[None]
+    count, height, width, channels = frames.shape
+    rows, columns = -(-height // side), -(-width // side)
+    padded = np.zeros((count, rows * side, columns * side, channels), dtype=np.uint8)
+    padded[:, :height, :width] = frames
+    expected = [
+        padded[:, r * side : (r + 1) * side, c * side : (c + 1) * side].reshape(-1)
+        for r in range(rows)
+        for c in range(columns)
+    ]
+    got = tile(pixels, side)
+    assert got.shape == (rows * columns, count * side * side * channels) and got.flags.c_contiguous
+    assert got.flags.writeable and not np.shares_memory(got, pixels)  # the decoder's own array, never the input
+    assert np.array_equal(got, np.stack(expected))

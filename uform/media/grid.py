@@ -40,10 +40,13 @@ def tile(pixels: np.ndarray, patch_side: int) -> np.ndarray:
     frames = pixels if pixels.ndim == 4 else pixels[None]
     count, height, width, channels = frames.shape
     rows, columns = grid_of(width, height, patch_side)
-    padded = np.zeros((count, rows * patch_side, columns * patch_side, channels), dtype=frames.dtype)
-    padded[:, :height, :width] = frames
+    padded = frames
+    if height % patch_side or width % patch_side:  # whole patches need no zero-padded copy
+        padded = np.zeros((count, rows * patch_side, columns * patch_side, channels), dtype=frames.dtype)
+        padded[:, :height, :width] = frames
     tubes = padded.reshape(count, rows, patch_side, columns, patch_side, channels).transpose(1, 3, 0, 2, 4, 5)
-    return np.ascontiguousarray(tubes).reshape(rows * columns, count * patch_side * patch_side * channels)
+    # Always a fresh array (where a single patch's transpose is a no-op, a view would hand back the input itself).
+    return np.array(tubes, order="C").reshape(rows * columns, count * patch_side * patch_side * channels)
 
 
 def positions(times: int, rows: int, columns: int) -> np.ndarray:
