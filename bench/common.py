@@ -34,25 +34,25 @@ def pair_relations(count: int) -> Any:
     return u.Relations(attract=u.Edges(offsets=list(range(count + 1)), ids=[i ^ 1 for i in range(count)]))
 
 
-def joint_config(args: Any, *, batch: dict[str, Any] | None = None, **fields: Any) -> Any:
-    """The `Objective.Joint` run of `args.depth` x `args.hidden` over `args.rows` x `args.columns` with
-    `args.segments` segments (seed 42, a 10,000-step schedule), `batch` adding BatchShape fields and
-    `fields` TrainerInitVramConfig ones."""
+def bench_config(args: Any, *, objective: Any = None, batch: dict[str, Any] | None = None, **fields: Any) -> Any:
+    """The run of `args.depth` x `args.hidden` over `args.rows` x `args.columns` with `args.segments` segments the
+    benches train: `objective` (default `Objective.Joint`), seed 42, a 10,000-step schedule, `batch` adding
+    BatchShape fields and `fields` TrainerInitVramConfig ones (a `schedule` or `seed` among them replaces the
+    default)."""
     import uform as u
 
+    settings: dict[str, Any] = {"schedule": u.Schedule(steps=10_000), "seed": 42, **fields}
     return u.TrainerInitVramConfig(
         depth=args.depth,
         hidden=args.hidden,
-        objective=u.Objective.Joint,
+        objective=u.Objective.Joint if objective is None else objective,
         batch=u.BatchShape(
             max_rows_per_device=args.rows,
             max_segments_per_device=args.segments,
             max_columns_per_row=args.columns,
             **(batch or {}),
         ),
-        schedule=u.Schedule(steps=10_000),
-        seed=42,
-        **fields,
+        **settings,
     )
 
 
@@ -109,19 +109,12 @@ def random_checkpoint(args: Any, path: str, *, patch_side: int = 16, widths: tup
     from uform.replica.checkpoint import write_checkpoint
 
     config = resolve(
-        u.TrainerInitVramConfig(
-            depth=args.depth,
-            hidden=args.hidden,
+        bench_config(
+            args,
             objective=u.Objective.Contrastive,
+            batch={"image": u.ImageShape(patch_side=patch_side)},
             contrastive=u.Contrastive(matryoshka_dimensions=widths),
-            batch=u.BatchShape(
-                max_rows_per_device=args.rows,
-                max_segments_per_device=args.segments,
-                max_columns_per_row=args.columns,
-                image=u.ImageShape(patch_side=patch_side),
-            ),
             schedule=u.Schedule(steps=1),
-            seed=42,
         )
     )
     network = Network(config)

@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from common import add_geometry, in_flight, joint_config, topic_text, write_json  # sibling scripts, not a package
+from common import add_geometry, bench_config, in_flight, topic_text, write_json  # sibling scripts, not a package
 from decode import PHOTOS, photo
 
 
@@ -342,7 +342,7 @@ def main() -> None:
         shapes["video"] = u.VideoShape(patch_side=16, tube_frames=2, channels=3)
     if args.recordings:
         shapes["audio"] = u.AudioShape(chunk_samples=320)
-    config = joint_config(args, batch=shapes)
+    config = bench_config(args, batch=shapes)
     modalities, contents, relations = step_items(args)
     media = MediaPolicy(workers=args.workers)
     trainer = u.Trainer.init_vram(executor, config, media=media, host_processes=args.host_processes)

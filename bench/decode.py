@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 import numpy as np
-from common import add_geometry, joint_config, topic_text, write_json  # a sibling module of the bench scripts
+from common import add_geometry, bench_config, topic_text, write_json  # a sibling module of the bench scripts
 
 os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")  # pygame greets on import otherwise
 
@@ -197,7 +197,7 @@ def host_prepare_seconds(args: argparse.Namespace) -> dict[str, Any]:
     from uform.media.decode import MediaPolicy
 
     executor = u.Executor.for_vram([0]) if args.executor == "cuda" else u.Executor.cpu()
-    config = joint_config(args, batch={"image": u.ImageShape(patch_side=16, channels=4)})
+    config = bench_config(args, batch={"image": u.ImageShape(patch_side=16, channels=4)})
     media = MediaPolicy(workers=args.workers)
     trainer = u.Trainer.init_vram(executor, config, media=media, host_processes=args.host_processes)
     text = topic_text()

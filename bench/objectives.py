@@ -24,7 +24,7 @@ import time
 import torch
 from common import (  # sibling modules, not a package
     add_geometry,
-    joint_config,
+    bench_config,
     pair_relations,
     topic_slices,
     write_json,
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace, name: str) -> dict:
     late = name in ("late", "both")
     choices = name in ("choices", "both")
     executor = u.Executor.cpu() if args.device == "cpu" else u.Executor.for_vram([0])
-    config = joint_config(
+    config = bench_config(
         args,
         batch={"max_choices_per_item": 4 if choices else 0},
         late_interaction=u.LateInteraction(weight=1.0 if late else 0.0),

@@ -32,7 +32,7 @@ from collections import deque
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from common import topic_slices, write_json  # sibling scripts, not a package
+from common import add_geometry, bench_config, topic_slices, write_json  # sibling scripts, not a package
 from train_shards import jpeg
 
 
@@ -41,19 +41,7 @@ def uform_rates(args: argparse.Namespace) -> list[float]:
     import uform as u
     from uform.fitting import steps_in_flight
 
-    config = u.TrainerInitVramConfig(
-        depth=args.depth,
-        hidden=args.hidden,
-        objective=u.Objective.Contrastive,
-        batch=u.BatchShape(
-            max_rows_per_device=args.rows,
-            max_segments_per_device=args.segments,
-            max_columns_per_row=args.columns,
-            image=u.ImageShape(patch_side=16),
-        ),
-        schedule=u.Schedule(steps=10_000),
-        seed=42,
-    )
+    config = bench_config(args, objective=u.Objective.Contrastive, batch={"image": u.ImageShape(patch_side=16)})
     p = args.pairs
     images = [jpeg(i) for i in range(4 * p)]  # four steps' worth of distinct crops, cycled
     captions = topic_slices(4 * p, 60)
@@ -164,12 +152,8 @@ def open_clip_rates(args: argparse.Namespace) -> list[float]:
 
 def main() -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--depth", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=512)
+    add_geometry(parser, segments=0)  # --segments 0: two per pair
     parser.add_argument("--pairs", type=int, default=192)
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--columns", type=int, default=1024)
-    parser.add_argument("--segments", type=int, default=0, help="0: two per pair")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--cpu", action="store_true", help="uform on the CPU (a smoke run; open_clip needs CUDA)")

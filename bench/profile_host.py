@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from common import add_geometry, joint_config, topic_text  # sibling scripts, not a package
+from common import add_geometry, bench_config, topic_text  # sibling scripts, not a package
 from decode import jpegs
 
 
@@ -49,7 +49,7 @@ def main() -> None:
         image_units(images[i % len(images)], patch_side=16, channels=4, max_units=1023)
     one = (time.perf_counter() - started) / 100
 
-    config = joint_config(args, batch={"image": u.ImageShape(patch_side=16, channels=4)})
+    config = bench_config(args, batch={"image": u.ImageShape(patch_side=16, channels=4)})
     executor = u.Executor.cpu()
     trainer = u.Trainer.init_vram(executor, config, media=MediaPolicy(workers=args.workers), host_processes=0)
     text = topic_text()

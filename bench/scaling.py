@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from common import (  # sibling modules, not a package
     add_geometry,
+    bench_config,
     in_flight,
-    joint_config,
     pair_relations,
     topic_slices,
     write_json,
@@ -94,7 +94,7 @@ def child(args: argparse.Namespace) -> None:
 
     mesh = u.Mesh.from_env()
     d = mesh.describe()
-    trainer = u.Trainer.init_vram(mesh.executor, joint_config(args, mesh=mesh), world_compile=args.world_compile)
+    trainer = u.Trainer.init_vram(mesh.executor, bench_config(args, mesh=mesh), world_compile=args.world_compile)
     result = measure(args, trainer, mesh.executor, 1, offset=d.ranks[0] * args.segments)
     if args.profile:
         profile(args, trainer, mesh.executor, d.ranks[0], offset=d.ranks[0] * args.segments)
@@ -147,7 +147,7 @@ def with_executor(args: argparse.Namespace, devices: int) -> dict[str, Any]:
         executor = u.Executor.cpu(workers=devices) if devices > 1 else u.Executor.cpu()
     else:
         executor = u.Executor.for_vram(list(range(devices)))
-    trainer = u.Trainer.init_vram(executor, joint_config(args), world_compile=args.world_compile)
+    trainer = u.Trainer.init_vram(executor, bench_config(args), world_compile=args.world_compile)
     result = measure(args, trainer, executor, devices, offset=0)
     result["world_size"] = devices
     trainer.close()

@@ -31,9 +31,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # sibling modules, not a package
     add_geometry,
+    bench_config,
     bert_config,
     in_flight,
-    joint_config,
     pair_relations,
     topic_slices,
     write_json,
@@ -53,7 +53,7 @@ def bench_uform(args: argparse.Namespace) -> dict:
     import uform as u
 
     executor = u.Executor.for_vram([0])
-    config = joint_config(args)
+    config = bench_config(args)
     trainer = u.Trainer.init_vram(executor, config, host_processes=args.host_processes)
     n = args.segments
     per_item = args.rows * args.columns // n - 1  # prefix + content fill the rows exactly
