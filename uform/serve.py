@@ -70,7 +70,7 @@ from .media.decode import MediaPolicy, decode_items, warn_skipped
 from .media.limits import MediaError
 from .media.units import Units
 from .model.attention import block_tables, compiled_flex_available
-from .model.inputs import DeviceBatch, to_device
+from .model.inputs import DeviceBatch, to_device, to_host
 from .model.network import Network
 from .notices import Notices
 from .replica.capacity import warn_truncated
@@ -772,8 +772,7 @@ class Model:
                     out = network.text_head(at).float()  # [n, 256]
         if device.type != "cuda":
             return out, None
-        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-        host.copy_(out, non_blocking=True)
+        host = to_host(out)
         event = torch.cuda.Event(blocking=True)  # waited for by sleeping, not by spinning a core
         event.record(torch.cuda.current_stream(device))
         return host, event

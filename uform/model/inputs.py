@@ -1,5 +1,5 @@
 """One device's prepared step as the network reads it: `DeviceBatch`, and `to_device`, the one copy of a
-batch's host tensors to the device that training and serving both make.
+batch's host tensors to the device that training and serving both make (`to_host`, the way back).
 
 Shape legend: R rows, C columns, S segment slots, P covered-position capacity, U units of one media
 modality, F values per unit, K/2 rotary frequencies; late interaction's Qt query token rows, Dt document
@@ -135,3 +135,13 @@ def to_device(
         late=None if late is None else LateParts(**late),
         choice=None if choice is None else ChoiceParts(**choice),
     )
+
+
+def to_host(tensor: Tensor) -> Tensor:
+    """An asynchronous copy of a device tensor into page-locked host memory, to be read once the stream has
+    passed it (an event); on the CPU the tensor itself, detached."""
+    if tensor.device.type == "cpu":
+        return tensor.detach()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor.detach(), non_blocking=True)
+    return host

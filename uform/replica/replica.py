@@ -35,7 +35,7 @@ from ..losses.term import Term, world_counts
 from ..media.decode import warn_skipped
 from ..media.units import Units
 from ..model.attention import compiled_flex_available
-from ..model.inputs import DeviceBatch, to_device
+from ..model.inputs import DeviceBatch, to_device, to_host
 from ..model.network import Losses, Network
 from ..notices import NonFiniteWarning, Notices, ScheduleWarning
 from ..runtime.world import GradientReducer, MeshError, World, WorldAborted, reduction_order, wait_event
@@ -513,7 +513,7 @@ class Replica:
             slot = torch.from_numpy(batch.layout.slot).to(self.device, non_blocking=True)
             present = slot >= 0
             readback["arena"] = embeddings.float()[slot.clamp_min(0)] * present.unsqueeze(1)
-        host_copies = {k: _to_host(v) for k, v in readback.items()}
+        host_copies = {k: to_host(v) for k, v in readback.items()}
         event = None
         if cuda:
             # A blocking event: the completion thread sleeps in `synchronize` rather than spinning a core through
@@ -733,15 +733,6 @@ def _stat_vector(totals: dict[str, torch.Tensor], items: int) -> torch.Tensor:
     zero = totals["loss"].new_zeros(())
     terms = [totals.get(k, zero).detach().float() for k in _STAT_TERMS]
     return torch.stack([*terms, zero.float() + items])
-
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """An asynchronous copy into page-locked host memory (a plain reference on the CPU)."""
-    if tensor.device.type == "cpu":
-        return tensor.detach()
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor.detach(), non_blocking=True)
-    return host
 
 
 def _pass_on(source: Future, target: Future) -> None:

@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..model.inputs import to_host
+
 BUCKET_BYTES = 25 << 20
 """Gradient bytes per bucket (DDP's default): big enough to keep the link busy, small enough to start early."""
 
@@ -524,8 +526,7 @@ class GradientReducer:
                 )
                 self._exact = True
                 return {i for i, used in enumerate(flags.tolist()) if used == 0}
-        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-        host.copy_(flags, non_blocking=True)
+        host = to_host(flags)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(flags.device))
         self._pending_flags = (host, event)
