@@ -47,6 +47,11 @@ def uform_rates(args: argparse.Namespace) -> list[float]:
     captions = topic_slices(4 * p, 60)
     modalities = [u.Modality.Image] * p + [u.Modality.Text] * p
     relations = u.Relations(attract=u.Edges(offsets=list(range(2 * p + 1)), ids=[*range(p, 2 * p), *range(p)]))
+
+    def contents(k: int) -> list[bytes]:  # step k's items: the k-th of the four steps' worth, cycled
+        at = (k % 4) * p
+        return [*images[at : at + p], *captions[at : at + p]]
+
     executor = u.Executor.cpu() if args.cpu else u.Executor.for_vram([0])
     trainer = u.Trainer.init_vram(executor, config)
     try:
@@ -58,9 +63,7 @@ def uform_rates(args: argparse.Namespace) -> list[float]:
         total = args.warmup + args.steps
         for k in range(total + depth):
             if k < total:
-                at = (k % 4) * p
-                contents = [*images[at : at + p], *captions[at : at + p]]
-                in_flight.append(deferred.step(modalities, contents, u.TrainerStepConfig(relations=relations)))
+                in_flight.append(deferred.step(modalities, contents(k), u.TrainerStepConfig(relations=relations)))
                 if len(in_flight) < depth:
                     continue
             if not in_flight:
@@ -70,13 +73,7 @@ def uform_rates(args: argparse.Namespace) -> list[float]:
             rates.append(p / (now - finished))
             finished = now
         if args.profile:
-            profile_steps(
-                deferred,
-                args.profile,
-                lambda k: [*images[(k % 4) * p : (k % 4) * p + p], *captions[(k % 4) * p : (k % 4) * p + p]],
-                modalities,
-                relations,
-            )
+            profile_steps(deferred, args.profile, contents, modalities, relations)
     finally:
         trainer.close()
         executor.close()
