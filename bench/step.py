@@ -67,7 +67,8 @@ def bench_uform(args: argparse.Namespace) -> dict:
         return verbs.step(modalities, items, u.TrainerStepConfig(relations=relations, stats=stats[k]))
 
     t0 = time.perf_counter()
-    in_flight(run, range(args.warmup), 0)
+    # The warm-up goes in flight as the timed steps do, so every preparer process has taken steps before the clock.
+    in_flight(run, range(args.warmup), args.in_flight)
     compile_s = time.perf_counter() - t0
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -419,6 +420,70 @@ def test_close_leaves_nothing_behind(executor: Executor) -> None:
     assert all(r is not None and not r.is_alive() for r in readers)
     assert not any(t.is_alive() for pool in threads for t in pool._threads)
     assert host_files() == before
+
+
+def started_processes(hosts: Preparers, count: int, seconds: float = 60.0) -> list[Any]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and len(hosts.processes) < count:
+        time.sleep(0.05)
+    return hosts.processes
+
+
+def test_the_first_step_starts_every_process_and_close_ends_those_still_starting() -> None:
+    """One step at a time never needs a second process, yet the first step starts it behind the first, so
+    a run whose steps go in flight later does not pay its boot then (it used to start on the first step that
+    found the others busy). A close while the second still boots ends it as soon as it has booted."""
+    config = resolve(run_config())
+    hosts = Preparers(2, config, MediaPolicy(workers=1), "dense", pin=False)
+    try:
+        hosts.prepare(text_job(), 1)
+        processes = started_processes(hosts, 2)
+        assert len(processes) == 2 and all(p.is_alive() for p in processes)
+        hosts.prepare(text_job(), 2)  # one at a time: both idle, so the first takes it again
+        assert len(hosts.processes) == 2
+    finally:
+        hosts.close()
+    assert not wait_gone({p.pid for p in processes})
+
+    hosts = Preparers(2, config, MediaPolicy(workers=1), "dense", pin=False)
+    hosts.prepare(text_job(), 1)
+    hosts.close()  # the second is most likely still booting
+    starters = [t for t in threading.enumerate() if t.name.startswith("uform-host-start-")]
+    for t in starters:
+        t.join(60)
+    assert not any(t.is_alive() for t in starters)
+    assert hosts.processes == []
+
+
+def test_a_process_that_fails_to_start_behind_is_started_again_when_needed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start behind the first that fails leaves its process unstarted, not the trainer broken: the first
+    process takes the steps, and the step that needs the second starts it again and raises its error there."""
+    hosts = Preparers(2, resolve(run_config()), MediaPolicy(workers=1), "dense", pin=False)
+    real = hosts._start
+    failures: list[int] = []
+
+    def start(index: int) -> Any:
+        if index == 1:
+            failures.append(index)
+            raise PreparerError("uform: a preparer process failed to start: it did not answer")
+        return real(index)
+
+    monkeypatch.setattr(hosts, "_start", start)
+    try:
+        hosts.prepare(text_job(), 1)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (not failures or hosts._starting):
+            time.sleep(0.02)
+        assert failures == [1] and hosts._processes[1] is None and not hosts._starting
+        host = hosts._processes[0]
+        assert host is not None
+        host.free.clear()  # the first process busy: the next step needs the second
+        with pytest.raises(PreparerError, match="failed to start"):
+            hosts.prepare(text_job(), 2)
+        assert failures == [1, 1]
+        host.free.extend(range(PREPARE_SLOTS))
+    finally:
+        hosts.close()
 
 
 # ---- the transport's fallbacks -----------------------------------------------------------------------------------

@@ -213,8 +213,8 @@ class _Prepared:
 
     members: np.ndarray  # [n] the call's items, in packing order
     tensors: dict[str, Tensor]
-    slots: np.ndarray  # [n] each member's segment slot
-    gather: np.ndarray  # tokens: flat positions of every member's vectors; choose: each member's MASK position
+    picks: Tensor  # the rows the readout takes, page-locked on CUDA (so its copy waits on nothing): encode, each
+    # member's segment slot [n]; tokens, the flat positions of every member's vectors [T]; choose, each MASK's [n]
     counts: np.ndarray  # tokens: [n] vectors per member
     truncated: int  # members cut to fit a row
 
@@ -739,13 +739,12 @@ class Model:
         elif job.verb == "choose":
             gather = start + content - 1  # the placeholder after the text
             batch.tokens.reshape(-1)[gather] = vocab.MASK
+        cuda = self.device.type == "cuda"
+        picks = torch.from_numpy(layout.slot.copy() if job.verb == "encode" else np.ascontiguousarray(gather))
         return _Prepared(
             members=np.asarray(members, dtype=np.int64),
-            tensors=batch.host_tensors(
-                self.device.type == "cuda", tables=block_tables(batch.segments) if self.attention == "flex" else None
-            ),
-            slots=layout.slot.copy(),
-            gather=gather,
+            tensors=batch.host_tensors(cuda, tables=block_tables(batch.segments) if self.attention == "flex" else None),
+            picks=picks.pin_memory() if cuda else picks,
             counts=counts,
             truncated=batch.truncated,
         )
@@ -756,15 +755,18 @@ class Model:
         device = self.device
         network = self.network
         inputs = self._inputs(prepared)
+        # From page-locked memory: a copy from pageable memory would wait for the forward launched before it,
+        # so the host could not prepare the next launch meanwhile (measured: 24 ms a text batch on the H200,
+        # 15 ms of kernels).
+        picks = prepared.picks.to(device, non_blocking=True)
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
             if job.verb == "encode":
                 pooled = self._pooled_fn(inputs)  # [S, D] f32
-                slots = torch.from_numpy(prepared.slots).to(device)
-                out = F.normalize(pooled[slots, : job.width].float(), dim=-1)  # [n, width]
+                out = F.normalize(pooled[picks, : job.width].float(), dim=-1)  # [n, width]
             else:
                 states = self._states_fn(inputs)  # [R, C, D]
                 flat = states.reshape(-1, states.shape[-1])
-                at = flat[torch.from_numpy(prepared.gather).to(device)]
+                at = flat[picks]
                 if job.verb == "tokens":
                     assert network.token_head is not None
                     out = network.token_head(at).float()  # [T, W]

@@ -510,7 +510,10 @@ class Replica:
         if not isinstance(skip, bool):  # the device decided: read on the completion thread, or by a save
             readback["skip"] = skip
         if checked.arena is not None:
-            slot = torch.from_numpy(batch.layout.slot).to(self.device, non_blocking=True)
+            slot = torch.from_numpy(batch.layout.slot)
+            if cuda:  # from page-locked memory, so the copy waits for none of the step launched before it
+                slot = slot.pin_memory()
+            slot = slot.to(self.device, non_blocking=True)
             present = slot >= 0
             readback["arena"] = embeddings.float()[slot.clamp_min(0)] * present.unsqueeze(1)
         host_copies = {k: to_host(v) for k, v in readback.items()}
