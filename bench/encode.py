@@ -25,7 +25,7 @@ is on the GPU machine; carry open_clip_torch, ftfy and wcwidth as wheels there.
 Each figure is the best of `--repeats` timed calls after one warm-up call (which compiles on CUDA). Prints
 a table and writes bench-encode.json under $OUT (or the current folder).
 
-  python bench/encode.py --device cuda --file --peers
+  python bench/encode.py --device cuda --file --peers --jpeg-device
   python bench/encode.py --device cpu --depth 2 --hidden 128 --rows 8 --columns 256 --segments 32 \\
       --texts 256 --images 32 --image-side 64 --file
 """
@@ -75,13 +75,15 @@ def jpegs(count: int, side: int, seed: int = 0) -> list[bytes]:
     return out
 
 
-def build_model(args: argparse.Namespace, folder: str) -> Any:
+def build_model(args: argparse.Namespace, folder: str, jpeg: str = "host") -> Any:
     import uform as u
     from uform.media.decode import MediaPolicy
 
-    path = random_checkpoint(args, os.path.join(folder, "bench-encode.safetensors"), patch_side=args.patch_side)
+    path = os.path.join(folder, "bench-encode.safetensors")
+    if not os.path.exists(path):
+        random_checkpoint(args, path, patch_side=args.patch_side)
     executor = u.Executor.for_vram([0]) if args.device == "cuda" else u.Executor.cpu()
-    return u.load(path, executor, media=MediaPolicy(workers=args.workers))
+    return u.load(path, executor, media=MediaPolicy(workers=args.workers), jpeg=jpeg)
 
 
 def manifests(folder: str, texts: list[bytes], images: list[bytes]) -> dict[str, str]:
@@ -167,6 +169,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dtype", default="f16", choices=("f32", "f16", "bf16", "i8"), help="--file: scalar type")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench-encode.json")
     parser.add_argument("--peers", action="store_true", help="also BertModel and open_clip's ViT (CUDA)")
+    parser.add_argument(
+        "--jpeg-device", action="store_true", help='also JPEGs decoded on the GPU (load(jpeg="device"), nvJPEG)'
+    )
     parser.add_argument("--bert-sequences", type=int, default=1024)
     parser.add_argument("--bert-tokens", type=int, default=64)
     parser.add_argument("--vit-images", type=int, default=192)
@@ -205,6 +210,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     name = f"{kind}_file"
                     results[name] = {"items": count, "items_per_s": count / best, "warmup_s": warm, **options}
                     print(f"{name:<10} {count / best:>8,.1f} items/s  (uform encode -> Parquet)", flush=True)
+            if args.jpeg_device and images:
+                on_device = build_model(args, folder, jpeg="device")
+                try:
+                    modalities = ["image"] * len(images)
+                    warm, best = timed(lambda: on_device.encode(modalities, images), args.repeats)
+                finally:
+                    on_device.close()
+                results["image_device"] = {"items": len(images), "items_per_s": len(images) / best, "warmup_s": warm}
+                print(
+                    f"{'image_device':<6} {len(images) / best:>6,.1f} items/s  (JPEGs decoded on the GPU)", flush=True
+                )
         finally:
             model.close()
     if images:
@@ -227,6 +243,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 results["image"]["items_per_s"] / results["peers"]["open_clip_vit"]["images_per_s"]
             )
             print(f"uform JPEG images/s / open_clip ViT images/s: {results['image_vs_vit']:.2f}")
+        if "image_device" in results:
+            results["image_device_vs_vit"] = (
+                results["image_device"]["items_per_s"] / results["peers"]["open_clip_vit"]["images_per_s"]
+            )
+            print(f"uform JPEG images/s decoded on the GPU / open_clip ViT: {results['image_device_vs_vit']:.2f}")
     write_json("bench-encode.json", results, args.out)
     sys.stdout.flush()
     return results

@@ -7,9 +7,10 @@
     uform plot RUN_DIR [--output FILE_OR_DIR]
     uform export CHECKPOINT OUT_DIR [--onnx]
     uform encode MODEL --input FILE --output FILE [--field NAME=ROLE ...] [--width N] [--dtype f32|f16|bf16|i8]
-                 [--batch N] [--cpu] [--quiet]
+                 [--batch N] [--cpu] [--quiet] [--jpeg host|device]
     uform serve MODEL [--host 127.0.0.1] [--port 8000] [--cpu] [--name NAME] [--max-inputs N] [--max-body-bytes N]
                 [--max-queue N] [--batch-wait-ms N] [--rows N] [--segments N] [--log-level LEVEL] [--access-log]
+                [--jpeg host|device]
     uform version
 
 `uform train` exits 0 when done (or stopped by --stop-after), 2 on a refused run, and 128 + the signal (130 for
@@ -204,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     encode.add_argument("--batch", type=_positive, default=256, help="records held and embedded at once (%(default)s)")
     encode.add_argument("--cpu", action="store_true", help="encode on the CPU even when a GPU is present")
+    encode.add_argument(
+        "--jpeg",
+        choices=("host", "device"),
+        default="host",
+        help="where JPEGs decode: host (Pillow) or device (the GPU's nvJPEG, through torchvision) (%(default)s)",
+    )
     encode.add_argument("--quiet", action="store_true", help="no progress bar")
 
     serve = commands.add_parser(
@@ -242,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="uvicorn's log level (%(default)s)",
     )
     serve.add_argument("--access-log", action="store_true", help="log a line per request (at info)")
+    serve.add_argument(
+        "--jpeg",
+        choices=("host", "device"),
+        default="host",
+        help="where JPEGs decode: host (Pillow, as training) or device (the GPU's nvJPEG, through torchvision; "
+        "several times the images a second, pixels within a few levels of the host's) (%(default)s)",
+    )
 
     commands.add_parser("version", help="print the library's version", description="Prints uform's version.")
     return parser
@@ -335,6 +349,7 @@ def _encode(args: argparse.Namespace) -> int:
             batch=args.batch,
             executor=executor,
             progress=not args.quiet,
+            jpeg=args.jpeg,
         )
         for record, reason in summary.failures:
             print(f"uform encode: record {record} not embedded ({reason}); its row is null", file=sys.stderr)
@@ -385,6 +400,7 @@ def _serve(args: argparse.Namespace) -> int:
             access_log=args.access_log,
             rows=args.rows,
             segments=args.segments,
+            jpeg=args.jpeg,
             ready=ready,
         )
     except (ValueError, TypeError, OSError) as error:  # a CheckpointError is a ValueError; a port taken, OSError

@@ -191,6 +191,7 @@ def encode_file(
     batch: int = 256,
     executor: Executor | None = None,
     progress: bool = False,
+    jpeg: str = "host",
 ) -> EncodeSummary:
     """Embeds every record of `input` into `output` (see the module docstring) and answers what it wrote.
 
@@ -198,7 +199,8 @@ def encode_file(
     on `executor`: None picks the first CUDA device where there is one, else the CPU). `input`: a JSONL, CSV or
     Parquet path (or glob), or any iterable of records. `output`: `.parquet` or `.npy`. `fields`: the mapping
     (default `DEFAULT_FIELDS`). `width`: a Matryoshka width (default the full width); `dtype`: "f32", "f16",
-    "bf16" or "i8"; `batch`: records embedded at once; `progress`: a tqdm bar on stderr.
+    "bf16" or "i8"; `batch`: records embedded at once; `progress`: a tqdm bar on stderr; `jpeg`: where a model
+    loaded here decodes JPEGs ("host" or "device", as `uform.load` takes it; a `Model` keeps its own).
 
     Every argument is checked before anything is read or written; the output appears whole, or not at all.
     """
@@ -225,7 +227,7 @@ def encode_file(
         if executor is None:
             executor = Executor.for_vram([0]) if torch.cuda.is_available() else Executor.cpu()
         try:
-            model = load(model, executor)
+            model = load(model, executor, jpeg=jpeg)
         except BaseException:
             if made:
                 executor.close()

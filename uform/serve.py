@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import vocab
+from . import device_pictures, vocab
 from .arena import Arena, as_scalar
 from .config import TrainerInitVramConfig
 from .data.batch import MEDIA_KINDS, media_features, prepare
@@ -110,6 +110,7 @@ def load(
     media: MediaPolicy | None = None,
     precision: str | None = None,
     compiled: bool | None = None,
+    jpeg: str = "host",
     progress: ProgressCallback | None = None,
     progress_steps: int = 0,
 ) -> Model:
@@ -122,6 +123,10 @@ def load(
     `errors`, and `strict=True` makes every call raise). `precision` is
     "bf16" (autocast, as the trainer's step) or "f32"; None derives bf16 on CUDA and f32 on the CPU.
     `compiled` compiles the forward with `torch.compile` and FlexAttention; None derives True on CUDA.
+    `jpeg` is where JPEGs decode: "host" (the decoder processes, through Pillow, as training decodes them) or
+    "device" (CUDA only, through torchvision's nvJPEG, for the JPEGs that need no more than decoding: baseline,
+    YCbCr, upright, fitting a row; the others still on the host; `uform.device_pictures`). "device" serves
+    several times the images a second, and its pixels may differ from the host's by a few levels.
     `progress(done, total)` counts the tensors read, at most `progress_steps` (zero derives ten) times.
 
     Raises `CheckpointError` (a `ValueError`) naming the file when it is not a whole, intact uform trainer
@@ -145,6 +150,7 @@ def load(
     compiled = device.type == "cuda" if compiled is None else compiled
     if not isinstance(compiled, bool):
         raise TypeError(f"compiled: expected a bool or None, got {type(compiled).__name__}")
+    decode = _jpeg_decoder(jpeg, device)
 
     shown = os.fsdecode(os.fspath(path))
     # The header alone first, every field of it checked and the stored config's network against the tensors
@@ -168,8 +174,20 @@ def load(
         compiled=compiled,
         path=shown,
         step=step,
+        jpeg_decoder=decode,
         _token=_PRIVATE,
     )
+
+
+def _jpeg_decoder(jpeg: Any, device: torch.device) -> device_pictures.Decoder | None:
+    """The GPU JPEG decoder `load(jpeg=...)` asks for (None: the host's decoders)."""
+    if jpeg not in ("host", "device"):
+        raise ValueError(f'jpeg: must be "host" or "device", got {jpeg!r}')
+    if jpeg == "host":
+        return None
+    if device.type != "cuda":
+        raise ValueError(f'jpeg: "device" decodes on a CUDA device (nvJPEG); this model is on {device.type}')
+    return device_pictures.nvjpeg(device)
 
 
 def _natural(value: Any, field: str) -> int:
@@ -217,6 +235,8 @@ class _Prepared:
     # member's segment slot [n]; tokens, the flat positions of every member's vectors [T]; choose, each MASK's [n]
     counts: np.ndarray  # tokens: [n] vectors per member
     truncated: int  # members cut to fit a row
+    failed: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (item, reason): pictures the
+    # device and the host both refused (`jpeg="device"`), answered invalid
 
 
 def plan_batches(
@@ -268,6 +288,7 @@ class Model:
         step: int = 0,
         trainer: Any = None,
         notices: Notices | None = None,
+        jpeg_decoder: device_pictures.Decoder | None = None,
         _token: object = None,
     ) -> None:
         if _token is not _PRIVATE:
@@ -290,6 +311,8 @@ class Model:
         self.window = 2 * self.segments
         """Items decoded and sorted together (a call's memory for decoded media is bounded by this)."""
         self.media = media
+        self.jpeg_decoder = jpeg_decoder
+        """The GPU decoder of the JPEGs it may take (`load(jpeg="device")`); None: every image on the host."""
         self.bf16 = bf16
         self.compiled = compiled
         self._late = config.late_interaction.weight > 0
@@ -457,6 +480,7 @@ class Model:
         for prepared, answer in self._run(job, progress, steps):
             out[torch.from_numpy(prepared.members)] = answer
             valid[torch.from_numpy(prepared.members)] = True
+            valid[[item for item, _ in prepared.failed]] = False
         if arena is not None:
             landed = arena.land(out, valid, scalar)
         else:
@@ -508,6 +532,8 @@ class Model:
             for item, vectors in zip(prepared.members.tolist(), answer.split(prepared.counts.tolist()), strict=True):
                 per_item[item] = vectors
             valid[prepared.members] = True
+            for item, _ in prepared.failed:
+                per_item[item], valid[item] = torch.zeros(0, width), False
         counts = np.array([len(v) for v in per_item], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         data = torch.cat(per_item) if n else torch.zeros(0, width)
@@ -616,6 +642,7 @@ class Model:
                             answers.append(_landed(landing))
                         landing = launched
                         truncated += prepared.truncated
+                        skipped.extend(prepared.failed)
                         done += len(prepared.members)
                     if progress is not None and done < total and at < len(points) and done >= points[at]:
                         while at < len(points) and points[at] <= done:
@@ -683,6 +710,10 @@ class Model:
         kept = {i: self._decoded[k] for i, k in keys.items() if k in self._decoded}
         fresh = [i for i in items if i not in kept]
         units: dict[int, Units] = {i: u for i, u in kept.items() if not isinstance(u, str)}
+        if self.jpeg_decoder is not None:  # JPEGs the device decodes: planned from their headers here
+            planned = self._device_units(job, fresh)
+            units.update(planned)
+            fresh = [i for i in fresh if i not in planned]
         failed = [(i, u) for i, u in kept.items() if isinstance(u, str)]
         if fresh:
             if self._decoders is None:
@@ -698,6 +729,24 @@ class Model:
             units.update(new_units)
             failed.extend(new_failed)
         return units, sorted(failed)
+
+    def _device_units(self, job: _Job, items: list[int]) -> dict[int, Units]:
+        image = self.config.batch.image
+        limits = self.media.limits
+        max_units = self.columns - self._prefix
+        out = {}
+        for i in items:
+            if job.modalities[i] == Modality.Image:
+                planned = device_pictures.device_units(
+                    bytes(job.contents[i]),
+                    patch_side=image.patch_side,
+                    channels=image.channels,
+                    max_units=max_units,
+                    limits=limits,
+                )
+                if planned is not None:
+                    out[i] = planned
+        return out
 
     def _prepare(self, job: _Job, members: list[int], rows: int, units: dict[int, Units]) -> _Prepared:
         """One batch through the trainer's packing; on the CPU only the rows it uses, on a compiled model the
@@ -741,12 +790,36 @@ class Model:
             batch.tokens.reshape(-1)[gather] = vocab.MASK
         cuda = self.device.type == "cuda"
         picks = torch.from_numpy(layout.slot.copy() if job.verb == "encode" else np.ascontiguousarray(gather))
+        deferred = None
+        if self.jpeg_decoder is not None and "image" in batch.media:
+            pictures = [(i, units[i]) for i in members if job.modalities[i] == Modality.Image]
+            values = batch.media["image"]["values"]
+            batch.media["image"]["values"], deferred = device_pictures.split(values, pictures, cuda)
+        tensors = batch.host_tensors(cuda, tables=block_tables(batch.segments) if self.attention == "flex" else None)
+        failed: list[tuple[int, str]] = []
+        if deferred is not None:  # decoded here, on the host thread, while the device runs the batch before
+            assert self.jpeg_decoder is not None
+            image = self.config.batch.image
+            tensors["image.values"], failed = device_pictures.fill(
+                deferred,
+                tensors["image.values"],
+                self.device,
+                self.jpeg_decoder,
+                patch_side=image.patch_side,
+                channels=image.channels,
+                max_units=self.columns - self._prefix,
+                limits=self.media.limits,
+            )
+            if failed and job.errors == "raise":
+                item, reason = min(failed)
+                raise MediaError(reason, item=item)
         return _Prepared(
             members=np.asarray(members, dtype=np.int64),
-            tensors=batch.host_tensors(cuda, tables=block_tables(batch.segments) if self.attention == "flex" else None),
+            tensors=tensors,
             picks=picks.pin_memory() if cuda else picks,
             counts=counts,
             truncated=batch.truncated,
+            failed=failed,
         )
 
     def _device(self, job: _Job, prepared: _Prepared) -> tuple[Tensor, Any]:

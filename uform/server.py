@@ -438,16 +438,18 @@ def serve_http(
     access_log: bool = False,
     rows: int = 0,
     segments: int = 0,
+    jpeg: str = "host",
     ready: Callable[[str, Model], None] | None = None,
 ) -> None:
     """Serves `model` (a path `uform.load` reads, or a loaded `Model`) over HTTP on `host`:`port` until
     SIGINT or SIGTERM, then answers the requests in flight and returns (a second SIGINT stops at once).
-    A model loaded here (on `executor`, one forward of `rows` and `segments` as `uform.load` takes them) is
+    A model loaded here (on `executor`, one forward of `rows` and `segments`, JPEGs decoded where `jpeg` says, as
+    `uform.load` takes them) is
     warmed up first (compiled on CUDA) and closed at the end; `ready(url, model)` is called once the server
     listens; `access_log` logs a line per request. Must run on the main thread (it takes the signals). While it
     serves, the objects alive when it started are frozen out of the garbage collector's scans (`gc.freeze`)."""
     owned = not isinstance(model, Model)
-    served = model if isinstance(model, Model) else load(model, executor, rows=rows, segments=segments)
+    served = model if isinstance(model, Model) else load(model, executor, rows=rows, segments=segments, jpeg=jpeg)
     try:
         if owned:
             _warm_up(served)

@@ -318,7 +318,7 @@ def prepare(
     rows = Rows.empty(R, C)
     spans: list[tuple[int, int, int]] = []
     features = media_features(config)
-    gathered: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {kind: [] for kind in features}
+    gathered: dict[str, list[tuple[np.ndarray | None, np.ndarray, np.ndarray]]] = {kind: [] for kind in features}
     masking = config.objective != Objective.Contrastive
     span_items: list[int] = []
     truncated = layout.truncated.copy()
@@ -346,7 +346,7 @@ def prepare(
             masked = mask_units(kind, item, ratio, media_rngs[i])
         else:
             masked = np.zeros(len(item), dtype=bool)
-        gathered[kind].append((item.values, index, masked))
+        gathered[kind].append((None if item.source is not None else item.values, index, masked))
         truncated[i] |= item.truncated
     media = {kind: _stack_units(gathered[kind], f, UNIT_DTYPES[kind], alloc) for kind, f in features.items()}
 
@@ -527,11 +527,12 @@ def _choice_arrays(
 
 
 def _stack_units(
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], features: int, dtype: type[np.generic], alloc: Alloc
+    parts: list[tuple[np.ndarray | None, np.ndarray, np.ndarray]], features: int, dtype: type[np.generic], alloc: Alloc
 ) -> dict[str, np.ndarray]:
     """One modality's units of the step, padded with inert units (zero values, valid 0, never masked) to at
     least two; values in the modality's own dtype even when the step has none of its units (a stable dtype for
-    the compiled step). Each unit is copied once, into arrays of `alloc` written whole."""
+    the compiled step). Each unit is copied once, into arrays of `alloc` written whole, but for the rows of a
+    part without values (units a GPU decoder fills, `Units.source`), which are left unwritten."""
     count = sum(len(index) for _, index, _ in parts)
     padded = max(2, count)
     values = alloc((padded, features), dtype)  # [U, F]
@@ -539,7 +540,15 @@ def _stack_units(
     masked = alloc((padded,), np.bool_)
     valid = alloc((padded,), np.float32)
     if parts:
-        np.concatenate([v for v, _, _ in parts], out=values[:count], casting="unsafe")
+        present = [v for v, _, _ in parts if v is not None]
+        if len(present) == len(parts):
+            np.concatenate(present, out=values[:count], casting="unsafe")
+        else:
+            at = 0
+            for v, i, _ in parts:
+                if v is not None:
+                    values[at : at + len(i)] = v
+                at += len(i)
         np.concatenate([i for _, i, _ in parts], out=index[:count], casting="unsafe")
         np.concatenate([m for _, _, m in parts], out=masked[:count], casting="unsafe")
     values[count:] = 0

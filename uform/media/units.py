@@ -35,13 +35,19 @@ class Units:
     """The item's `item_key`, where the decoder computed it from the bytes it decoded (in parallel, off the
     preparing thread); None leaves it to whoever needs it."""
 
+    source: bytes | None = None
+    """The JPEG a GPU decoder decodes into these units on the device (serving's `jpeg="device"`,
+    `media.jpeg_plan`); `values` is then a placeholder of the right shape that holds no pixels (zero strides)
+    and packing leaves their rows for the device to fill. None: `values` holds the units."""
+
     def __len__(self) -> int:
         return int(self.values.shape[0])
 
     def owned(self) -> Units:
         """These units in memory of their own: a decoder pool answers views of its processes' shared memory,
         taken until the views go, so units kept for long (a cache) are copied out first."""
-        return dataclasses.replace(self, values=np.array(self.values), positions=np.array(self.positions))
+        values = self.values if self.source is not None else np.array(self.values)  # a placeholder stays one
+        return dataclasses.replace(self, values=values, positions=np.array(self.positions))
 
 
 def item_key(modality: Modality, content: bytes | memoryview) -> int:

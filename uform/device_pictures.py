@@ -1,0 +1,231 @@
+"""Serving's GPU decode of JPEGs: a packed batch's deferred pictures decoded on the device into its image units.
+
+Shape legend: U units of the batch's image modality (patches), F values per unit (p² · C), h units the host
+filled (other images' and the inert padding), G pictures of one size, H x W pixels, p patch side, C channels.
+
+The host plans (`media.jpeg_plan.device_size`, from the headers) and packs as ever, but leaves the rows of a
+deferred picture's patches unwritten (`Units.source`); `split` takes those rows out of what crosses to the
+device, and `fill` decodes the pictures there (nvJPEG through torchvision's `decode_jpeg`, batched, as
+DALI and torchvision's GPU decoding do it) and lays their patches exactly as `media.grid.tile` lays the host's:
+zero-padded on the right and bottom to whole patches, each [p, p, C], an opaque alpha for RGBA. The decoder
+may differ from libjpeg-turbo by a few levels (its IDCT and chroma upsampling: measured on the H200 at most 7,
+mean 0.2, of 255), so the option is the caller's (`uform.load(..., jpeg="device")`), never a default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .media.grid import grid_of, positions
+from .media.image import image_units
+from .media.jpeg_plan import baseline_size, device_size
+from .media.limits import MediaError, MediaLimits
+from .media.units import Units
+
+Decoder = Callable[[list[Tensor]], list[Tensor]]
+"""JPEG bytes (uint8 host tensors) -> [3, H, W] uint8 RGB pictures on the device, in order."""
+
+
+@dataclass
+class Deferred:
+    """One batch's deferred pictures and where their patches go, made on the host (`split`)."""
+
+    rows: Tensor  # [h] int64 rows of the values that the host's values fill (page-locked on CUDA)
+    total: int  # U
+    features: int  # F
+    sources: list[Tensor]  # each picture's JPEG bytes, uint8
+    grids: list[tuple[int, int]]  # each picture's patch grid (rows, columns)
+    members: list[int]  # each picture's item, as the caller numbers them
+    groups: list[tuple[list[int], Tensor]]  # pictures of one pixel size, and the rows their patches fill (pinned)
+
+
+def device_units(data: bytes, *, patch_side: int, channels: int, max_units: int, limits: MediaLimits) -> Units | None:
+    """The units of a JPEG the device decodes (a placeholder of the right shape, with its positions), or None
+    when the host decoders must take it (`media.jpeg_plan.device_size`)."""
+    size = device_size(data, patch_side=patch_side, channels=channels, max_units=max_units, limits=limits)
+    if size is None:
+        return None
+    rows, columns = grid_of(*size, patch_side)
+    features = patch_side * patch_side * channels
+    placeholder = np.broadcast_to(np.zeros((1, features), dtype=np.uint8), (rows * columns, features))
+    return Units(
+        values=placeholder, positions=positions(1, rows, columns), grid=(1, rows, columns), truncated=False, source=data
+    )
+
+
+def split(values: np.ndarray, parts: Sequence[tuple[int, Units]], pin: bool) -> tuple[np.ndarray, Deferred | None]:
+    """The rows of one batch's image values the host filled, and the batch's deferred pictures (None when it has
+    none: then `values` itself). `parts` are (item, units) of the batch's images in packing order, as
+    `data.batch.prepare` stacked them into `values` [U, F]."""
+    total, features = values.shape
+    host = np.ones(total, dtype=bool)
+    sources: list[Tensor] = []
+    grids: list[tuple[int, int]] = []
+    members: list[int] = []
+    starts: list[int] = []
+    sizes: list[tuple[int, int]] = []
+    at = 0
+    for item, units in parts:
+        n = len(units)
+        if units.source is not None:
+            host[at : at + n] = False
+            sources.append(torch.frombuffer(bytearray(units.source), dtype=torch.uint8))
+            grids.append((units.grid[1], units.grid[2]))
+            members.append(item)
+            starts.append(at)
+            sizes.append(_size(units.source))
+        at += n
+    if not sources:
+        return values, None
+    by_size: dict[tuple[int, int], list[int]] = {}
+    for j, size in enumerate(sizes):
+        by_size.setdefault(size, []).append(j)
+    groups = []
+    for js in by_size.values():
+        rows, columns = grids[js[0]]
+        destination = np.concatenate([np.arange(starts[j], starts[j] + rows * columns) for j in js])
+        groups.append((js, _pinned(torch.from_numpy(destination), pin)))
+    rows_kept = np.flatnonzero(host)
+    deferred = Deferred(
+        rows=_pinned(torch.from_numpy(rows_kept), pin),
+        total=total,
+        features=features,
+        sources=sources,
+        grids=grids,
+        members=members,
+        groups=groups,
+    )
+    return values[rows_kept], deferred
+
+
+def fill(
+    deferred: Deferred,
+    host_values: Tensor,
+    device: torch.device,
+    decode: Decoder,
+    *,
+    patch_side: int,
+    channels: int,
+    max_units: int,
+    limits: MediaLimits,
+) -> tuple[Tensor, list[tuple[int, str]]]:
+    """The batch's image values [U, F] uint8 on `device`: the host's rows (`host_values` [h, F]) and every
+    deferred picture decoded by `decode` and tiled in place. A picture the decoder refuses is decoded by the
+    host path instead (`media.image.image_units`); one that path refuses too is answered in the failures,
+    (item, reason), its rows left zero for the caller to mark invalid."""
+    p = patch_side
+    values = torch.zeros((deferred.total, deferred.features), dtype=torch.uint8, device=device)  # [U, F]
+    values.index_copy_(0, deferred.rows.to(device, non_blocking=True), host_values.to(device, non_blocking=True))
+    pictures, refused = _decoded(deferred.sources, decode)
+    failures: list[tuple[int, str]] = []
+    for js, destination in deferred.groups:
+        good = [j for j in js if j not in refused and _fits(pictures[j], deferred.grids[j], p)]
+        for j in js:
+            if j not in good:  # the host path's units, or its reason
+                reason = _host_fill(values, deferred, j, p, channels, max_units, limits)
+                if reason is not None:
+                    failures.append((deferred.members[j], reason))
+        if not good:
+            continue
+        rows, columns = deferred.grids[good[0]]
+        stack = torch.stack([pictures[j] for j in good]).permute(0, 2, 3, 1)  # [G, H, W, 3]
+        if channels == 4:
+            opaque = torch.full((*stack.shape[:3], 1), 255, dtype=torch.uint8, device=device)
+            stack = torch.cat([stack, opaque], dim=3)  # [G, H, W, 4]
+        g, height, width, c = stack.shape
+        padded = F.pad(stack, (0, 0, 0, columns * p - width, 0, rows * p - height))  # [G, rows·p, columns·p, C]
+        patches = padded.reshape(g, rows, p, columns, p, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, p * p * c)
+        if len(good) == len(js):
+            values.index_copy_(0, destination.to(device, non_blocking=True), patches)
+        else:  # a picture of the group went to the host path: only the others' rows
+            per = rows * columns
+            keep = torch.cat([torch.arange(k * per, (k + 1) * per) for k, j in enumerate(js) if j in good])
+            values.index_copy_(0, destination[keep].to(device), patches)
+    return values, failures
+
+
+def nvjpeg(device: torch.device) -> Decoder:
+    """torchvision's batched GPU decoder (nvJPEG) on `device`, RGB out; ImportError naming what to install."""
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg
+    except ImportError as error:
+        raise ImportError(
+            'jpeg="device" decodes JPEGs with torchvision\'s GPU decoder (nvJPEG): pip install torchvision, the '
+            "build that matches your torch"
+        ) from error
+
+    def decode(sources: list[Tensor]) -> list[Tensor]:
+        return list(decode_jpeg(sources, device=device, mode=ImageReadMode.RGB))
+
+    return decode
+
+
+def _decoded(sources: list[Tensor], decode: Decoder) -> tuple[list[Tensor], set[int]]:
+    """Every picture decoded at once; where the batch call fails (one bad picture fails it whole), each alone,
+    so the bad ones are found (answered as refused)."""
+    try:
+        together = decode(sources)
+        if len(together) == len(sources):
+            return together, set()
+    except RuntimeError:
+        pass
+    pictures: list[Tensor] = []
+    refused: set[int] = set()
+    for j, source in enumerate(sources):
+        try:
+            (picture,) = decode([source])
+        except RuntimeError:
+            picture = torch.zeros(0, dtype=torch.uint8)
+            refused.add(j)
+        pictures.append(picture)
+    return pictures, refused
+
+
+def _fits(picture: Tensor, grid: tuple[int, int], p: int) -> bool:
+    """Whether a decoded picture is [3, H, W] with the patch grid its header promised."""
+    if picture.ndim != 3 or picture.shape[0] != 3:
+        return False
+    height, width = picture.shape[1:]
+    return (-(-height // p), -(-width // p)) == grid
+
+
+def _host_fill(
+    values: Tensor, deferred: Deferred, j: int, p: int, channels: int, max_units: int, limits: MediaLimits
+) -> str | None:
+    """Picture `j` through the host path into its rows; its reason when that path refuses it."""
+    source = bytes(deferred.sources[j].numpy())
+    try:
+        units = image_units(source, patch_side=p, channels=channels, max_units=max_units, limits=limits)
+    except MediaError as error:
+        return error.reason
+    rows, columns = deferred.grids[j]
+    if units.grid != (1, rows, columns):
+        return f"the GPU decoder and the host decoder disagree on the picture's size ({units.grid[1:]} patches)"
+    start = _start(deferred, j)
+    values[start : start + rows * columns] = torch.from_numpy(units.values).to(values.device)
+    return None
+
+
+def _start(deferred: Deferred, j: int) -> int:
+    for js, destination in deferred.groups:
+        if j in js:
+            rows, columns = deferred.grids[j]
+            return int(destination[js.index(j) * rows * columns])
+    raise AssertionError(j)  # pragma: no cover - every picture is in a group
+
+
+def _size(data: bytes) -> tuple[int, int]:
+    size = baseline_size(data)
+    if size is None:  # pragma: no cover - a deferred picture was planned from these very bytes
+        raise AssertionError("a deferred JPEG's header no longer reads")
+    return size
+
+
+def _pinned(tensor: Tensor, pin: bool) -> Tensor:
+    return tensor.pin_memory() if pin else tensor

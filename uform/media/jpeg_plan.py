@@ -1,0 +1,108 @@
+"""Which JPEGs a GPU decoder may decode in the host decoders' stead, read from their headers alone.
+
+Serving can decode JPEGs on the GPU (nvJPEG through torchvision, `uform.device_pictures`), where 16 host cores
+top out at ~7,600 images/s of 256² and one H200 decodes ~33,000 (bench/encode.py, BENCHMARKS.md). That path
+gives what the host path gives only where the host path would do nothing but decode: a baseline, 8-bit,
+three-component YCbCr JPEG, upright (no EXIF orientation, or orientation 1), whose patch grid fits a row at its
+native size (no downscaling, whose Lanczos filter the GPU path does not have), within the limits, and
+consistent (`jpeg.check_jpeg`). Anything else (progressive, grey, CMYK, Adobe RGB, rotated, too large, broken)
+stays on the host path, which decodes it or refuses it with its own error. This module reads bytes only: no
+decoder, no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from .grid import fit_size
+from .jpeg import check_jpeg
+from .limits import MediaError, MediaLimits
+from .sniff import expect
+
+_BASELINE = {0xC0, 0xC1}  # Huffman, sequential (extended sequential allows 8-bit too)
+_OTHER_FRAMES = {0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+_SOS, _EOI, _APP1, _APP14 = 0xDA, 0xD9, 0xE1, 0xEE
+_STANDALONE = {0x01, *range(0xD0, 0xD8)}
+_RGB_IDS = (ord("R"), ord("G"), ord("B"))  # libjpeg reads components named R, G, B as RGB, not YCbCr
+_ORIENTATION = 0x0112
+
+
+def device_size(
+    data: bytes, *, patch_side: int, channels: int, max_units: int, limits: MediaLimits
+) -> tuple[int, int] | None:
+    """(width, height) of a JPEG that a GPU decoder may decode to the host path's very units (see the module's
+    docstring), or None when the host path must take it. Never raises for bad bytes: those are the host's."""
+    if channels not in (3, 4):  # grey from colour is libjpeg's own conversion
+        return None
+    try:
+        if expect("image", data, limits) != "jpeg":
+            return None
+        frame = baseline_size(data)
+        if frame is None:
+            return None
+        width, height = frame
+        if width * height > limits.max_pixels or fit_size(width, height, patch_side, max_units) != (width, height):
+            return None
+        check_jpeg(data)
+    except MediaError:
+        return None
+    return frame
+
+
+def baseline_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) of a baseline three-component YCbCr frame read upright, walking the markers up to the
+    first scan; None for any other frame, an Adobe or EXIF segment that changes how it reads, or bad markers."""
+    size: tuple[int, int] | None = None
+    at = 2
+    while at + 4 <= len(data):
+        if data[at] != 0xFF:
+            return None
+        marker = data[at + 1]
+        if marker == 0xFF:
+            at += 1
+            continue
+        if marker in _STANDALONE:
+            at += 2
+            continue
+        if marker in (_SOS, _EOI):
+            return size
+        length = int.from_bytes(data[at + 2 : at + 4], "big")
+        segment = data[at + 4 : at + 2 + length]
+        if length < 2 or len(segment) != length - 2:
+            return None
+        if marker in _OTHER_FRAMES or marker == _APP14:  # progressive, lossless, arithmetic; Adobe colour transforms
+            return None
+        if marker == _APP1 and segment.startswith(b"Exif\x00\x00") and _orientation(segment[6:]) != 1:
+            return None
+        if marker == _APP1 and not segment.startswith(b"Exif") and b"Orientation" in segment:
+            return None  # Pillow reads an XMP packet's tiff:Orientation where EXIF has none
+        if marker in _BASELINE:
+            if size is not None or len(segment) < 15 or segment[0] != 8 or segment[5] != 3:
+                return None
+            if tuple(segment[6 + 3 * k] for k in range(3)) == _RGB_IDS:
+                return None
+            height, width = int.from_bytes(segment[1:3], "big"), int.from_bytes(segment[3:5], "big")
+            if width == 0 or height == 0:
+                return None
+            size = (width, height)
+        at += 2 + length
+    return None
+
+
+def _orientation(tiff: bytes) -> int:
+    """The EXIF orientation tag of IFD0 (1 when absent); 0 for a TIFF block that does not parse, which the host
+    path reads as Pillow does."""
+    if len(tiff) < 8 or tiff[:2] not in (b"II", b"MM"):
+        return 0
+    order: Literal["little", "big"] = "little" if tiff[:2] == b"II" else "big"
+    ifd = int.from_bytes(tiff[4:8], order)
+    if ifd + 2 > len(tiff):
+        return 0
+    count = int.from_bytes(tiff[ifd : ifd + 2], order)
+    for k in range(count):
+        entry = tiff[ifd + 2 + 12 * k : ifd + 14 + 12 * k]
+        if len(entry) < 12:
+            return 0
+        if int.from_bytes(entry[:2], order) == _ORIENTATION:
+            return int.from_bytes(entry[8:10], order)
+    return 1
