@@ -3,7 +3,8 @@
 A trainer at the reference geometry of docs/design.md §1 (default depth 12 x hidden 512, 64 rows x 1024 columns, 256 segments,
 image patch 16, RGBA) takes `--steps` Joint steps of `--images` JPEGs (cut from scikit-image's photographs,
 each a different crop so no two items are the same bytes) beside `--texts` captions, submitted through
-`Trainer.deferred` with two steps in flight, the way a data loader drives it. Two runs:
+`Trainer.deferred` with as many steps in flight as `uform.fit` keeps (two, or one more than the preparer processes, so
+each has a step while the device runs one; `--in-flight` to choose), the way a data loader drives it. Two runs:
 
   pipeline   the real thing: every step decodes its JPEGs in the worker pool, packs, corrupts and pins on
              the host thread while the device runs the step before.
@@ -232,7 +233,7 @@ class Pressure:
 
 
 def timed_steps(trainer: Any, modalities: list[Any], contents: list[bytes], relations: Any, args: argparse.Namespace):
-    """Seconds per step over the timed steps (two in flight), after `args.warmup` untimed ones; the stats of
+    """Seconds per step over the timed steps (`args.in_flight` in flight), after `args.warmup` untimed ones; the stats of
     the last step and the pressure of the timed ones."""
     import uform as u
 
@@ -320,7 +321,12 @@ def main() -> None:
     parser.add_argument(
         "--host-processes", type=int, default=None, help="Trainer.init_vram(host_processes=); default: the trainer's"
     )
-    parser.add_argument("--in-flight", type=int, default=2, help="deferred steps submitted and not yet answered")
+    parser.add_argument(
+        "--in-flight",
+        type=int,
+        default=0,
+        help="deferred steps submitted and not yet answered (0: as uform.fit keeps them, max(2, host processes + 1))",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave torch's default)")
     parser.add_argument("--host-steps", type=int, default=20, help="steps of the prepare stage measured alone")
     parser.add_argument("--host-only", action="store_true", help="measure the prepare stage alone, no training")
@@ -346,6 +352,10 @@ def main() -> None:
     modalities, contents, relations = step_items(args)
     media = MediaPolicy(workers=args.workers)
     trainer = u.Trainer.init_vram(executor, config, media=media, host_processes=args.host_processes)
+    if not args.in_flight:  # as uform.fit drives it: every preparer process busy while the device runs a step
+        from uform.fitting import steps_in_flight
+
+        args.in_flight = steps_in_flight(trainer)
     pressure: dict[str, Any] = {"idle": idle_probe()}
     try:
         replica = trainer.replica  # one device's pipeline, in this process

@@ -116,6 +116,31 @@ def timed(call: Any, repeats: int) -> tuple[float, float]:
     return warm, best
 
 
+def profiled(name: str, call: Any, folder: str) -> dict[str, float]:
+    """One more (warm) call under torch.profiler: its wall time against the sum of its kernels (where the two part,
+    the device idles), the table of the host's costliest operators written to `folder`/encode-profile-`name`.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as trace:
+        t0 = time.perf_counter()
+        call()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    device = torch.autograd.DeviceType.CUDA
+    kernels = sum(e.device_time for e in trace.events() if e.device_type == device) / 1e6
+    averages = trace.key_averages()
+    table = averages.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=70)
+    if torch.cuda.is_available():
+        table += "\n" + averages.table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"encode-profile-{name}.txt"), "w") as out:
+        out.write(table)
+    print(f"profile {name}: wall {wall * 1e3:.1f} ms, kernels {kernels * 1e3:.1f} ms", flush=True)
+    return {"wall_s": wall, "kernels_s": kernels}
+
+
 def peer_rates(args: argparse.Namespace) -> dict[str, Any]:
     """BertModel tokens/s and open_clip ViT images/s (inference, bf16, CUDA) at uform's depth and width."""
     from transformers import BertModel
@@ -172,6 +197,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--jpeg-device", action="store_true", help='also JPEGs decoded on the GPU (load(jpeg="device"), nvJPEG)'
     )
+    parser.add_argument(
+        "--profile", action="store_true", help="one more call of each kind under torch.profiler (tables under --out)"
+    )
     parser.add_argument("--bert-sequences", type=int, default=1024)
     parser.add_argument("--bert-tokens", type=int, default=64)
     parser.add_argument("--vit-images", type=int, default=192)
@@ -197,6 +225,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 warm, best = timed(lambda m=modalities, c=contents: model.encode(m, c), args.repeats)
                 results[kind] = {"items": len(contents), "items_per_s": len(contents) / best, "warmup_s": warm}
                 print(f"{kind:<6} {len(contents) / best:>12,.1f} items/s  (warm-up {warm:.1f} s)", flush=True)
+                if args.profile:
+                    call = lambda m=modalities, c=contents: model.encode(m, c)  # noqa: E731
+                    results[kind]["profile"] = profiled(kind, call, args.out)
             if args.file:
                 for kind, manifest in manifests(folder, texts, images).items():
                     if not (texts if kind == "text" else images):
@@ -215,9 +246,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 try:
                     modalities = ["image"] * len(images)
                     warm, best = timed(lambda: on_device.encode(modalities, images), args.repeats)
+                    if args.profile:
+                        trace = profiled("image_device", lambda: on_device.encode(modalities, images), args.out)
                 finally:
                     on_device.close()
                 results["image_device"] = {"items": len(images), "items_per_s": len(images) / best, "warmup_s": warm}
+                if args.profile:
+                    results["image_device"]["profile"] = trace
                 print(
                     f"{'image_device':<6} {len(images) / best:>6,.1f} items/s  (JPEGs decoded on the GPU)", flush=True
                 )
