@@ -30,6 +30,9 @@ from uform import (
     TrainerStepConfig,
     TrainerStepStats,
 )
+from uform.config import resolve, to_json
+from uform.model.network import Network
+from uform.replica.checkpoint import write_checkpoint
 
 torch.set_num_threads(2)
 
@@ -58,6 +61,18 @@ def make_config(**overrides: Any) -> TrainerInitVramConfig:
     )
     fields.update(overrides)
     return TrainerInitVramConfig(**fields)
+
+
+def write_fresh_checkpoint(path: Any, config: TrainerInitVramConfig) -> Network:
+    """A trainer checkpoint at `path` of a freshly initialised network of `config` (resolved here), written the way
+    `Trainer.save` writes one, so runs the trainer does not train yet can be served; answers the network, in eval."""
+    resolved = resolve(config)
+    network = Network(resolved)
+    network.initialize(resolved.seed)
+    tensors = {f"weights.{k}": v for k, v in network.state_dict().items()}
+    metadata = {"uform.format": "uform.trainer.1", "uform.config": to_json(resolved), "uform.step": "0"}
+    write_checkpoint(path, tensors, metadata)
+    return network.eval()
 
 
 def pair_relations(pairs: int, count: int | None = None) -> Relations:

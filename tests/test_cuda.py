@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import write_fresh_checkpoint
 
 import uform as u
 from uform.config import resolve
@@ -171,9 +172,6 @@ def test_cuda_serving_matches_cpu_serving(tmp_path) -> None:
 
     from PIL import Image
 
-    from uform.config import to_json
-    from uform.replica.checkpoint import write_checkpoint
-
     run = resolve(
         u.TrainerInitVramConfig(
             depth=2,
@@ -191,11 +189,8 @@ def test_cuda_serving_matches_cpu_serving(tmp_path) -> None:
             seed=4,
         )
     )
-    network = Network(run)
-    network.initialize(run.seed)
     path = tmp_path / "serve.safetensors"
-    metadata = {"uform.format": "uform.trainer.1", "uform.config": to_json(run), "uform.step": "0"}
-    write_checkpoint(path, {f"weights.{k}": v for k, v in network.state_dict().items()}, metadata)
+    write_fresh_checkpoint(path, run)
 
     texts, _ = items(40)
     rng = np.random.default_rng(0)
@@ -239,8 +234,6 @@ def test_cuda_jpeg_decoded_on_the_device_matches_the_host_decode(tmp_path) -> No
     from PIL import Image
 
     from uform import device_pictures
-    from uform.config import to_json
-    from uform.replica.checkpoint import write_checkpoint
 
     run = resolve(
         u.TrainerInitVramConfig(
@@ -257,11 +250,8 @@ def test_cuda_jpeg_decoded_on_the_device_matches_the_host_decode(tmp_path) -> No
             seed=4,
         )
     )
-    network = Network(run)
-    network.initialize(run.seed)
     path = tmp_path / "pictures.safetensors"
-    metadata = {"uform.format": "uform.trainer.1", "uform.config": to_json(run), "uform.step": "0"}
-    write_checkpoint(path, {f"weights.{k}": v for k, v in network.state_dict().items()}, metadata)
+    write_fresh_checkpoint(path, run)
 
     rng = np.random.default_rng(0)
     images, planned = [], 0

@@ -18,16 +18,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import write_fresh_checkpoint
 from media_samples import encode_image, forged_jpeg, photo
 from PIL import Image
 
 import uform.device_pictures
 from uform import BatchShape, ImageShape, Objective, Schedule, TrainerInitVramConfig
-from uform.config import resolve, to_json
+from uform.config import resolve
 from uform.media.jpeg_plan import device_size
 from uform.media.limits import MediaError, MediaLimits
-from uform.model.network import Network
-from uform.replica.checkpoint import write_checkpoint
 from uform.serve import load
 
 torch.set_num_threads(2)
@@ -105,11 +104,8 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
             seed=5,
         )
     )
-    network = Network(config)
-    network.initialize(config.seed)
     path = tmp_path_factory.mktemp("pictures") / "model.safetensors"
-    metadata = {"uform.format": "uform.trainer.1", "uform.config": to_json(config), "uform.step": "0"}
-    write_checkpoint(path, {f"weights.{k}": v for k, v in network.state_dict().items()}, metadata)
+    write_fresh_checkpoint(path, config)
     return path
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TEXTS, make_config, pair_relations
+from conftest import TEXTS, make_config, pair_relations, write_fresh_checkpoint
 
 import uform
 from uform import (
@@ -68,13 +68,7 @@ def contrastive_config(**overrides: Any) -> TrainerInitVramConfig:
 def write_network(path: Path, config: TrainerInitVramConfig) -> Network:
     """A checkpoint written the way `Trainer.save` writes one, from a freshly initialised network (so runs
     the trainer does not train yet, such as late interaction, can be served); answers the network."""
-    resolved = resolve(config)
-    network = Network(resolved)
-    network.initialize(resolved.seed)
-    tensors = {f"weights.{k}": v for k, v in network.state_dict().items()}
-    metadata = {"uform.format": "uform.trainer.1", "uform.config": to_json(resolved), "uform.step": "0"}
-    write_checkpoint(path, tensors, metadata)
-    return network.eval()
+    return write_fresh_checkpoint(path, config)
 
 
 def direct_states(network: Network, prefix: list[int], content: bytes | list[int]) -> torch.Tensor:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import write_fresh_checkpoint
 from media_samples import encode_image, encode_sound, photo, pygame_file, recording
 from PIL import Image
 
@@ -37,13 +38,11 @@ from uform import (
     TrainerInitVramConfig,
     TrainerStepConfig,
 )
-from uform.config import resolve, to_json
+from uform.config import resolve
 from uform.evaluate import evaluate_retrieval
 from uform.media.decode import MediaPolicy, decode_item
 from uform.media.limits import MediaError, MediaLimits
-from uform.model.network import Network
 from uform.notices import MediaWarning, Notices
-from uform.replica.checkpoint import write_checkpoint
 from uform.serve import load
 
 torch.set_num_threads(2)
@@ -245,11 +244,8 @@ def test_a_broken_item_under_strict_raises_and_changes_nothing(served: dict[str,
 def test_media_tokens_are_one_per_unit(tmp_path: Path) -> None:
     span = 7
     run = resolve(config(late_interaction=LateInteraction(weight=1.0, width=16, max_query_span=span)))
-    network = Network(run)
-    network.initialize(run.seed)
     path = tmp_path / "late-media.safetensors"
-    metadata = {"uform.format": "uform.trainer.1", "uform.config": to_json(run), "uform.step": "0"}
-    write_checkpoint(path, {f"weights.{k}": v for k, v in network.state_dict().items()}, metadata)
+    write_fresh_checkpoint(path, run)
     model = load(path, media=MediaPolicy(workers=1))
     try:
         image, sound = jpeg("astronaut.png", (64, 48)), wav(0.2)
