@@ -24,6 +24,7 @@ from PIL import Image
 
 import uform.device_pictures
 from uform import BatchShape, ImageShape, Objective, Schedule, TrainerInitVramConfig
+from uform.cli import main
 from uform.config import resolve
 from uform.media.jpeg_plan import device_size
 from uform.media.limits import MediaError, MediaLimits
@@ -184,9 +185,16 @@ def test_a_picture_both_refuse_raises_naming_it_or_is_masked(checkpoint: Path, m
         model.close()
 
 
-def test_jpeg_is_checked(checkpoint: Path) -> None:
+def test_jpeg_is_checked(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match='jpeg: must be "host" or "device"'):
         load(checkpoint, jpeg="gpu")
     with pytest.raises(ValueError, match='jpeg: "device" decodes on a CUDA device'):
         load(checkpoint, jpeg="device")
     assert load(checkpoint, jpeg="host").jpeg_decoder is None
+    records = tmp_path / "records.jsonl"
+    records.write_text('{"text": "a line"}\n')
+    command = ["encode", str(checkpoint), "--input", str(records), "--output", str(tmp_path / "out.npy"), "--cpu"]
+    assert main([*command, "--jpeg", "device"]) == 2
+    assert 'jpeg: "device" decodes on a CUDA device' in capsys.readouterr().err
+    assert not (tmp_path / "out.npy").exists()
+    assert main(command) == 0
