@@ -6,7 +6,9 @@ The job functions live at module level so they pickle into the workers. Timing b
 
 from __future__ import annotations
 
+import hashlib
 import json
+import pickle
 import os
 import signal
 import subprocess
@@ -82,6 +84,11 @@ def arrays(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     """Several buffers in one result, one of them not contiguous (it cannot go out of band)."""
     grid = np.arange(n * 3, dtype=np.int64).reshape(n, 3)
     return np.full((n, 1024), 7, dtype=np.uint8), grid, grid[:, ::2], "label"
+
+
+def digest(data: bytes | memoryview) -> tuple[str, int]:
+    """The job's bytes as the worker sees them: their hash and length."""
+    return hashlib.sha256(data).hexdigest(), len(data)
 
 
 def unpicklable_result() -> object:
@@ -245,6 +252,28 @@ def test_large_arrays_cross_the_pipe(pool: DecodePool) -> None:
     (outcome,) = pool.map(big_array, jobs_of((4_000_000,)))  # 16 MB
     assert outcome.ok
     np.testing.assert_array_equal(outcome.value, np.arange(4_000_000, dtype=np.float32))
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="slabs live in /dev/shm")
+def test_a_jobs_large_buffers_cross_the_workers_slab_not_the_pipe() -> None:
+    data = np.random.default_rng(0).integers(0, 256, size=1 << 20, dtype=np.uint8).tobytes()  # 1 MiB
+    expected = (hashlib.sha256(data).hexdigest(), len(data))
+    with DecodePool(workers=1, timeout_seconds=30) as one:
+        assert values(one.map(digest, jobs_of((pickle.PickleBuffer(data),)))) == [expected]  # the worker starts
+        (worker,) = one._workers
+        assert worker.helper is not None
+        sent: list[int] = []
+        send = worker.helper._send
+        worker.helper._send = lambda message: sent.append(len(message)) or send(message)  # type: ignore[method-assign]
+        for _ in range(3):  # the one input area, reused job after job
+            assert values(one.map(digest, jobs_of((pickle.PickleBuffer(data),)))) == [expected]
+        assert len(sent) == 3 and max(sent) < 4096  # the message names where the bytes lie: they are not in it
+    with DecodePool(workers=1, timeout_seconds=30) as small:
+        small.input_bytes = 1 << 16  # too small for the job's bytes: they cross the pipe, whole
+        assert values(small.map(digest, jobs_of((pickle.PickleBuffer(data),), (b"short",)))) == [
+            expected,
+            (hashlib.sha256(b"short").hexdigest(), 5),
+        ]
 
 
 def slab_files() -> list[str]:
