@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pickle
 import os
+import pickle
 import signal
 import subprocess
 import sys
