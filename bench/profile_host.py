@@ -94,7 +94,7 @@ def main() -> None:
         for step in range(args.steps + 2):
             started = time.perf_counter()
             pack(
-                config,
+                replica.config,  # the trainer's, its zeros derived (the bench's leaves text masking off)
                 checked.modalities,
                 checked.contents,
                 bags=checked.bags,
