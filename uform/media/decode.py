@@ -96,14 +96,15 @@ thread, a dispatch), about as long as decoding one 256 x 256 JPEG, so images go 
 each long enough to be worth its trip and bounded only by the job's time limit, go one a job."""
 
 
-def decode_chunk(jobs: Sequence[tuple[str, bytes, dict[str, Any], int, MediaLimits]]) -> list[tuple[Any, str | None]]:
+def decode_chunk(jobs: Sequence[tuple[str, Any, dict[str, Any], int, MediaLimits]]) -> list[tuple[Any, str | None]]:
     """`decode_item` of each job in turn, in one decoder job: (units, None) or (None, why) for each, an item's
-    error caught as the pool would report it ("MediaError: ...") so that one broken image fails only itself."""
+    error caught as the pool would report it ("MediaError: ...") so that one broken image fails only itself. An
+    item's bytes may be any buffer (`_job_bytes`: a view of the decoder's input area, which the next job takes)."""
     out: list[tuple[Any, str | None]] = []
-    for kind, data, *rest in jobs:
+    for kind, data, geometry, max_units, limits in jobs:
         try:
-            # A view of the decoder's input area (`_job_bytes`): its own bytes, since that area takes the next job.
-            out.append((decode_item(kind, data if isinstance(data, bytes) else bytes(data), *rest), None))
+            owned = data if isinstance(data, bytes) else bytes(data)
+            out.append((decode_item(kind, owned, geometry, max_units, limits), None))
         except Exception as error:  # the decoders answer hostile bytes with many exception types
             message = str(error)
             out.append((None, f"{type(error).__name__}: {message}" if message else type(error).__name__))
