@@ -81,7 +81,7 @@ def install() -> None:
     from uform.media import decode
 
     if decode.decode_chunk is not timed_decode_chunk:
-        decode._untimed_decode_chunk = decode.decode_chunk  # type: ignore[attr-defined]
+        decode.untimed_decode_chunk = decode.decode_chunk  # type: ignore[attr-defined]
         decode.decode_chunk = timed_decode_chunk  # what decode_items hands the pool, looked up at each call
 
 
@@ -89,7 +89,7 @@ def timed_decode_chunk(jobs: Any) -> Any:
     """`media.decode.decode_chunk`, timed in the decoder that runs it."""
     from uform.media import decode
 
-    real = getattr(decode, "_untimed_decode_chunk", decode.decode_chunk)  # a decoder never installed the wrappers
+    real = getattr(decode, "untimed_decode_chunk", decode.decode_chunk)  # a decoder never installed the wrappers
     start = time.monotonic()
     try:
         return real(jobs)
@@ -97,23 +97,26 @@ def timed_decode_chunk(jobs: Any) -> Any:
         _write("decode_chunk", start, time.monotonic())
 
 
-def traced_preparer_main(*args: Any) -> None:
-    """A preparer process's life (`runtime.preparers._preparer_main`), its functions timed."""
+def traced_preparer_main(target: Any, *args: Any) -> None:
+    """A preparer process's life (`target`, the preparer processes' own entry), its functions timed."""
     install()
-    from uform.runtime import preparers
-
-    real = getattr(preparers, "_untraced_preparer_main", preparers._preparer_main)
-    real(*args)
+    target(*args)
 
 
 def trace_preparers(folder: str) -> None:
-    """Times the prepare stage in this process and in every preparer process started from now on."""
+    """Times the prepare stage in this process and in every preparer process started from now on: their helper
+    (`runtime.helper.Helper`, as `runtime.preparers` names it) starts them through `traced_preparer_main`."""
     os.environ["UFORM_BENCH_TRACE"] = folder  # inherited by the preparer processes and their decoders
-    from uform.runtime import preparers
+    from uform.runtime import helper, preparers
+
+    class TracedHelper(helper.Helper):
+        def __init__(self, target: Any, args: Any = (), **options: Any) -> None:
+            if str(options.get("name", "")).startswith("uform-host-"):
+                target = functools.partial(traced_preparer_main, target)  # pickles by reference, both parts
+            super().__init__(target, args, **options)
 
     install()
-    preparers._untraced_preparer_main = preparers._preparer_main  # type: ignore[attr-defined]
-    preparers._preparer_main = traced_preparer_main  # type: ignore[assignment]
+    preparers.Helper = TracedHelper  # type: ignore[misc]
 
 
 def timeline(folder: str) -> list[list[tuple[int, str, str, float, float]]]:
