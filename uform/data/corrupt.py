@@ -65,7 +65,7 @@ def _cover(covered: np.ndarray, count: int, mean_span: float, rng: np.random.Gen
     floor = 1 if free >= used else 0
     slack = free - floor * used
     # Stars and bars: S - 1 bars among slack + S - 1 places give a uniform composition of slack into S parts.
-    bars = np.sort(rng.choice(slack + used - 1, size=used - 1, replace=False)).tolist()
+    bars = sorted(rng.choice(slack + used - 1, size=used - 1, replace=False).tolist())
     bars.append(slack + used - 1)
     turn = int(rng.integers(0, length))
     at, previous = 0, -1  # at: where the span starts on the unturned circle
@@ -103,7 +103,7 @@ def corrupt_text(
             continue
         mask = covered[r, c0 : c0 + n]  # [n] a view: the segment's spans are laid in place
         _cover(mask, k, masking.token_mean_span, rng)
-        shuffled = rng.permutation(r * width + c0 + np.flatnonzero(mask))
+        shuffled = rng.permutation(np.flatnonzero(mask) + (r * width + c0))
         # Both cumulative shares rounded stochastically with one draw: each is exact in expectation even
         # for a three-byte caption, and together they never exceed k.
         u = rng.random()
