@@ -30,7 +30,7 @@ counts against the decode (they have their own generous limits, `uform.runtime.h
 thread starts workers, gives ready ones their first job, and handles deaths and deadlines; in the steady state
 it sleeps.
 
-This module, and the runtime modules it imports (child, helper, remote_error, slab), import only the standard
+This module, and the runtime modules it imports (child, heap, helper, remote_error, slab), import only the standard
 library, so the worker entry stays light: importing ``uform.runtime.decoders`` loads no torch and no numpy (a job
 function that lives in a module importing torch brings torch into the worker when its first job arrives).
 """
@@ -54,6 +54,7 @@ from typing import Any, Generic, TypeVar
 
 from .child import START_METHOD, Process
 from .child import context as context_of
+from .heap import keep_heap
 from .helper import BOOT_SECONDS, Helper, Link, NotDelivered, ProcessDied, Readers, UnreadableAnswer, close_all
 from .remote_error import describe
 from .slab import Areas, reserve_area
@@ -491,6 +492,7 @@ def _shutdown(workers: list[_Worker], owner: int) -> None:
 def _worker_main(link: Link) -> None:
     """A worker's whole life: map its slab, say ready, then run jobs until the pool asks it to exit or is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    keep_heap()  # a job's buffers are the same few sizes job after job: from the heap, not fresh pages
     endpoint = link.open()
     if not endpoint.ready():
         return
