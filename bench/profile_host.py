@@ -9,6 +9,13 @@ over `--steps` prepare calls. No device is used (the CPU executor's prepare is t
 tables, counted apart with `--flex`).
 
   python bench/profile_host.py [--steps 8 --workers 0 --images 128 --texts 128]
+
+`--timeline` instead times one step at a time through `--host-processes` preparer processes (on `--executor`, so on
+CUDA with the page-locked copy and the block tables) and prints, per process and function, the medians over the
+steps of its calls, their summed time and when the first began and the last ended, in ms from the step's call
+(`bench/host_trace.py`: the trainer's process, its preparer and every decoder append their calls' times to files):
+
+  python bench/profile_host.py --timeline [--executor cuda --host-processes 2 --steps 10]
 """
 
 from __future__ import annotations
@@ -16,10 +23,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import os
 import pathlib
 import pstats
 import sys
+import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +46,13 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=128)
     parser.add_argument("--texts", type=int, default=128)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--timeline", action="store_true", help="time each stage of a step across the processes")
+    parser.add_argument("--executor", choices=("cpu", "cuda"), default="cpu", help="with --timeline")
+    parser.add_argument("--host-processes", type=int, default=1, help="preparer processes, with --timeline")
     args = parser.parse_args()
+    if args.timeline:
+        timeline(args)
+        return
 
     import uform as u
     from uform.data.batch import prepare as pack
@@ -94,7 +110,7 @@ def main() -> None:
         for step in range(args.steps + 2):
             started = time.perf_counter()
             pack(
-                config,
+                replica.config,  # the trainer's, its zeros derived (the bench's leaves text masking off)
                 checked.modalities,
                 checked.contents,
                 bags=checked.bags,
@@ -117,6 +133,56 @@ def main() -> None:
     stats = pstats.Stats(profiler)
     stats.sort_stats("tottime").print_stats(args.top)
     stats.sort_stats("cumulative").print_stats(args.top)
+
+
+def step_of(u: Any, images: list[bytes], args: argparse.Namespace) -> tuple[list[Any], list[bytes], Any]:
+    """The bench step: `args.images` JPEGs then `args.texts` captions of 200 B, image i paired with caption i."""
+    text = topic_text()
+    n = min(args.images, args.texts)
+    modalities = [u.Modality.Image] * args.images + [u.Modality.Text] * args.texts
+    contents = [images[i % len(images)] for i in range(args.images)]
+    contents += [text[i * 200 : (i + 1) * 200] for i in range(args.texts)]
+    ids = [[args.images + i] if i < n else [] for i in range(args.images)]
+    ids += [[i] if i < n else [] for i in range(args.texts)]
+    offsets = np.cumsum([0] + [len(x) for x in ids]).tolist()
+    return modalities, contents, u.Relations(attract=u.Edges(offsets=offsets, ids=[j for x in ids for j in x]))
+
+
+def timeline(args: argparse.Namespace) -> None:
+    """`--timeline`: see the module's docstring."""
+    import host_trace
+
+    import uform as u
+    from uform.media.decode import MediaPolicy
+
+    folder = tempfile.mkdtemp(prefix="uform-host-trace-")
+    host_trace.trace_preparers(folder)
+    executor = u.Executor.for_vram([0]) if args.executor == "cuda" else u.Executor.cpu()
+    config = bench_config(args, batch={"image": u.ImageShape(patch_side=16, channels=4)})
+    media = MediaPolicy(workers=args.workers)
+    trainer = u.Trainer.init_vram(executor, config, media=media, host_processes=args.host_processes)
+    modalities, contents, relations = step_of(u, jpegs(256), args)
+    replica = trainer.replica
+    checked = replica.check_step(modalities, contents, u.TrainerStepConfig(relations=relations), copy_buffers=False)
+    try:
+        for step in range(3):  # the processes start, their slabs' pages are reached
+            replica.prepare(checked, step)
+        warm = len(host_trace.timeline(folder))
+        for step in range(3, 3 + args.steps):
+            replica.prepare(checked, step)
+        roles = {os.getpid(): "trainer"} | {p.pid: "preparer" for p in replica.stage.preparers.processes}
+    finally:
+        trainer.close()
+    rows = host_trace.summary(host_trace.timeline(folder)[warm:], roles)
+    print(
+        f"one step at a time, {args.steps} steps, {args.host_processes} preparer processes, {args.executor}; ms from the call"
+    )
+    print(f"  {'process':<9} {'thread':<22} {'function':<26} {'calls':>6} {'sum ms':>8} {'first':>8} {'last':>8}")
+    for row in rows:
+        print(
+            f"  {row['role']:<9} {row['thread'][:22]:<22} {row['name'][:26]:<26} {row['calls']:6.0f} {row['sum_ms']:8.2f} "
+            f"{row['first_ms']:8.2f} {row['last_ms']:8.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The bench scripts that answer numbers run end to end on the CPU at a tiny scale (the lead runs them on a
 GPU at the reference geometry of docs/design.md §1): bench/encode.py (its --file path too); bench/onnx_cpu.py; bench/maxsim.py, whose current MaxSim agrees with the previous one it
 keeps as the reference; bench/scaling.py through an executor of two CPU workers; bench/train_shards.py (uform.fit from tar shards against the library loop); bench/pairs.py (uform's side);
-bench/data_wait.py's video and audio steps; and bench/attention.py's layouts and FLOP count."""
+bench/data_wait.py's video and audio steps; bench/profile_host.py --timeline; and bench/attention.py's layouts and FLOP
+count."""
 
 from __future__ import annotations
 
@@ -128,6 +129,23 @@ def test_data_wait_bench_builds_video_and_audio_steps(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "bench-data-wait.json").read_text())
     assert result["items"]["clips"] == 2 and result["items"]["recordings"] == 2 and result["items"]["audio"] == "flac"
     assert result["placed"] == 8 and result["dropped"] == 0
+
+
+def test_profile_host_timeline_times_every_process_of_the_prepare_stage() -> None:
+    """bench/profile_host.py --timeline: one step's stages in the trainer's process, its preparer process and its
+    decoder, each from the function's own timer there."""
+    tiny = "--timeline --steps 1 --images 3 --texts 3 --workers 1 --depth 1 --hidden 128 --rows 4 --columns 512"
+    tiny += " --segments 16"
+    environment = {**os.environ, "PYTHONPATH": str(BENCH.parent)}
+    run = subprocess.run(
+        [sys.executable, str(BENCH / "profile_host.py"), *tiny.split()],
+        env=environment,
+        check=True,
+        capture_output=True,
+    )
+    rows = {tuple(line.split()[:3]) for line in run.stdout.decode().splitlines()[2:]}
+    assert ("decoder", "MainThread", "decode_chunk") in rows
+    assert ("preparer", "uform-host-job", "prepare") in rows and ("trainer", "MainThread", "adopt") in rows
 
 
 def test_step_bench_counts_the_towers_own_parameters() -> None:

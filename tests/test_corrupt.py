@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from statistics import NormalDist
 
 import numpy as np
@@ -33,6 +34,19 @@ def test_cover_spans_exact_count(mean_span: float) -> None:
             covered = cover_spans(length, count, mean_span, rng)
             assert covered.dtype == bool and covered.shape == (length,)
             assert int(covered.sum()) == count, (length, count)
+
+
+def test_cover_spans_draws_are_pinned() -> None:
+    """The masks and the generator's state after them, as the numpy implementation of 2026-11 drew them (the
+    spans are now laid in Python): a change here changes every resumed run's corruption."""
+    digest = hashlib.sha256()
+    cases = [(200, 30, 16.0, 1), (200, 30, 3.0, 2), (7, 6, 16.0, 3), (50, 49, 1.0, 4), (300, 45, 0.5, 5)]
+    for length, count, mean, seed in [*cases, (1, 1, 16.0, 6), (10, 0, 16.0, 7)]:
+        rng = np.random.default_rng(seed)
+        mask = cover_spans(length, count, mean, rng)
+        digest.update(np.packbits(mask).tobytes())
+        digest.update(rng.integers(0, 1 << 62).tobytes())
+    assert digest.hexdigest()[:32] == "d16dfa45d28014f64d9711280eaefc0f"
 
 
 def test_cover_spans_deterministic() -> None:

@@ -30,7 +30,7 @@ class InProcess:
         out = []
         for args, kwargs in jobs:
             self.jobs.append(len(args[0]))
-            if any(job[1] == POISON for job in args[0]):
+            if any(bytes(job[1]) == POISON for job in args[0]):  # a job carries its bytes as a PickleBuffer
                 out.append(Outcome(None, "the decoder process died (killed by SIGKILL)", 0.0))
             else:
                 out.append(Outcome(function(*args, **kwargs), None, 0.0))

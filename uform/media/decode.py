@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,13 +96,15 @@ thread, a dispatch), about as long as decoding one 256 x 256 JPEG, so images go 
 each long enough to be worth its trip and bounded only by the job's time limit, go one a job."""
 
 
-def decode_chunk(jobs: Sequence[tuple[str, bytes, dict[str, Any], int, MediaLimits]]) -> list[tuple[Any, str | None]]:
+def decode_chunk(jobs: Sequence[tuple[str, Any, dict[str, Any], int, MediaLimits]]) -> list[tuple[Any, str | None]]:
     """`decode_item` of each job in turn, in one decoder job: (units, None) or (None, why) for each, an item's
-    error caught as the pool would report it ("MediaError: ...") so that one broken image fails only itself."""
+    error caught as the pool would report it ("MediaError: ...") so that one broken image fails only itself. An
+    item's bytes may be any buffer (`_job_bytes`: a view of the decoder's input area, which the next job takes)."""
     out: list[tuple[Any, str | None]] = []
-    for job in jobs:
+    for kind, data, geometry, max_units, limits in jobs:
         try:
-            out.append((decode_item(*job), None))
+            owned = data if isinstance(data, bytes) else bytes(data)
+            out.append((decode_item(kind, owned, geometry, max_units, limits), None))
         except Exception as error:  # the decoders answer hostile bytes with many exception types
             message = str(error)
             out.append((None, f"{type(error).__name__}: {message}" if message else type(error).__name__))
@@ -112,6 +115,14 @@ def _chunks(images: list[int], workers: int) -> list[list[int]]:
     """`images` split into chunks of at most `CHUNK_MOST`, two a decoder at least while there are enough."""
     size = max(1, min(CHUNK_MOST, -(-len(images) // (2 * max(1, workers)))))
     return [images[at : at + size] for at in range(0, len(images), size)]
+
+
+def _job_bytes(content: bytes | memoryview) -> Any:
+    """An item's bytes as a decoder job carries them: a `pickle.PickleBuffer` of the caller's buffer (no copy here),
+    which the pool writes into the decoder's input area of shared memory rather than down the pipe, or pickles in
+    place where there is none (it loads as bytes); bytes of their own where the buffer is not contiguous."""
+    view = memoryview(content)
+    return pickle.PickleBuffer(view) if view.c_contiguous else view.tobytes()
 
 
 def decode_items(
@@ -129,9 +140,9 @@ def decode_items(
     serving model both decode through here."""
     geometry = {"image": vars(batch.image), "video": vars(batch.video), "audio": vars(batch.audio)}
 
-    def job(i: int) -> tuple[str, bytes, dict[str, Any], int, MediaLimits]:
+    def job(i: int) -> tuple[str, Any, dict[str, Any], int, MediaLimits]:
         kind = str(modalities[i])  # a Modality prints as its word: "image", "video", "audio"
-        return (kind, bytes(contents[i]), dict(geometry[kind]), max_units, policy.limits)
+        return (kind, _job_bytes(contents[i]), dict(geometry[kind]), max_units, policy.limits)
 
     images = [i for i in items if str(modalities[i]) == "image"]
     chunks = _chunks(images, getattr(pool, "workers", 1)) + [[i] for i in items if str(modalities[i]) != "image"]

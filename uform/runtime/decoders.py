@@ -20,7 +20,9 @@ arrays are views of the slab, not copies: held views (`uform.runtime.slab.read_o
 worker never overwrites while any of them lives. Each job names the gap of the slab its result may be written
 into (`uform.runtime.slab.Areas`: the bytes of earlier results still viewed are left out), so a caller may keep
 one map's outcomes while the next map runs; once the last view of a result is gone, its bytes are free again. A
-result that does not fit the gap offered crosses the pipe. A job is pickled ``(function, args, kwargs, area)``. Before running a job whose unpickling was slow (its first job, or any
+result that does not fit the gap offered crosses the pipe. A job is pickled ``(function, args, kwargs, area)``, its
+large buffers (`pickle.PickleBuffer`s among its arguments: the image bytes of a chunk) copied into the worker's input
+area past those bytes (`_INPUT_BYTES`), where the worker reads them as views; one that does not fit crosses the pipe. Before running a job whose unpickling was slow (its first job, or any
 that took over `_SLOW_LOAD_SECONDS`: an import of the job function's module) a worker sends the note
 ``"started"``, and the job's time limit runs from then, so neither the interpreter start nor a first import
 counts against the decode (they have their own generous limits, `uform.runtime.helper.BOOT_SECONDS` and
@@ -28,7 +30,7 @@ counts against the decode (they have their own generous limits, `uform.runtime.h
 thread starts workers, gives ready ones their first job, and handles deaths and deadlines; in the steady state
 it sleeps.
 
-This module, and the runtime modules it imports (child, helper, remote_error, slab), import only the standard
+This module, and the runtime modules it imports (child, heap, helper, remote_error, slab), import only the standard
 library, so the worker entry stays light: importing ``uform.runtime.decoders`` loads no torch and no numpy (a job
 function that lives in a module importing torch brings torch into the worker when its first job arrives).
 """
@@ -52,9 +54,10 @@ from typing import Any, Generic, TypeVar
 
 from .child import START_METHOD, Process
 from .child import context as context_of
+from .heap import keep_heap
 from .helper import BOOT_SECONDS, Helper, Link, NotDelivered, ProcessDied, Readers, UnreadableAnswer, close_all
 from .remote_error import describe
-from .slab import Areas
+from .slab import Areas, reserve_area
 
 __all__ = ["DecodePool", "JobError", "Outcome", "decode_parallelism"]
 
@@ -67,6 +70,13 @@ _BOOT_FAILURES = 3
 # Each worker's shared-memory slab for result buffers (virtual until touched: it holds every result still viewed,
 # a preparer's two steps' worth at most, and offers the lowest gap that fits, so its pages stay few).
 _SLAB_BYTES = 64 << 20
+# Each worker's slab also has an input area past the results' bytes: a job's large buffers (`pickle.PickleBuffer`s in
+# its arguments, a chunk's JPEG bytes) are copied there rather than through the pipe, which moves 64 KiB per round
+# trip and made every job's send cost the dispatching thread ~0.1 ms per 10 KiB (a chunk of 16 JPEGs: 0.6-3 ms, on
+# the one thread that dispatches every worker's next job). One job at a time per worker: the area needs no keeping.
+_INPUT_BYTES = 16 << 20
+# Job buffers smaller than this stay in the pickled message.
+_INPUT_IN_BAND_BELOW = 4096
 # Unpickling a job for longer than this (an import) makes the worker announce the job's start, re-arming its limit.
 _SLOW_LOAD_SECONDS = 0.05
 
@@ -103,11 +113,13 @@ class JobError(Exception):
 class _Worker:
     """The pool's view of one worker: its helper and where its job stands."""
 
-    __slots__ = ("areas", "deadline", "future", "helper", "job", "sent_at", "state", "warm")
+    __slots__ = ("areas", "deadline", "future", "helper", "inputs", "job", "reserved", "sent_at", "state", "warm")
 
-    def __init__(self, deadline: float, slab_bytes: int) -> None:
+    def __init__(self, deadline: float, slab_bytes: int, input_bytes: int) -> None:
         self.helper: Helper | None = None
         self.areas = Areas(slab_bytes)  # the bytes of its slab that results still viewed hold
+        self.inputs = (slab_bytes, slab_bytes + input_bytes)  # the jobs' input area, past the results' bytes
+        self.reserved = [0]  # bytes of the input area backed so far (`reserve_area`)
         self.state = _BOOTING
         self.deadline = deadline  # monotonic; math.inf when idle
         self.job: int | None = None  # index into the current map's jobs while loading or running
@@ -144,7 +156,8 @@ class DecodePool:
         self.timeout_seconds = timeout
         context_of(context)  # ValueError for an unknown start method
         self.context = context
-        self.slab_bytes = _SLAB_BYTES  # each worker's shared-memory slab, for workers started from now on
+        self.slab_bytes = _SLAB_BYTES  # each worker's slab for results, for workers started from now on
+        self.input_bytes = _INPUT_BYTES  # and its input area for jobs' buffers, past those bytes
         self._workers: list[_Worker] = []
         self._lock = threading.RLock()  # RLock: a signal handler that closes the pool mid-map must not deadlock
         self._readers = Readers("uform-decoders-reader")  # one thread reads every worker's answers
@@ -261,12 +274,12 @@ class DecodePool:
         """Starts workers until those idle or starting cover the ``wanted`` pending jobs, up to the pool's size."""
         available = sum(w.state in (_IDLE, _BOOTING) for w in self._workers)
         while available < wanted and len(self._workers) < self.workers:
-            worker = _Worker(time.monotonic() + BOOT_SECONDS, self.slab_bytes)
+            worker = _Worker(time.monotonic() + BOOT_SECONDS, self.slab_bytes, self.input_bytes)
             helper = Helper(
                 _worker_main,
                 name="uform-decoder",
                 context=self.context,
-                slab_bytes=self.slab_bytes,
+                slab_bytes=self.slab_bytes + self.input_bytes,
                 slab_prefix="uform-decoder-",
                 lease=worker.areas.hold,  # a result's arrays are views of the slab until the caller drops them
                 # The callbacks hold the worker, the lock and the event, never the pool (collected when unused).
@@ -387,7 +400,12 @@ class _Batch:
                 worker.state, worker.deadline = _LOADING, sent_at + self.timeout + _LOAD_SECONDS
             area = worker.areas.offer()  # where its result may go: no bytes a result still viewed holds
             try:
-                future = helper.submit((self.function, tuple(args), dict(kwargs), area))
+                future = helper.submit(
+                    (self.function, tuple(args), dict(kwargs), area),
+                    area=worker.inputs,
+                    reserve=functools.partial(_reserve_inputs, worker),
+                    in_band_below=_INPUT_IN_BAND_BELOW,
+                )
             except NotDelivered:  # it died while idle: the job never reached it, so it may go to another worker
                 worker.state, worker.job, worker.deadline = _GONE, None, math.inf  # buried once reaped
                 self.pending.appendleft(index)
@@ -426,6 +444,13 @@ class _Batch:
             busy = worker.state in (_LOADING, _RUNNING)
         if not busy or not self.remaining:
             self.wake.set()
+
+
+def _reserve_inputs(worker: _Worker, length: int) -> bool:
+    """Backs the first `length` bytes of `worker`'s input area with memory (False: no room, the job goes in band)."""
+    helper = worker.helper
+    fd = None if helper is None else helper.slab_fd
+    return reserve_area(fd, worker.reserved, 0, worker.inputs[0], length)
 
 
 def _wake(event: threading.Event, _: object = None) -> None:
@@ -467,6 +492,7 @@ def _shutdown(workers: list[_Worker], owner: int) -> None:
 def _worker_main(link: Link) -> None:
     """A worker's whole life: map its slab, say ready, then run jobs until the pool asks it to exit or is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    keep_heap()  # a job's buffers are the same few sizes job after job: from the heap, not fresh pages
     endpoint = link.open()
     if not endpoint.ready():
         return

@@ -79,6 +79,7 @@ from ..media.units import Units
 from ..relations import Edges, Relations
 from .child import START_METHOD
 from .decoders import DecodePool, decode_parallelism
+from .heap import keep_heap
 from .helper import BOOT_SECONDS, Endpoint, Frame, Helper, Link, NotDelivered, ProcessDied, close_all
 from .slab import SLAB_ALIGN, reserve_area
 
@@ -537,6 +538,7 @@ def _preparer_main(
     """A preparer process's whole life: map the slab, say ready, then prepare each step it is sent on a thread of
     its own until the trainer asks it to exit or is gone (its process died)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's process's to handle
+    keep_heap()  # a step's arrays are the same sizes step after step: from the heap, not fresh pages
     # This process's main module is uform.runtime.child's boot (no file, no module name), so the decoders' fork server
     # imports nothing of the trainer's script: it preloads the decoding libraries instead, once.
     if _DECODER_CONTEXT == "forkserver":
