@@ -68,15 +68,7 @@ def main() -> None:
     config = bench_config(args, batch={"image": u.ImageShape(patch_side=16, channels=4)})
     executor = u.Executor.cpu()
     trainer = u.Trainer.init_vram(executor, config, media=MediaPolicy(workers=args.workers), host_processes=0)
-    text = topic_text()
-    n = min(args.images, args.texts)
-    modalities = [u.Modality.Image] * args.images + [u.Modality.Text] * args.texts
-    contents = [images[i % len(images)] for i in range(args.images)]
-    contents += [text[i * 200 : (i + 1) * 200] for i in range(args.texts)]
-    ids = [[args.images + i] if i < n else [] for i in range(args.images)]
-    ids += [[i] if i < n else [] for i in range(args.texts)]
-    offsets = np.cumsum([0] + [len(x) for x in ids]).tolist()
-    relations = u.Relations(attract=u.Edges(offsets=offsets, ids=[j for x in ids for j in x]))
+    modalities, contents, relations = step_of(u, images, args)
     replica = trainer.replica
     checked = replica.check_step(modalities, contents, u.TrainerStepConfig(relations=relations), copy_buffers=False)
     try:
