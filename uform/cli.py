@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("host", "device"),
         default="host",
         help="where JPEGs decode: host (Pillow, as training) or device (the GPU's nvJPEG, through torchvision; "
-        "several times the images a second, pixels within a few levels of the host's) (%(default)s)",
+        "pixels within a few levels of the host's) (%(default)s)",
     )
 
     commands.add_parser("version", help="print the library's version", description="Prints uform's version.")

