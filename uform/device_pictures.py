@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .media.grid import grid_of, positions
 from .media.image import image_units
-from .media.jpeg_plan import baseline_size, device_size
+from .media.jpeg_plan import device_size
 from .media.limits import MediaError, MediaLimits
 from .media.units import Units
 
@@ -40,9 +40,9 @@ class Deferred:
     total: int  # U
     features: int  # F
     sources: list[Tensor]  # each picture's JPEG bytes, uint8
-    grids: list[tuple[int, int]]  # each picture's patch grid (rows, columns)
+    grids: list[tuple[int, int]]  # each picture's patch grid (rows, columns), from its header
+    starts: list[int]  # each picture's first row of the values
     members: list[int]  # each picture's item, as the caller numbers them
-    groups: list[tuple[list[int], Tensor]]  # pictures of one pixel size, and the rows their patches fill (pinned)
 
 
 def device_units(data: bytes, *, patch_side: int, channels: int, max_units: int, limits: MediaLimits) -> Units | None:
@@ -69,7 +69,6 @@ def split(values: np.ndarray, parts: Sequence[tuple[int, Units]], pin: bool) -> 
     grids: list[tuple[int, int]] = []
     members: list[int] = []
     starts: list[int] = []
-    sizes: list[tuple[int, int]] = []
     at = 0
     for item, units in parts:
         n = len(units)
@@ -79,18 +78,9 @@ def split(values: np.ndarray, parts: Sequence[tuple[int, Units]], pin: bool) -> 
             grids.append((units.grid[1], units.grid[2]))
             members.append(item)
             starts.append(at)
-            sizes.append(_size(units.source))
         at += n
     if not sources:
         return values, None
-    by_size: dict[tuple[int, int], list[int]] = {}
-    for j, size in enumerate(sizes):
-        by_size.setdefault(size, []).append(j)
-    groups = []
-    for js in by_size.values():
-        rows, columns = grids[js[0]]
-        destination = np.concatenate([np.arange(starts[j], starts[j] + rows * columns) for j in js])
-        groups.append((js, _pinned(torch.from_numpy(destination), pin)))
     rows_kept = np.flatnonzero(host)
     deferred = Deferred(
         rows=_pinned(torch.from_numpy(rows_kept), pin),
@@ -98,8 +88,8 @@ def split(values: np.ndarray, parts: Sequence[tuple[int, Units]], pin: bool) -> 
         features=features,
         sources=sources,
         grids=grids,
+        starts=starts,
         members=members,
-        groups=groups,
     )
     return values[rows_kept], deferred
 
@@ -124,29 +114,28 @@ def fill(
     values.index_copy_(0, deferred.rows.to(device, non_blocking=True), host_values.to(device, non_blocking=True))
     pictures, refused = _decoded(deferred.sources, decode)
     failures: list[tuple[int, str]] = []
-    for js, destination in deferred.groups:
-        good = [j for j in js if j not in refused and _fits(pictures[j], deferred.grids[j], p)]
-        for j in js:
-            if j not in good:  # the host path's units, or its reason
-                reason = _host_fill(values, deferred, j, p, channels, max_units, limits)
-                if reason is not None:
-                    failures.append((deferred.members[j], reason))
-        if not good:
-            continue
-        rows, columns = deferred.grids[good[0]]
-        stack = torch.stack([pictures[j] for j in good]).permute(0, 2, 3, 1)  # [G, H, W, 3]
+    by_size: dict[tuple[int, ...], list[int]] = {}  # the pictures decoded as their headers promised, by size
+    for j, picture in enumerate(pictures):
+        if j not in refused and _fits(picture, deferred.grids[j], p):
+            by_size.setdefault(tuple(picture.shape), []).append(j)
+        else:  # the host path's units, or its reason
+            reason = _host_fill(values, deferred, j, p, channels, max_units, limits)
+            if reason is not None:
+                failures.append((deferred.members[j], reason))
+    pin = values.device.type == "cuda"
+    for js in by_size.values():
+        rows, columns = deferred.grids[js[0]]
+        per = rows * columns
+        destination = np.concatenate([np.arange(deferred.starts[j], deferred.starts[j] + per) for j in js])
+        stack = torch.stack([pictures[j] for j in js]).permute(0, 2, 3, 1)  # [G, H, W, 3]
         if channels == 4:
             opaque = torch.full((*stack.shape[:3], 1), 255, dtype=torch.uint8, device=device)
             stack = torch.cat([stack, opaque], dim=3)  # [G, H, W, 4]
         g, height, width, c = stack.shape
         padded = F.pad(stack, (0, 0, 0, columns * p - width, 0, rows * p - height))  # [G, rows·p, columns·p, C]
         patches = padded.reshape(g, rows, p, columns, p, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, p * p * c)
-        if len(good) == len(js):
-            values.index_copy_(0, destination.to(device, non_blocking=True), patches)
-        else:  # a picture of the group went to the host path: only the others' rows
-            per = rows * columns
-            keep = torch.cat([torch.arange(k * per, (k + 1) * per) for k, j in enumerate(js) if j in good])
-            values.index_copy_(0, destination[keep].to(device), patches)
+        index = _pinned(torch.from_numpy(destination), pin).to(device, non_blocking=True)  # [G · per]
+        values.index_copy_(0, index, patches)
     return values, failures
 
 
@@ -205,7 +194,7 @@ def _fits(picture: Tensor, grid: tuple[int, int], p: int) -> bool:
     if picture.ndim != 3 or picture.shape[0] != 3:
         return False
     height, width = picture.shape[1:]
-    return (-(-height // p), -(-width // p)) == grid
+    return grid_of(width, height, p) == grid
 
 
 def _host_fill(
@@ -220,24 +209,9 @@ def _host_fill(
     rows, columns = deferred.grids[j]
     if units.grid != (1, rows, columns):
         return f"the GPU decoder and the host decoder disagree on the picture's size ({units.grid[1:]} patches)"
-    start = _start(deferred, j)
+    start = deferred.starts[j]
     values[start : start + rows * columns] = torch.from_numpy(units.values).to(values.device)
     return None
-
-
-def _start(deferred: Deferred, j: int) -> int:
-    for js, destination in deferred.groups:
-        if j in js:
-            rows, columns = deferred.grids[j]
-            return int(destination[js.index(j) * rows * columns])
-    raise AssertionError(j)  # pragma: no cover - every picture is in a group
-
-
-def _size(data: bytes) -> tuple[int, int]:
-    size = baseline_size(data)
-    if size is None:  # pragma: no cover - a deferred picture was planned from these very bytes
-        raise AssertionError("a deferred JPEG's header no longer reads")
-    return size
 
 
 def _pinned(tensor: Tensor, pin: bool) -> Tensor:

@@ -37,7 +37,7 @@ def device_size(
     try:
         if expect("image", data, limits) != "jpeg":
             return None
-        frame = baseline_size(data)
+        frame = _baseline_size(data)
         if frame is None:
             return None
         width, height = frame
@@ -49,7 +49,7 @@ def device_size(
     return frame
 
 
-def baseline_size(data: bytes) -> tuple[int, int] | None:
+def _baseline_size(data: bytes) -> tuple[int, int] | None:
     """(width, height) of a baseline three-component YCbCr frame read upright, walking the markers up to the
     first scan; None for any other frame, an Adobe or EXIF segment that changes how it reads, or bad markers."""
     size: tuple[int, int] | None = None
