@@ -730,20 +730,24 @@ class Model:
             failed.extend(new_failed)
         return units, sorted(failed)
 
-    def _device_units(self, job: _Job, items: list[int]) -> dict[int, Units]:
+    def _picture_shape(self) -> dict[str, Any]:
+        """What a picture decodes to at serving (the run's image slice, a row's room, the limits), as
+        `device_pictures` takes it both when it plans a JPEG and when it falls back to the host path."""
         image = self.config.batch.image
         limits = self.media.limits
-        max_units = self.columns - self._prefix
+        return {
+            "patch_side": image.patch_side,
+            "channels": image.channels,
+            "max_units": self.columns - self._prefix,
+            "limits": limits,
+        }
+
+    def _device_units(self, job: _Job, items: list[int]) -> dict[int, Units]:
+        shape = self._picture_shape()
         out = {}
         for i in items:
             if job.modalities[i] == Modality.Image:
-                planned = device_pictures.device_units(
-                    bytes(job.contents[i]),
-                    patch_side=image.patch_side,
-                    channels=image.channels,
-                    max_units=max_units,
-                    limits=limits,
-                )
+                planned = device_pictures.device_units(bytes(job.contents[i]), **shape)
                 if planned is not None:
                     out[i] = planned
         return out
@@ -799,16 +803,8 @@ class Model:
         failed: list[tuple[int, str]] = []
         if deferred is not None:  # decoded here, on the host thread, while the device runs the batch before
             assert self.jpeg_decoder is not None
-            image = self.config.batch.image
             tensors["image.values"], failed = device_pictures.fill(
-                deferred,
-                tensors["image.values"],
-                self.device,
-                self.jpeg_decoder,
-                patch_side=image.patch_side,
-                channels=image.channels,
-                max_units=self.columns - self._prefix,
-                limits=self.media.limits,
+                deferred, tensors["image.values"], self.device, self.jpeg_decoder, **self._picture_shape()
             )
             if failed and job.errors == "raise":
                 item, reason = min(failed)
