@@ -9,7 +9,8 @@ A freshly initialised network at the given geometry (default: the reference geom
   image    `--images` `--image-side`² JPEGs (quality 90) of smooth colour fields with noise, decoded in
            the model's decoder pool (one process per core unless `--workers`); a 256² image at patch 16 is
            256 patches, so three fit a 1024-column row (192 per batch at the reference geometry);
-  decode   the same JPEGs through a decoder pool alone (the media stage's own ceiling).
+  decode   the same JPEGs through a decoder pool alone, in chunks as serving decodes them (the media stage's own
+           ceiling), on pools of `--pool-workers` sizes, and one image's decode in this process.
 
 With `--file`, the same items go through `uform encode`'s path too (`uform.encode_file`): a JSONL manifest on
 disk (texts inline, images as files beside it) read by `uform.sources`, embedded `--batch` records at a time and
@@ -21,6 +22,9 @@ transformers' `BertModel` of the same depth and width (8 heads, 4x MLP, SDPA att
 open_clip's `VisionTransformer` of the same depth and width (`--image-side` px, patch `--patch-side`, bf16 weights,
 compiled, fed ready tensors of `--vit-images` images a call: images/s against uform's from JPEG bytes). transformers
 is on the GPU machine; carry open_clip_torch, ftfy and wcwidth as wheels there.
+
+With `--phases`, one more call of each kind runs with serving's stages timed on the threads that run them (the
+decoding thread's `_decode`, the host thread's packing and GPU tiling, the caller's launches and waits).
 
 Each figure is the best of `--repeats` timed calls after one warm-up call (which compiles on CUDA). Prints
 a table and writes bench-encode.json under $OUT (or the current folder).
@@ -141,6 +145,93 @@ def profiled(name: str, call: Any, folder: str) -> dict[str, float]:
     return {"wall_s": wall, "kernels_s": kernels}
 
 
+def decode_rates(args: argparse.Namespace, images: list[bytes]) -> dict[str, Any]:
+    """The media stage's own ceiling: the JPEGs through `media.decode.decode_items` (chunks of images a decoder
+    job, as serving and the trainer decode them) on a pool of each size of `--pool-workers` (the first 0:
+    `--workers`), and `decode_item` in this process (one core's rate)."""
+    import uform as u
+    from uform.media.decode import MediaPolicy, decode_item, decode_items
+    from uform.media.limits import MediaLimits
+    from uform.runtime.decoders import DecodePool
+
+    geometry = {"patch_side": args.patch_side, "channels": 4}
+    shape = u.BatchShape(image=u.ImageShape(**geometry))
+    everything = list(range(len(images)))
+    out: dict[str, Any] = {"items": len(images), "pools": []}
+    for workers in [int(w) for w in str(args.pool_workers).split(",")]:
+        with DecodePool(workers or args.workers) as pool:
+            policy = MediaPolicy(workers=pool.workers)
+
+            def decode(pool: DecodePool = pool, policy: MediaPolicy = policy) -> None:
+                units, _ = decode_items(pool, policy, shape, ["image"] * len(images), images, everything, 1023)
+                del units  # views of the decoders' slabs, freed for the next call
+
+            _, best = timed(decode, args.repeats)
+            out["pools"].append({"workers": pool.workers, "items_per_s": len(images) / best})
+        print(f"{'decode':<6} {len(images) / best:>12,.1f} items/s  ({pool.workers} decoder processes)", flush=True)
+    alone = images[: min(len(images), 256)]
+    _, best = timed(lambda: [decode_item("image", d, geometry, 1023, MediaLimits()) for d in alone], args.repeats)
+    out["in_process_ms_per_item"] = best / len(alone) * 1e3
+    print(f"{'decode':<6} {best / len(alone) * 1e3:>12.3f} ms an image in this process (one core)", flush=True)
+    return out
+
+
+def phases(model: Any, modalities: list[str], contents: list[bytes], label: str, folder: str) -> dict[str, Any]:
+    """One more (warm) call with serving's stages timed on the threads that run them (`Model._decode` on the
+    decoding thread, `_prepare` and its parts on the host thread, `_device` and the waits on the caller's): where
+    a call's wall time goes, printed as a table and answered as {thread: {stage: [seconds, calls]}}."""
+    import collections
+    import functools
+    import queue
+    import threading
+
+    import uform.device_pictures as pictures
+    import uform.serve as serve
+
+    spent: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    patched: list[tuple[Any, str, Any]] = []
+
+    def wrap(owner: Any, name: str, label: str | None = None) -> None:
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def timed_stage(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                entry = spent[(threading.current_thread().name, label or name)]
+                entry[0] += time.perf_counter() - t0
+                entry[1] += 1
+
+        patched.append((owner, name, original))
+        setattr(owner, name, timed_stage)
+
+    for name in ("_decode", "_prepare", "_device", "_inputs", "_device_units"):
+        wrap(serve.Model, name)
+    wrap(serve, "_landed")
+    wrap(serve, "prepare", "data.batch.prepare")
+    wrap(serve, "decode_items")
+    wrap(pictures, "decode_all")
+    wrap(pictures, "split")
+    wrap(pictures, "fill")
+    wrap(queue.Queue, "get", "hand-off get")
+    wrap(queue.Queue, "put", "hand-off put")
+    try:
+        t0 = time.perf_counter()
+        model.encode(modalities, contents)
+        wall = time.perf_counter() - t0
+    finally:
+        for owner, name, original in reversed(patched):
+            setattr(owner, name, original)
+    print(f"phases {label}: wall {wall * 1e3:.1f} ms ({len(contents) / wall:,.0f} items/s, stages timed)")
+    table: dict[str, Any] = {"wall_s": wall}
+    for (thread, stage), (seconds, calls) in sorted(spent.items(), key=lambda kv: (kv[0][0], -kv[1][0])):
+        table.setdefault(thread, {})[stage] = [seconds, calls]
+        print(f"  {thread:<22} {stage:<20} {seconds * 1e3:9.1f} ms  x{calls}")
+    return table
+
+
 def peer_rates(args: argparse.Namespace) -> dict[str, Any]:
     """BertModel tokens/s and open_clip ViT images/s (inference, bf16, CUDA) at uform's depth and width."""
     from transformers import BertModel
@@ -200,6 +291,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--profile", action="store_true", help="one more call of each kind under torch.profiler (tables under --out)"
     )
+    parser.add_argument(
+        "--phases", action="store_true", help="one more call of each kind with serving's stages timed per thread"
+    )
+    parser.add_argument(
+        "--pool-workers", default="0", help="decoder pool sizes for the decode row, comma-separated (0: --workers)"
+    )
     parser.add_argument("--bert-sequences", type=int, default=1024)
     parser.add_argument("--bert-tokens", type=int, default=64)
     parser.add_argument("--vit-images", type=int, default=192)
@@ -207,9 +304,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     import uform as u
-    from uform.media.decode import decode_item
-    from uform.media.limits import MediaLimits
-    from uform.runtime.decoders import DecodePool
 
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     results: dict[str, Any] = {"geometry": vars(args), "device": name, "torch": torch.__version__}
@@ -228,6 +322,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 if args.profile:
                     call = lambda m=modalities, c=contents: model.encode(m, c)  # noqa: E731
                     results[kind]["profile"] = profiled(kind, call, args.out)
+                if args.phases:
+                    results[kind]["phases"] = phases(model, modalities, contents, kind, args.out)
             if args.file:
                 for kind, manifest in manifests(folder, texts, images).items():
                     if not (texts if kind == "text" else images):
@@ -248,24 +344,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     warm, best = timed(lambda: on_device.encode(modalities, images), args.repeats)
                     if args.profile:
                         trace = profiled("image_device", lambda: on_device.encode(modalities, images), args.out)
+                    if args.phases:
+                        stages = phases(on_device, modalities, images, "image_device", args.out)
                 finally:
                     on_device.close()
                 results["image_device"] = {"items": len(images), "items_per_s": len(images) / best, "warmup_s": warm}
                 if args.profile:
                     results["image_device"]["profile"] = trace
+                if args.phases:
+                    results["image_device"]["phases"] = stages
                 print(
                     f"{'image_device':<6} {len(images) / best:>6,.1f} items/s  (JPEGs decoded on the GPU)", flush=True
                 )
         finally:
             model.close()
     if images:
-        geometry = {"patch_side": args.patch_side, "channels": 4}
-        jobs = [(("image", data, geometry, args.columns - 1, MediaLimits()), {}) for data in images]
-        with DecodePool(args.workers) as pool:
-            pool.map(decode_item, jobs[: pool.workers])  # start the workers
-            _, best = timed(lambda: pool.map(decode_item, jobs), args.repeats)
-        results["decode"] = {"items": len(images), "items_per_s": len(images) / best, "workers": pool.workers}
-        print(f"{'decode':<6} {len(images) / best:>12,.1f} items/s  ({pool.workers} decoder processes)", flush=True)
+        results["decode"] = decode_rates(args, images)
     if args.peers:
         results["peers"] = peer_rates(args)
         if "text" in results:

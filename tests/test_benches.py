@@ -34,10 +34,17 @@ def load(name: str) -> ModuleType:
 
 def test_encode_bench_smoke(tmp_path: Path) -> None:
     tiny = "--device cpu --depth 1 --hidden 128 --rows 2 --columns 128 --segments 8 --texts 12 --text-bytes 40"
-    tiny += f" --images 3 --image-side 32 --workers 1 --repeats 1 --out {tmp_path}"
+    tiny += f" --images 3 --image-side 32 --workers 1 --repeats 1 --phases --out {tmp_path}"
     results = load("encode").main(tiny.split())
-    for kind, count in (("text", 12), ("image", 3), ("decode", 3)):
+    for kind, count in (("text", 12), ("image", 3)):
         assert results[kind]["items"] == count and results[kind]["items_per_s"] > 0
+        phases = results[kind]["phases"]  # the stages of one more call, by the thread that ran them
+        assert phases["wall_s"] > 0 and phases["uform-serve-host"]["_prepare"][1] >= 1
+        assert phases["MainThread"]["_device"][1] == phases["uform-serve-host"]["_prepare"][1]
+    assert results["image"]["phases"]["uform-serve-decode_0"]["decode_items"][1] == 1
+    decode = results["decode"]
+    assert decode["items"] == 3 and decode["pools"][0]["workers"] == 1 and decode["pools"][0]["items_per_s"] > 0
+    assert decode["in_process_ms_per_item"] > 0
     assert json.loads((tmp_path / "bench-encode.json").read_text())["text"]["items"] == 12
 
 

@@ -142,7 +142,7 @@ def test_deferred_pictures_answer_bitwise_what_the_host_answers(checkpoint: Path
     calls: list[int] = []
     host, device = encode_both(checkpoint, pillow_decoder(calls))
     assert torch.equal(host, device)
-    assert sum(calls) == len(DEFERRED) and max(calls) > 1  # the planned pictures, a call a batch
+    assert sum(calls) == len(DEFERRED) and max(calls) > 1  # the planned pictures, a call a window
     assert bool(torch.isfinite(device).all())
 
 

@@ -36,7 +36,7 @@ from media_samples import (
 )
 from PIL import Image
 
-from uform.media import MediaError, MediaLimits, image_units
+from uform.media import MediaError, MediaLimits, image_units, jpeg
 from uform.media.grid import fit_size, grid_of
 
 
@@ -90,6 +90,8 @@ def test_known_size_grid_padding_and_positions() -> None:
     assert units.grid == (1, 4, 7) and units.values.shape == (28, 16 * 16 * 3)
     expected = [(0, r, c) for r in range(4) for c in range(7)]
     assert units.positions.tolist() == [list(p) for p in expected]
+    # One read-only positions array per grid, shared by every item of that grid: nothing may write it.
+    assert not units.positions.flags.writeable and decode(data, channels=3).positions is units.positions
     picture = pictures(units, 16, 3)[0]
     assert picture.shape == (64, 112, 3)
     source = np.asarray(photo("astronaut.png"))[:60, :100]
@@ -321,6 +323,32 @@ def test_forged_jpeg_size_refused() -> None:
     scan = progressive.index(b"\xff\xda")
     with pytest.raises(MediaError, match="inconsistent JPEG"):
         decode(progressive[: scan + 300] + b"\xff\xd9")
+
+
+def naive_scan_end(data: bytes, at: int) -> int:
+    """The end of entropy-coded data, byte by byte: the first FF followed by neither 00 (stuffing), a restart
+    marker D0-D7 nor another FF (fill), or the end of the data."""
+    while at < len(data):
+        if data[at] == 0xFF and at + 1 < len(data):
+            following = data[at + 1]
+            if not (following == 0x00 or 0xD0 <= following <= 0xD7 or following == 0xFF):
+                return at
+        at += 1
+    return len(data)
+
+
+def test_the_scan_end_is_the_first_marker_past_stuffing_restarts_and_fill() -> None:
+    rng = np.random.default_rng(3)
+    alphabet = np.array([0xFF, 0x00, 0xD0, 0xD7, 0xD8, 0xD9, 0xDA, 0x12, 0xC4], dtype=np.uint8)
+    cases = [b"", b"\xff", b"\xff\xff", b"\xff\x00\xff\xd0\xff\xff\xd9", b"\x12\xff\xd7\xff\xc4"]
+    cases += [bytes(rng.choice(alphabet, size=int(rng.integers(1, 40)))) for _ in range(3000)]
+    for data in cases:
+        for at in range(len(data) + 1):
+            assert jpeg._scan_end(data, at) == naive_scan_end(data, at), (data.hex(), at)
+    real = encode_image(photo("astronaut.png"), "JPEG", quality=90)
+    scan = real.index(b"\xff\xda")
+    start = scan + 2 + int.from_bytes(real[scan + 2 : scan + 4], "big")
+    assert jpeg._scan_end(real, start) == naive_scan_end(real, start) == len(real) - 2  # the end-of-image marker
 
 
 @pytest.mark.parametrize("progressive", [False, True])

@@ -11,6 +11,7 @@ token vectors number one per unit (a query's at most `max_query_span`). Samples 
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -153,6 +154,43 @@ def test_many_media_items_answer_what_each_alone_answers(served: dict[str, Any])
         alone = torch.cat([model.encode([m], [c]) for m, c in zip(modalities[:8], contents[:8], strict=True)])
         assert torch.allclose(together, alone.repeat(3, 1), atol=1e-5, rtol=0)
         assert torch.allclose(together[:8], served["arena"], atol=1e-4, rtol=0)
+    finally:
+        model.close()
+
+
+def test_the_next_window_decodes_while_this_one_is_packed(served: dict[str, Any]) -> None:
+    """The host stage's decoding runs a window ahead of its packing (issue 12, serving): the first window's
+    first batch is packed only once the second window's decoding has begun, so this call would hang (and fail
+    at the wait's deadline) if the windows decoded one after the other on the packing thread."""
+    model = load(served["path"], rows=1, segments=2, media=MediaPolicy(workers=2))
+    try:
+        model.window = 4
+        decoding, packing = model._decode, model._prepare
+        second_began = threading.Event()
+        threads: set[str] = set()
+
+        def decode(job: Any, window: range) -> Any:
+            threads.add(threading.current_thread().name)
+            if window.start == model.window:
+                second_began.set()
+            return decoding(job, window)
+
+        def prepare(*args: Any) -> Any:
+            assert second_began.wait(30), "the second window did not start decoding while the first was packed"
+            return packing(*args)
+
+        model._decode, model._prepare = decode, prepare  # type: ignore[method-assign]
+        modalities, contents = served["modalities"] * 2, served["contents"] * 2
+        got = model.encode(modalities, contents)
+        assert torch.allclose(got[:8], served["arena"], atol=1e-4, rtol=0)
+        assert threads and all(name.startswith("uform-serve-decode") for name in threads)
+        # A broken item of a later window raises naming it, and no decoding thread outlives the call.
+        broken = list(contents)
+        broken[9] = b"not an image"
+        modalities[9] = "image"
+        with pytest.raises(MediaError, match=r"^contents\[9\]: "):
+            model.encode(modalities, broken)
+        assert not [t for t in threading.enumerate() if t.name.startswith("uform-serve-decode")]
     finally:
         model.close()
 

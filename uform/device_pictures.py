@@ -4,9 +4,10 @@ Shape legend: U units of the batch's image modality (patches), F values per unit
 filled (other images' and the inert padding), G pictures of one size, H x W pixels, p patch side, C channels.
 
 The host plans (`media.jpeg_plan.device_size`, from the headers) and packs as ever, but leaves the rows of a
-deferred picture's patches unwritten (`Units.source`); `split` takes those rows out of what crosses to the
-device, and `fill` decodes the pictures there (nvJPEG through torchvision's `decode_jpeg`, batched, as
-DALI and torchvision's GPU decoding do it) and lays their patches exactly as `media.grid.tile` lays the host's:
+deferred picture's patches unwritten (`Units.source`); `decode_all` decodes a window's pictures on the device
+(nvJPEG through torchvision's `decode_jpeg`, batched, as DALI and torchvision's GPU decoding do it) on serving's
+decoding thread, ahead of packing; `split` takes the deferred rows out of what crosses to the device, and `fill`
+lays each batch's pictures' patches there exactly as `media.grid.tile` lays the host's:
 zero-padded on the right and bottom to whole patches, each [p, p, C], an opaque alpha for RGBA. The decoder
 may differ from libjpeg-turbo by a few levels (its IDCT and chroma upsampling: measured on the H200 at most 7,
 mean 0.2, of 255), so the option is the caller's (`uform.load(..., jpeg="device")`), never a default.
@@ -14,6 +15,7 @@ mean 0.2, of 255), so the option is the caller's (`uform.load(..., jpeg="device"
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -39,7 +41,7 @@ class Deferred:
     rows: Tensor  # [h] int64 rows of the values that the host's values fill (page-locked on CUDA)
     total: int  # U
     features: int  # F
-    sources: list[Tensor]  # each picture's JPEG bytes, uint8
+    sources: list[bytes]  # each picture's JPEG bytes
     grids: list[tuple[int, int]]  # each picture's patch grid (rows, columns), from its header
     starts: list[int]  # each picture's first row of the values
     members: list[int]  # each picture's item, as the caller numbers them
@@ -52,11 +54,19 @@ def device_units(data: bytes, *, patch_side: int, channels: int, max_units: int,
     if size is None:
         return None
     rows, columns = grid_of(*size, patch_side)
-    features = patch_side * patch_side * channels
-    placeholder = np.broadcast_to(np.zeros((1, features), dtype=np.uint8), (rows * columns, features))
     return Units(
-        values=placeholder, positions=positions(1, rows, columns), grid=(1, rows, columns), truncated=False, source=data
+        values=_placeholder(rows * columns, patch_side * patch_side * channels),
+        positions=positions(1, rows, columns),
+        grid=(1, rows, columns),
+        truncated=False,
+        source=data,
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _placeholder(units: int, features: int) -> np.ndarray:
+    """[units, F] uint8 zeros that take no memory (a broadcast view), shared by the pictures of one grid."""
+    return np.broadcast_to(np.zeros((1, features), dtype=np.uint8), (units, features))
 
 
 def split(values: np.ndarray, parts: Sequence[tuple[int, Units]], pin: bool) -> tuple[np.ndarray, Deferred | None]:
@@ -65,7 +75,7 @@ def split(values: np.ndarray, parts: Sequence[tuple[int, Units]], pin: bool) -> 
     `data.batch.prepare` stacked them into `values` [U, F]."""
     total, features = values.shape
     host = np.ones(total, dtype=bool)
-    sources: list[Tensor] = []
+    sources: list[bytes] = []
     grids: list[tuple[int, int]] = []
     members: list[int] = []
     starts: list[int] = []
@@ -74,7 +84,7 @@ def split(values: np.ndarray, parts: Sequence[tuple[int, Units]], pin: bool) -> 
         n = len(units)
         if units.source is not None:
             host[at : at + n] = False
-            sources.append(torch.frombuffer(bytearray(units.source), dtype=torch.uint8))
+            sources.append(units.source)
             grids.append((units.grid[1], units.grid[2]))
             members.append(item)
             starts.append(at)
@@ -98,7 +108,7 @@ def fill(
     deferred: Deferred,
     host_values: Tensor,
     device: torch.device,
-    decode: Decoder,
+    pictures: Sequence[Tensor | None],
     *,
     patch_side: int,
     channels: int,
@@ -106,18 +116,20 @@ def fill(
     limits: MediaLimits,
 ) -> tuple[Tensor, list[tuple[int, str]]]:
     """The batch's image values [U, F] uint8 on `device`: the host's rows (`host_values` [h, F]) and every
-    deferred picture decoded by `decode` and tiled in place. A picture the decoder refuses is decoded by the
+    deferred picture (`pictures`, as `decode_all` answered them, in the order of `deferred.sources`) tiled in
+    place. A picture the decoder refused (None) or decoded to another size than its header's is decoded by the
     host path instead (`media.image.image_units`); one that path refuses too is answered in the failures,
     (item, reason), its rows left zero for the caller to mark invalid."""
     p = patch_side
     values = torch.zeros((deferred.total, deferred.features), dtype=torch.uint8, device=device)  # [U, F]
     values.index_copy_(0, deferred.rows.to(device, non_blocking=True), host_values.to(device, non_blocking=True))
-    pictures, refused = _decoded(deferred.sources, decode)
     failures: list[tuple[int, str]] = []
     by_size: dict[tuple[int, ...], list[int]] = {}  # the pictures decoded as their headers promised, by size
+    ready: dict[int, Tensor] = {}
     for j, picture in enumerate(pictures):
-        if j not in refused and _fits(picture, deferred.grids[j], p):
+        if picture is not None and _fits(picture, deferred.grids[j], p):
             by_size.setdefault(tuple(picture.shape), []).append(j)
+            ready[j] = picture
         else:  # the host path's units, or its reason
             reason = _host_fill(values, deferred, j, p, channels, max_units, limits)
             if reason is not None:
@@ -127,7 +139,7 @@ def fill(
         rows, columns = deferred.grids[js[0]]
         per = rows * columns
         destination = np.concatenate([np.arange(deferred.starts[j], deferred.starts[j] + per) for j in js])
-        stack = torch.stack([pictures[j] for j in js]).permute(0, 2, 3, 1)  # [G, H, W, 3]
+        stack = torch.stack([ready[j] for j in js]).permute(0, 2, 3, 1)  # [G, H, W, 3]
         if channels == 4:
             opaque = torch.full((*stack.shape[:3], 1), 255, dtype=torch.uint8, device=device)
             stack = torch.cat([stack, opaque], dim=3)  # [G, H, W, 4]
@@ -168,25 +180,27 @@ def nvjpeg(device: torch.device) -> Decoder:
     return decode
 
 
-def _decoded(sources: list[Tensor], decode: Decoder) -> tuple[list[Tensor], set[int]]:
-    """Every picture decoded at once; where the batch call fails (one bad picture fails it whole), each alone,
-    so the bad ones are found (answered as refused)."""
+def decode_all(sources: Sequence[bytes], decode: Decoder) -> list[Tensor | None]:
+    """Every JPEG of `sources` decoded by `decode` in one batched call (serving's decoding thread makes it for a
+    window of the call, ahead of packing); where that call fails (one bad picture fails it whole), each alone,
+    so the bad ones are found: None for each the decoder refuses."""
+    if not sources:
+        return []
+    tensors = [torch.frombuffer(bytearray(source), dtype=torch.uint8) for source in sources]
     try:
-        together = decode(sources)
-        if len(together) == len(sources):
-            return together, set()
+        together = decode(tensors)
+        if len(together) == len(tensors):
+            return list(together)
     except RuntimeError:
         pass
-    pictures: list[Tensor] = []
-    refused: set[int] = set()
-    for j, source in enumerate(sources):
+    pictures: list[Tensor | None] = []
+    for tensor in tensors:
         try:
-            (picture,) = decode([source])
+            (picture,) = decode([tensor])
         except RuntimeError:
-            picture = torch.zeros(0, dtype=torch.uint8)
-            refused.add(j)
+            picture = None
         pictures.append(picture)
-    return pictures, refused
+    return pictures
 
 
 def _fits(picture: Tensor, grid: tuple[int, int], p: int) -> bool:
@@ -201,7 +215,7 @@ def _host_fill(
     values: Tensor, deferred: Deferred, j: int, p: int, channels: int, max_units: int, limits: MediaLimits
 ) -> str | None:
     """Picture `j` through the host path into its rows; its reason when that path refuses it."""
-    source = bytes(deferred.sources[j].numpy())
+    source = deferred.sources[j]
     try:
         units = image_units(source, patch_side=p, channels=channels, max_units=max_units, limits=limits)
     except MediaError as error:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 
@@ -50,9 +52,17 @@ def tile(pixels: np.ndarray, patch_side: int) -> np.ndarray:
 
 
 def positions(times: int, rows: int, columns: int) -> np.ndarray:
-    """[times * rows * columns, 3] int64 (time, row, column), time-major then row-major."""
+    """[times * rows * columns, 3] int64 (time, row, column), time-major then row-major; read-only, one array
+    per grid shared by every item of that grid (most of a run's pictures share a few grids)."""
+    return _positions(int(times), int(rows), int(columns))
+
+
+@functools.lru_cache(maxsize=256)  # at most ~6 MB: a grid holds at most a row of units
+def _positions(times: int, rows: int, columns: int) -> np.ndarray:
     t, r, c = np.meshgrid(np.arange(times), np.arange(rows), np.arange(columns), indexing="ij")
-    return np.stack([t.ravel(), r.ravel(), c.ravel()], axis=1).astype(np.int64)
+    out = np.stack([t.ravel(), r.ravel(), c.ravel()], axis=1).astype(np.int64)
+    out.flags.writeable = False
+    return out
 
 
 def check_arguments(**values: int) -> None:

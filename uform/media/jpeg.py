@@ -13,6 +13,8 @@ Arithmetic-coded and lossless frames are left to libjpeg: no such bound holds fo
 
 from __future__ import annotations
 
+import re
+
 from .limits import MediaError
 
 _SOF_HUFFMAN = {0xC0: "sequential", 0xC1: "sequential", 0xC2: "progressive"}
@@ -37,17 +39,15 @@ def _blocks(frame: dict, ids: list[int]) -> int:
     return mcus * sum(sampling[i][0] * sampling[i][1] for i in ids)
 
 
+# An FF that begins a marker: not a stuffed FF00, a restart marker RSTn, or a fill byte before another FF.
+_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
+
+
 def _scan_end(data: bytes, at: int) -> int:
-    """Offset of the marker that ends the entropy-coded data starting at `at` (stuffed FF00 and RSTn skipped)."""
-    while True:
-        at = data.find(b"\xff", at)
-        if at < 0 or at + 1 >= len(data):
-            return len(data)
-        following = data[at + 1]
-        if following == 0x00 or 0xD0 <= following <= 0xD7 or following == 0xFF:
-            at += 1 if following == 0xFF else 2
-            continue
-        return at
+    """Offset of the marker that ends the entropy-coded data starting at `at` (stuffed FF00, RSTn and fill
+    bytes skipped), or len(data) when none does."""
+    found = _MARKER.search(data, at)
+    return len(data) if found is None else found.start()
 
 
 def check_jpeg(data: bytes) -> None:
