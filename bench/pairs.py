@@ -12,7 +12,9 @@ open_clip  `open_clip.model.CLIP` with two towers of the same depth and width (v
        which favours it). The same construction as ../shared/bench/anchor_openclip.py, written here again.
 
 Both time the step period over `--steps` steps after `--warmup` (uform: between two completions; open_clip: CUDA
-events around each step) and report the median pairs/s, then uform's ratio to open_clip. open_clip is imported
+events around each step) and report the median pairs/s, then uform's ratio to open_clip. uform's rate counts
+pairs trained: the items its steps dropped for lack of room (read from the stats of the last warm-up step and the
+last step) are taken off as a pair each. open_clip is imported
 only for its side (`--skip-open-clip` leaves it out; it is not a dependency of uform's: on the GPU machine carry
 open_clip_torch, ftfy and wcwidth as wheels). Writes bench-pairs.json under $OUT (or the current folder).
 
@@ -61,9 +63,14 @@ def uform_rates(args: argparse.Namespace) -> list[float]:
         rates: list[float] = []
         finished = time.perf_counter()
         total = args.warmup + args.steps
+        # Stats on two steps only (each read waits for its step's losses): the last warm-up step's read starts
+        # the count of items dropped for lack of room, the last step's ends it.
+        counted = u.TrainerStepStats()
         for k in range(total + depth):
             if k < total:
-                in_flight.append(deferred.step(modalities, contents(k), u.TrainerStepConfig(relations=relations)))
+                read = counted if k == total - 1 else u.TrainerStepStats() if k == args.warmup - 1 else None
+                step_config = u.TrainerStepConfig(relations=relations, stats=read)
+                in_flight.append(deferred.step(modalities, contents(k), step_config))
                 if len(in_flight) < depth:
                     continue
             if not in_flight:
@@ -77,7 +84,7 @@ def uform_rates(args: argparse.Namespace) -> list[float]:
     finally:
         trainer.close()
         executor.close()
-    return rates[args.warmup :]
+    return rates[args.warmup :], counted.dropped
 
 
 def profile_steps(deferred: Any, steps: int, contents: Any, modalities: list, relations: Any) -> None:
@@ -167,8 +174,17 @@ def main() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
     }
-    result["uform_pairs_per_second"] = statistics.median(uform_rates(args))
-    print(f"uform, from JPEG bytes:            {result['uform_pairs_per_second']:,.0f} pairs/s", flush=True)
+    rates, dropped = uform_rates(args)
+    counted_steps = args.steps if args.warmup > 0 else args.steps + args.warmup
+    # A dropped item leaves its pair untrained: counted as such, so the rate is of pairs trained at most.
+    trained = max(0.0, 1.0 - dropped / (args.pairs * counted_steps))
+    result["uform_items_dropped"] = dropped
+    result["uform_pairs_per_second"] = statistics.median(rates) * trained
+    print(
+        f"uform, from JPEG bytes:            {result['uform_pairs_per_second']:,.0f} pairs/s "
+        f"(pairs trained: {dropped} of {2 * args.pairs * counted_steps} items dropped for room)",
+        flush=True,
+    )
     if not args.skip_open_clip:
         result["open_clip_pairs_per_second"] = statistics.median(open_clip_rates(args))
         result["ratio"] = result["uform_pairs_per_second"] / result["open_clip_pairs_per_second"]

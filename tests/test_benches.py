@@ -105,6 +105,12 @@ def test_pairs_bench_smoke(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(BENCH / "pairs.py"), *tiny.split()], env=environment, check=True)
     result = json.loads((tmp_path / "bench-pairs.json").read_text())
     assert result["uform_pairs_per_second"] > 0 and result["geometry"]["pairs"] == 4
+    assert result["uform_items_dropped"] == 0
+    # One row holds two of the four pairs' images: items are dropped, and the rate counts pairs trained only.
+    cramped = tiny.replace("--rows 4", "--rows 1")
+    subprocess.run([sys.executable, str(BENCH / "pairs.py"), *cramped.split()], env=environment, check=True)
+    result = json.loads((tmp_path / "bench-pairs.json").read_text())
+    assert 3 * 2 <= result["uform_items_dropped"] <= 3 * 6 and result["uform_pairs_per_second"] > 0
 
 
 def test_attention_bench_layouts_and_flops() -> None:

@@ -747,7 +747,7 @@ class Model:
             units.update(planned)
             fresh = [i for i in fresh if i not in planned]
             # Decoded here, on the decoding thread, while the window before is packed and the device runs it.
-            sources = [units.source for units in planned.values() if units.source is not None]
+            sources = [plan.source for plan in planned.values() if plan.source is not None]
             pictures = dict(zip(planned, device_pictures.decode_all(sources, self.jpeg_decoder), strict=True))
         failed = [(i, u) for i, u in kept.items() if isinstance(u, str)]
         if fresh:
@@ -793,7 +793,7 @@ class Model:
         members: list[int],
         rows: int,
         units: dict[int, Units],
-        pictures: dict[int, Tensor | None] | None = None,
+        pictures: dict[int, Tensor | None],
     ) -> _Prepared:
         """One batch through the trainer's packing; on the CPU only the rows it uses, on a compiled model the
         full capacity (one compiled shape)."""
@@ -846,7 +846,6 @@ class Model:
         tensors = batch.host_tensors(cuda, tables=block_tables(batch.segments) if self.attention == "flex" else None)
         failed: list[tuple[int, str]] = []
         if deferred is not None:  # tiled on the device, in the stream's order, after the batch before
-            assert pictures is not None
             decoded = [pictures[i] for i in deferred.members]
             tensors["image.values"], failed = device_pictures.fill(
                 deferred, tensors["image.values"], self.device, decoded, **self._picture_shape()
