@@ -173,6 +173,13 @@ def decode_rates(args: argparse.Namespace, images: list[bytes]) -> dict[str, Any
     _, best = timed(lambda: [decode_item("image", d, geometry, 1023, MediaLimits()) for d in alone], args.repeats)
     out["in_process_ms_per_item"] = best / len(alone) * 1e3
     print(f"{'decode':<6} {best / len(alone) * 1e3:>12.3f} ms an image in this process (one core)", flush=True)
+    # What jpeg="device" does on the host instead: the header plan of each JPEG (`device_pictures.device_units`).
+    from uform.device_pictures import device_units
+
+    plan = {**geometry, "max_units": 1023, "limits": MediaLimits()}
+    _, best = timed(lambda: [device_units(d, **plan) for d in alone], args.repeats)
+    out["plan_us_per_item"] = best / len(alone) * 1e6
+    print(f'{"plan":<6} {best / len(alone) * 1e6:>12.1f} us an image\'s JPEG header plan (jpeg="device")', flush=True)
     return out
 
 

@@ -44,7 +44,7 @@ def test_encode_bench_smoke(tmp_path: Path) -> None:
     assert results["image"]["phases"]["uform-serve-decode_0"]["decode_items"][1] == 1
     decode = results["decode"]
     assert decode["items"] == 3 and decode["pools"][0]["workers"] == 1 and decode["pools"][0]["items_per_s"] > 0
-    assert decode["in_process_ms_per_item"] > 0
+    assert decode["in_process_ms_per_item"] > 0 and decode["plan_us_per_item"] > 0
     assert json.loads((tmp_path / "bench-encode.json").read_text())["text"]["items"] == 12
 
 
