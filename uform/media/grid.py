@@ -51,14 +51,10 @@ def tile(pixels: np.ndarray, patch_side: int) -> np.ndarray:
     return np.array(tubes, order="C").reshape(rows * columns, count * patch_side * patch_side * channels)
 
 
+@functools.lru_cache(maxsize=256)  # at most ~6 MB: a grid holds at most a row of units
 def positions(times: int, rows: int, columns: int) -> np.ndarray:
     """[times * rows * columns, 3] int64 (time, row, column), time-major then row-major; read-only, one array
     per grid shared by every item of that grid (most of a run's pictures share a few grids)."""
-    return _positions(int(times), int(rows), int(columns))
-
-
-@functools.lru_cache(maxsize=256)  # at most ~6 MB: a grid holds at most a row of units
-def _positions(times: int, rows: int, columns: int) -> np.ndarray:
     t, r, c = np.meshgrid(np.arange(times), np.arange(rows), np.arange(columns), indexing="ij")
     out = np.stack([t.ravel(), r.ravel(), c.ravel()], axis=1).astype(np.int64)
     out.flags.writeable = False

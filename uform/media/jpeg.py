@@ -17,10 +17,11 @@ import re
 
 from .limits import MediaError
 
-_SOF_HUFFMAN = {0xC0: "sequential", 0xC1: "sequential", 0xC2: "progressive"}
-_SOF_OTHER = {0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
-_SOS, _EOI = 0xDA, 0xD9
-_STANDALONE = {0x01, *range(0xD0, 0xD8)}  # TEM and RSTn carry no length
+# The markers, as this check and `media.jpeg_plan` read them.
+SOF_HUFFMAN = {0xC0: "sequential", 0xC1: "sequential", 0xC2: "progressive"}  # Huffman-coded frames, by mode
+SOF_OTHER = {0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}  # lossless and arithmetic-coded frames
+SOS, EOI = 0xDA, 0xD9
+STANDALONE = {0x01, *range(0xD0, 0xD8)}  # TEM and RSTn carry no length
 
 
 def _ceil(a: int, b: int) -> int:
@@ -64,18 +65,18 @@ def check_jpeg(data: bytes) -> None:
         if marker == 0xFF:
             at += 1
             continue
-        if marker == _EOI:
+        if marker == EOI:
             break
-        if marker in _STANDALONE:
+        if marker in STANDALONE:
             at += 2
             continue
         length = int.from_bytes(data[at + 2 : at + 4], "big")
         segment = data[at + 4 : at + 2 + length]
         if length < 2 or len(segment) != length - 2:
             return  # cut inside a segment: Pillow's truncation check refuses it
-        if marker in _SOF_OTHER:
+        if marker in SOF_OTHER:
             return
-        if marker in _SOF_HUFFMAN and frame is None and len(segment) >= 6:
+        if marker in SOF_HUFFMAN and frame is None and len(segment) >= 6:
             count = segment[5]
             if len(segment) < 6 + 3 * count or count == 0:
                 return
@@ -84,13 +85,13 @@ def check_jpeg(data: bytes) -> None:
                 for k in range(count)
             }
             frame = {
-                "mode": _SOF_HUFFMAN[marker],
+                "mode": SOF_HUFFMAN[marker],
                 "height": int.from_bytes(segment[1:3], "big"),
                 "width": int.from_bytes(segment[3:5], "big"),
                 "sampling": sampling,
             }
         at += 2 + length
-        if marker == _SOS:
+        if marker == SOS:
             end = _scan_end(data, at)
             if frame is not None and segment and len(segment) >= 1 + 2 * segment[0] + 3:
                 ids = [segment[1 + 2 * k] for k in range(segment[0])]

@@ -15,14 +15,14 @@ from __future__ import annotations
 from typing import Literal
 
 from .grid import fit_size
-from .jpeg import check_jpeg
+from .jpeg import EOI, SOF_HUFFMAN, SOF_OTHER, SOS, STANDALONE, check_jpeg
 from .limits import MediaError, MediaLimits
 from .sniff import expect
 
-_BASELINE = {0xC0, 0xC1}  # Huffman, sequential (extended sequential allows 8-bit too)
-_OTHER_FRAMES = {0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
-_SOS, _EOI, _APP1, _APP14 = 0xDA, 0xD9, 0xE1, 0xEE
-_STANDALONE = {0x01, *range(0xD0, 0xD8)}
+# Huffman, sequential (extended sequential allows 8-bit too); every other frame is progressive, lossless or arithmetic.
+_BASELINE = {marker for marker, mode in SOF_HUFFMAN.items() if mode == "sequential"}
+_OTHER_FRAMES = (SOF_HUFFMAN.keys() - _BASELINE) | SOF_OTHER
+_APP1, _APP14 = 0xE1, 0xEE
 _RGB_IDS = (ord("R"), ord("G"), ord("B"))  # libjpeg reads components named R, G, B as RGB, not YCbCr
 _ORIENTATION = 0x0112
 
@@ -61,10 +61,10 @@ def _baseline_size(data: bytes) -> tuple[int, int] | None:
         if marker == 0xFF:
             at += 1
             continue
-        if marker in _STANDALONE:
+        if marker in STANDALONE:
             at += 2
             continue
-        if marker in (_SOS, _EOI):
+        if marker in (SOS, EOI):
             return size
         length = int.from_bytes(data[at + 2 : at + 4], "big")
         segment = data[at + 4 : at + 2 + length]
