@@ -23,6 +23,9 @@ open_clip's `VisionTransformer` of the same depth and width (`--image-side` px, 
 compiled, fed ready tensors of `--vit-images` images a call: images/s against uform's from JPEG bytes). transformers
 is on the GPU machine; carry open_clip_torch, ftfy and wcwidth as wheels there.
 
+`--packing run` packs every batch into the run's own rows instead of the model's (`Model.packing`: wider rows
+under FlexAttention), for an A/B of the two.
+
 With `--phases`, one more call of each kind runs with serving's stages timed on the threads that run them (the
 decoding thread's `_decode`, the host thread's packing and GPU tiling, the caller's launches and waits).
 
@@ -304,6 +307,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--pool-workers", default="0", help="decoder pool sizes for the decode row, comma-separated (0: --workers)"
     )
+    parser.add_argument(
+        "--packing",
+        choices=("model", "run"),
+        default="model",
+        help="rows a batch packs into: the model's (wider rows under FlexAttention) or the run's own",
+    )
     parser.add_argument("--bert-sequences", type=int, default=1024)
     parser.add_argument("--bert-tokens", type=int, default=64)
     parser.add_argument("--vit-images", type=int, default=192)
@@ -318,6 +327,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     images = jpegs(args.images, args.image_side)
     with tempfile.TemporaryDirectory() as folder:
         model = build_model(args, folder)
+        if args.packing == "run":
+            model.packing = (model.rows, model.columns)
+        results["packing"] = list(model.packing)
+        print(f"packing {model.packing[0]} rows x {model.packing[1]} columns a batch", flush=True)
         try:
             for kind, contents in (("text", texts), ("image", images)):
                 if not contents:
@@ -346,6 +359,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     print(f"{name:<10} {count / best:>8,.1f} items/s  (uform encode -> Parquet)", flush=True)
             if args.jpeg_device and images:
                 on_device = build_model(args, folder, jpeg="device")
+                on_device.packing = model.packing
                 try:
                     modalities = ["image"] * len(images)
                     warm, best = timed(lambda: on_device.encode(modalities, images), args.repeats)

@@ -11,7 +11,7 @@ from uform.config import BatchShape, LateInteraction, Masking, TrainerInitVramCo
 from uform.config import Schedule as ScheduleConfig
 from uform.data.batch import Batch, covered_capacity, prepare
 from uform.data.items import tape_items
-from uform.data.pack import NO_SEGMENT, Layout, Rows, fill_text, plan
+from uform.data.pack import NO_SEGMENT, Layout, Rows, fill_media, fill_text, plan
 from uform.enums import LateInteractionSide, Modality, Objective
 from uform.model.attention import document_mask
 
@@ -455,3 +455,47 @@ def test_prepare_empty_and_bare_items() -> None:
     check_batch(config, batch, contents, None, None)
     assert batch.dropped == 0
     assert sorted(batch.counts[:3].tolist()) == [1, 1, 3] and batch.counts[3] == 0
+
+
+# ---- fill_media against one item at a time ------------------------------------------------------------
+
+
+def one_by_one(
+    rows: Rows, layout: Layout, item: int, prefix: list[int], marker: int, positions: np.ndarray
+) -> np.ndarray:
+    """The naive reference of `fill_media`: one placed media item, slice by slice."""
+    r, c0, n = int(layout.row[item]), int(layout.column[item]), int(layout.length[item])
+    p = len(prefix)
+    rows.tokens[r, c0 : c0 + p] = prefix
+    rows.tokens[r, c0 + p : c0 + n] = marker
+    rows.positions[r, c0 : c0 + p, :] = np.arange(p)[:, None]
+    rows.positions[r, c0 + p : c0 + n, :] = positions[: n - p] + p
+    rows.segments[r, c0 : c0 + n] = layout.slot[item]
+    return r * rows.tokens.shape[1] + c0 + p + np.arange(n - p)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fill_media_writes_what_one_item_at_a_time_writes(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n, columns = 40, 96
+    prefixes = [[5, 9][: int(rng.integers(1, 3))] if seed % 2 else [5] for _ in range(n)]
+    counts = rng.integers(1, 120, n)  # some longer than a row: cut there
+    positions = [rng.integers(0, 50, (int(k), 3)) for k in counts]
+    layout = plan(
+        counts + [len(p) for p in prefixes],
+        np.arange(n),
+        rows=12,
+        columns=columns,
+        segments=32,
+        max_bags=0,
+        rng=np.random.default_rng(seed),
+    )
+    placed = np.flatnonzero(layout.row >= 0).tolist()
+    assert 0 < len(placed) < n  # some items dropped for room, some cut
+    want, got = Rows.empty(12, columns), Rows.empty(12, columns)
+    index = [one_by_one(want, layout, i, prefixes[i], 7, positions[i]) for i in placed]
+    flat = fill_media(got, layout, placed, [prefixes[i] for i in placed], 7, [positions[i] for i in placed])
+    assert np.array_equal(flat, np.concatenate(index))
+    for field in ("tokens", "positions", "segments", "content"):
+        assert np.array_equal(getattr(got, field), getattr(want, field)), field
+    assert fill_media(got, layout, [], [], 7, []).shape == (0,)

@@ -51,7 +51,7 @@ from uform.model.inputs import DeviceBatch
 from uform.model.network import Network
 from uform.notices import CapacityWarning, Notices
 from uform.replica.checkpoint import write_checkpoint
-from uform.serve import Model, load, plan_batches
+from uform.serve import Model, load, packing_rows, plan_batches
 
 torch.set_num_threads(2)
 
@@ -178,6 +178,26 @@ def test_many_items_answer_what_each_alone_answers(trained: dict[str, Any]) -> N
     assert model.encode([], []).shape == (0, 128)
 
 
+def test_a_window_s_last_batch_is_filled_from_the_next_window(
+    trained: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = load(trained["path"], rows=1, segments=3)
+    texts = [f"same length {i:03d}" for i in range(20)]  # 3 to a batch
+    model.window = 4  # windows of 4 would leave 1 of 4 in a batch of its own in every window
+    sizes: list[int] = []
+    prepare = Model._prepare
+
+    def counted(self: Model, job: Any, members: list[int], *args: Any) -> Any:
+        sizes.append(len(members))
+        return prepare(self, job, members, *args)
+
+    monkeypatch.setattr(Model, "_prepare", counted)
+    together = model.encode(["text"] * len(texts), texts)
+    assert sizes == [3] * 6 + [2]
+    alone = torch.cat([trained["model"].encode(["text"], [t]) for t in texts])
+    assert torch.allclose(together, alone, atol=1e-5, rtol=0)
+
+
 def test_plan_batches_respects_capacity_and_packs_first_fit() -> None:
     rng = np.random.default_rng(0)
     lengths = {i: int(rng.integers(1, 70)) for i in range(200)}
@@ -193,6 +213,35 @@ def test_plan_batches_respects_capacity_and_packs_first_fit() -> None:
         assert sum(f < 64 for f in free) == rows
         seen += members
     assert seen == order
+
+
+def test_packing_rows_keeps_the_positions_in_wider_rows() -> None:
+    assert packing_rows(64, 1024) == (8, 8192)  # the reference geometry: 31 images of 257 positions a row, not 3
+    assert packing_rows(2, 64) == (1, 128)
+    assert packing_rows(6, 1024, widest=4096) == (2, 3072)  # the largest divisor of the rows that fits
+    assert packing_rows(7, 2048) == (7, 2048)  # no divisor but 1 keeps a row under the widest
+    assert packing_rows(4, 16384) == (4, 16384)  # a run's rows wider than the widest stay as they are
+    for rows, columns in [(64, 1024), (3, 100), (12, 512), (1, 8192)]:
+        r, c = packing_rows(rows, columns)
+        assert r * c == rows * columns and c % columns == 0
+
+
+def test_wide_rows_answer_what_the_run_rows_answer(trained: dict[str, Any]) -> None:
+    """FlexAttention serving packs into rows wider than the run's (`Model.packing`); forced here on the dense
+    path, the answers are the run's rows' answers, items longer than a run's row cut where it cuts them."""
+    texts = [*MANY, "a long text past one row of the run " * 4]
+    narrow, wide = load(trained["path"], rows=2, segments=6), load(trained["path"], rows=2, segments=6)
+    try:
+        wide.packing = (1, 2 * wide.columns)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CapacityWarning)
+            want, got = narrow.encode(["text"] * len(texts), texts), wide.encode(["text"] * len(texts), texts)
+        assert torch.allclose(got, want, atol=1e-5, rtol=0)
+        cut = sum(len(t.encode()) > wide.columns - 1 for t in texts)
+        assert cut > 0 and wide.notices.counts() == narrow.notices.counts() == {"capacity.truncated": cut}
+    finally:
+        narrow.close()
+        wide.close()
 
 
 def test_progress_reports_and_stops(trained: dict[str, Any]) -> None:
@@ -590,6 +639,22 @@ def test_tokens_match_a_direct_forward(late: tuple[Model, Network]) -> None:
         )
     assert torch.allclose(pooled, want, atol=1e-5)
     assert not torch.allclose(model.encode(["text"], [texts[0]], sides=["query"]), pooled, atol=1e-3)
+
+
+def test_tokens_of_wide_rows_are_the_run_rows_tokens(late: tuple[Model, Network]) -> None:
+    model, _ = late
+    texts = [f"text number {i} " * (1 + i % 7) for i in range(9)]
+    sides = ["query", "document"] * 4 + ["document"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CapacityWarning)
+        want, want_offsets = model.tokens(["text"] * 9, texts, sides)
+        packing, model.packing = model.packing, (1, 2 * model.columns)
+        try:
+            got, offsets = model.tokens(["text"] * 9, texts, sides)
+        finally:
+            model.packing = packing
+    assert np.array_equal(offsets, want_offsets) and max(np.diff(offsets)) == model.columns - 2
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
 
 
 def brute_maxsim(q: torch.Tensor, qo: np.ndarray, d: torch.Tensor, do: np.ndarray) -> torch.Tensor:

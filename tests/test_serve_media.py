@@ -158,6 +158,20 @@ def test_many_media_items_answer_what_each_alone_answers(served: dict[str, Any])
         model.close()
 
 
+def test_media_in_wide_rows_answer_what_the_run_rows_answer(served: dict[str, Any]) -> None:
+    """Rows wider than the run's (`Model.packing`, FlexAttention's on CUDA), forced on the dense path: more
+    media items a batch, the same answers."""
+    model = load(served["path"], rows=4, segments=8, media=MediaPolicy(workers=2))
+    try:
+        modalities, contents = served["modalities"] * 2, served["contents"] * 2
+        model.packing = (1, 4 * model.columns)
+        got = model.encode(modalities, contents)
+        assert torch.allclose(got, served["arena"].repeat(2, 1), atol=1e-4, rtol=0)
+        assert torch.allclose(got, served["model"].encode(modalities, contents), atol=1e-5, rtol=0)
+    finally:
+        model.close()
+
+
 def test_the_next_window_decodes_while_this_one_is_packed(served: dict[str, Any]) -> None:
     """The host stage's decoding runs a window ahead of its packing (issue 12, serving): the first window's
     first batch is packed only once the second window's decoding has begun, so this call would hang (and fail

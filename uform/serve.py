@@ -18,7 +18,9 @@ naming the field); a refused call changes nothing. The items are then taken in w
 caller's order; a window's media items are decoded in the decode worker pool (`uform.runtime.decoders.DecodePool`, as in
 training), its items sorted by length, longest first, and cut into batches by first fit: an item lands in
 the lowest of R rows of C columns with room, and a batch closes when the next item finds none or S items are
-in. Each batch goes through the trainer's own packing (`data.batch.prepare`, with the contrastive objective so
+in (under FlexAttention the same R x C positions are packed in rows several times as wide, `packing_rows`, so
+items of a few hundred positions leave less of each row empty; an item is still cut at C). A window's last,
+part-filled batch is packed with the next window. Each batch goes through the trainer's own packing (`data.batch.prepare`, with the contrastive objective so
 nothing is corrupted, and one bag so the packer's first fit is the one planned here and drops nothing), then
 one forward. A host thread prepares the next batches while the device runs this one. Answers land in the
 caller's order; an item's answer never depends on its neighbours (attention never crosses a segment and
@@ -96,6 +98,10 @@ ERRORS = ("raise", "mask")
 
 _INVALID_I8 = -128
 """The value of every entry of an invalid `Scalar.I8` row: outside the [-127, 127] that real rows take."""
+
+WIDE_COLUMNS = 8192
+"""The widest row a FlexAttention forward packs (`packing_rows`): its block tables grow as the square of a row's
+128-position tiles."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -242,6 +248,16 @@ class _Prepared:
     # of `tensors` are (`_media_alloc`), held until the batch's device work is done
 
 
+def packing_rows(rows: int, columns: int, widest: int = WIDE_COLUMNS) -> tuple[int, int]:
+    """(rows, columns) a FlexAttention batch of `rows` x `columns` packs into: the same positions, in rows k times
+    as wide (k the largest divisor of `rows` that keeps a row at most `widest`, or 1). Attention never crosses a
+    segment and positions restart in each, so a row's width changes no answer, only how little of each row is
+    left over: 256 + 1 positions of a 256² image at patch 16 fill three to a 1024-column row (25% of the batch
+    left empty) and 31 to an 8,192-column one (3%)."""
+    k = max(d for d in range(1, rows + 1) if rows % d == 0 and (d == 1 or columns * d <= widest))
+    return rows // k, columns * k
+
+
 def plan_batches(
     order: Sequence[int], lengths: dict[int, int], rows: int, columns: int, segments: int
 ) -> Iterator[tuple[list[int], int]]:
@@ -308,7 +324,7 @@ class Model:
         self.rows = rows or b.max_rows_per_device
         """Rows one forward packs at most."""
         self.columns = b.max_columns_per_row
-        """Positions one row spans: the run's, so items are cut where training cut them."""
+        """Positions one item spans at most: the run's row, so items are cut where training cut them."""
         self.segments = segments or b.max_segments_per_device
         """Items one forward carries at most."""
         self.window = 2 * self.segments
@@ -328,6 +344,9 @@ class Model:
             batch=dataclasses.replace(b, max_bags_per_device=0),
         )
         self.attention = "flex" if compiled and compiled_flex_available(device) else "dense"
+        self.packing = packing_rows(self.rows, self.columns) if self.attention == "flex" else (self.rows, self.columns)
+        """(rows, columns) a batch packs into: `rows` x `columns` positions, in wider rows where the forward's
+        attention is FlexAttention's (`packing_rows`); the dense path's mask grows as a row's width squared."""
         self._pooled_fn: Callable[..., Tensor] = self._pooled_forward
         self._states_fn: Callable[..., Tensor] = self._states_forward
         if compiled:
@@ -690,6 +709,8 @@ class Model:
         """The prepare stage: windows of the call decoded, sorted and cut into prepared batches."""
         n = len(job.modalities)
         windows = [range(start, min(n, start + self.window)) for start in range(0, n, self.window)]
+        carried: list[int] = []  # the last, part-filled batch of the window before: packed with this window
+        kept: tuple[dict[int, Units], dict[int, Tensor | None]] = ({}, {})
         # The next window decodes (on the decoders, and its JPEG headers planned) while this one is packed.
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="uform-serve-decode") as ahead:
             decoding = ahead.submit(self._decode, job, windows[0]) if windows else None
@@ -697,9 +718,16 @@ class Model:
                 assert decoding is not None
                 units, failed, pictures = decoding.result()
                 decoding = ahead.submit(self._decode, job, windows[k + 1]) if k + 1 < len(windows) else None
-                yield from self._window(job, window, units, failed, pictures, stop)
+                units.update(kept[0])
+                pictures.update(kept[1])
+                last = k + 1 == len(windows)
+                carried = yield from self._window(job, [*carried, *window], units, failed, pictures, stop, last)
+                kept = (
+                    {i: units[i] for i in carried if i in units},
+                    {i: pictures[i] for i in carried if i in pictures},
+                )
                 # Views of the decoders' slabs and pictures on the device, packed into the batches now: freed
-                # before the next window.
+                # before the next window, but for those of the items carried into it.
                 del units, pictures
                 if stop.is_set():
                     return
@@ -707,27 +735,37 @@ class Model:
     def _window(
         self,
         job: _Job,
-        window: range,
+        items: list[int],
         units: dict[int, Units],
         failed: list[tuple[int, str]],
         pictures: dict[int, Tensor | None],
         stop: threading.Event,
-    ) -> Iterator[tuple[str, Any]]:
-        """One decoded window's messages: its failures, then its batches, sorted and cut."""
+        last: bool,
+    ) -> Generator[tuple[str, Any], None, list[int]]:
+        """One decoded window's messages: its failures, then its batches, sorted and cut. Answers the members of
+        its last batch unpacked, to go with the next window, unless it is the call's `last` window: a window's
+        last batch is seldom full, and one per window would cost a tenth of a call's batches."""
         if failed:
             yield ("skipped", failed)
         lost = {i for i, _ in failed}
         lengths = {}
-        for i in window:
+        for i in items:
             if i in lost:
                 continue
             content = len(units[i]) if i in units else len(job.contents[i])
             lengths[i] = min(self._prefix + content, self.columns)
         order = sorted(lengths, key=lambda i: (-lengths[i], i))  # longest first: first fit decreasing
-        for members, rows in plan_batches(order, lengths, self.rows, self.columns, self.segments):
+        planned = plan_batches(order, lengths, *self.packing, self.segments)
+        batch = next(planned, None)
+        while batch is not None:
             if stop.is_set():
-                return
-            yield ("batch", self._prepare(job, members, rows, units, pictures))
+                return []
+            after = next(planned, None)
+            if after is None and not last:
+                return batch[0]
+            yield ("batch", self._prepare(job, batch[0], batch[1], units, pictures))
+            batch = after
+        return []
 
     def _decode(
         self, job: _Job, window: range
@@ -799,20 +837,29 @@ class Model:
         full capacity (one compiled shape)."""
         n = len(members)
         fixed = self.compiled
+        pack_rows, pack_columns = self.packing
         config = dataclasses.replace(
             self._serving,
             batch=dataclasses.replace(
                 self._serving.batch,
-                max_rows_per_device=self.rows if fixed else rows,
+                max_rows_per_device=pack_rows if fixed else rows,
+                max_columns_per_row=pack_columns,
                 max_segments_per_device=self.segments if fixed else n,
             ),
         )
+        contents = [job.contents[i] for i in members]
+        cut = 0
+        if pack_columns > self.columns:  # rows wider than the run's: a text is cut here where its row would cut it
+            room = self.columns - self._prefix
+            for k, i in enumerate(members):
+                if job.modalities[i] == Modality.Text and len(contents[k]) > room:
+                    contents[k], cut = contents[k][:room], cut + 1
         cuda = self.device.type == "cuda"
         owners: list[Tensor] = []
         batch = prepare(
             config,
             [job.modalities[i] for i in members],
-            [job.contents[i] for i in members],
+            contents,
             bags=np.zeros(n, dtype=np.int64),
             groups=None,
             sides=None if job.sides is None else [job.sides[i] for i in members],
@@ -858,7 +905,7 @@ class Model:
             tensors=tensors,
             picks=picks.pin_memory() if cuda else picks,
             counts=counts,
-            truncated=batch.truncated,
+            truncated=batch.truncated + cut,
             failed=failed,
             owners=owners,
         )

@@ -28,7 +28,7 @@ from ..media.units import Units, item_key
 from ..relations import pair_targets
 from .corrupt import corrupt_text
 from .items import ChoiceTapes
-from .pack import LateRoom, Layout, Rows, fill_state, fill_text, fill_units, plan
+from .pack import LateRoom, Layout, Rows, fill_media, fill_state, fill_text, plan
 
 if TYPE_CHECKING:  # torch loads where host tensors are made, never in the preparer process that prepares steps
     import torch
@@ -58,6 +58,10 @@ def media_features(config: TrainerInitVramConfig) -> dict[str, int]:
     if b.audio.chunk_samples:
         out["audio"] = b.audio.chunk_samples
     return out
+
+
+_MODALITY_OF = {kind: modality for modality, kind in MEDIA_KINDS.items()}
+"""Each media kind's modality ("image" -> Modality.Image)."""
 
 
 def mask_units(kind: str, units: Units, ratio: float, rng: np.random.Generator) -> np.ndarray:
@@ -318,7 +322,8 @@ def prepare(
     rows = Rows.empty(R, C)
     spans: list[tuple[int, int, int]] = []
     features = media_features(config)
-    gathered: dict[str, list[tuple[np.ndarray | None, np.ndarray, np.ndarray]]] = {kind: [] for kind in features}
+    gathered: dict[str, list[tuple[np.ndarray | None, int, np.ndarray]]] = {kind: [] for kind in features}
+    media_of: dict[str, list[int]] = {kind: [] for kind in features}  # each modality's placed items, in order
     masking = config.objective != Objective.Contrastive
     span_items: list[int] = []
     truncated = layout.truncated.copy()
@@ -340,15 +345,21 @@ def prepare(
             span_items.append(i)
             continue
         kind, item = MEDIA_KINDS[modalities[i]], units[i]
-        index = fill_units(rows, layout, i, prefixes[i], vocab.MODALITY_MARKER[modalities[i]], item.positions)
+        media_of[kind].append(i)
         ratio = getattr(config.masking, f"{kind}_mask_ratio")
         if masking:
             masked = mask_units(kind, item, ratio, media_rngs[i])
         else:
             masked = np.zeros(len(item), dtype=bool)
-        gathered[kind].append((None if item.source is not None else item.values, index, masked))
+        gathered[kind].append((None if item.source is not None else item.values, int(layout.length[i]) - p, masked))
         truncated[i] |= item.truncated
-    media = {kind: _stack_units(gathered[kind], f, UNIT_DTYPES[kind], alloc) for kind, f in features.items()}
+    media = {}
+    for kind, f in features.items():
+        chosen = media_of[kind]
+        marker = vocab.MODALITY_MARKER[_MODALITY_OF[kind]]
+        positions = [units[i].positions for i in chosen]
+        index = fill_media(rows, layout, chosen, [prefixes[i] for i in chosen], marker, positions)
+        media[kind] = _stack_units(gathered[kind], index, f, UNIT_DTYPES[kind], alloc)
 
     capacity = covered_capacity(config)
     target_index = np.zeros(capacity, dtype=np.int64)
@@ -527,30 +538,36 @@ def _choice_arrays(
 
 
 def _stack_units(
-    parts: list[tuple[np.ndarray | None, np.ndarray, np.ndarray]], features: int, dtype: type[np.generic], alloc: Alloc
+    parts: list[tuple[np.ndarray | None, int, np.ndarray]],
+    index: np.ndarray,
+    features: int,
+    dtype: type[np.generic],
+    alloc: Alloc,
 ) -> dict[str, np.ndarray]:
     """One modality's units of the step, padded with inert units (zero values, valid 0, never masked) to at
     least two; values in the modality's own dtype even when the step has none of its units (a stable dtype for
-    the compiled step). Each unit is copied once, into arrays of `alloc` written whole, but for the rows of a
+    the compiled step). `parts` are each item's (values, units kept, masked), `index` every unit's flat position
+    (`pack.fill_media`). Each unit is copied once, into arrays of `alloc` written whole, but for the rows of a
     part without values (units a GPU decoder fills, `Units.source`), which are left unwritten."""
-    count = sum(len(index) for _, index, _ in parts)
+    count = len(index)
     padded = max(2, count)
     values = alloc((padded, features), dtype)  # [U, F]
-    index = alloc((padded,), np.int64)
+    flat = alloc((padded,), np.int64)
     masked = alloc((padded,), np.bool_)
     valid = alloc((padded,), np.float32)
     if parts:
-        present = [v for v, _, _ in parts if v is not None]
+        present = [v[:n] for v, n, _ in parts if v is not None]
         if len(present) == len(parts):
             np.concatenate(present, out=values[:count], casting="unsafe")
         else:
             at = 0
-            for v, i, _ in parts:
+            for v, n, _ in parts:
                 if v is not None:
-                    values[at : at + len(i)] = v
-                at += len(i)
-        np.concatenate([i for _, i, _ in parts], out=index[:count], casting="unsafe")
-        np.concatenate([m for _, _, m in parts], out=masked[:count], casting="unsafe")
+                    values[at : at + n] = v[:n]
+                at += n
+        flat[:count] = index
+        np.concatenate([m[:n] for _, n, m in parts], out=masked[:count], casting="unsafe")
+    index = flat
     values[count:] = 0
     index[count:] = 0
     masked[count:] = False
