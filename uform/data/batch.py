@@ -539,20 +539,20 @@ def _choice_arrays(
 
 def _stack_units(
     parts: list[tuple[np.ndarray | None, int, np.ndarray]],
-    index: np.ndarray,
+    flat: np.ndarray,
     features: int,
     dtype: type[np.generic],
     alloc: Alloc,
 ) -> dict[str, np.ndarray]:
     """One modality's units of the step, padded with inert units (zero values, valid 0, never masked) to at
     least two; values in the modality's own dtype even when the step has none of its units (a stable dtype for
-    the compiled step). `parts` are each item's (values, units kept, masked), `index` every unit's flat position
+    the compiled step). `parts` are each item's (values, units kept, masked), `flat` every unit's flat position
     (`pack.fill_media`). Each unit is copied once, into arrays of `alloc` written whole, but for the rows of a
     part without values (units a GPU decoder fills, `Units.source`), which are left unwritten."""
-    count = len(index)
+    count = len(flat)
     padded = max(2, count)
     values = alloc((padded, features), dtype)  # [U, F]
-    flat = alloc((padded,), np.int64)
+    index = alloc((padded,), np.int64)
     masked = alloc((padded,), np.bool_)
     valid = alloc((padded,), np.float32)
     if parts:
@@ -565,9 +565,8 @@ def _stack_units(
                 if v is not None:
                     values[at : at + n] = v[:n]
                 at += n
-        flat[:count] = index
+        index[:count] = flat
         np.concatenate([m[:n] for _, n, m in parts], out=masked[:count], casting="unsafe")
-    index = flat
     values[count:] = 0
     index[count:] = 0
     masked[count:] = False
