@@ -138,3 +138,19 @@ def bert_config(depth: int, hidden: int, vocab: int, positions: int) -> Any:
         max_position_embeddings=positions,
         attn_implementation="sdpa",
     )
+
+
+class Fed:
+    """A replica's `Stage` that answers one prepared step for every step (the prepare stage taken away)."""
+
+    def __init__(self, batch: Any, tensors: Any) -> None:
+        self.answer = (batch, tensors, [])
+
+    def prepare(self, checked: Any, step: int) -> Any:
+        return self.answer
+
+    def decode(self, checked: Any) -> Any:
+        return {}, []
+
+    def close(self) -> None:
+        pass

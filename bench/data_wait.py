@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from common import add_geometry, bench_config, in_flight, topic_text, write_json  # sibling scripts, not a package
+from common import Fed, add_geometry, bench_config, in_flight, topic_text, write_json  # sibling scripts, not a package
 from decode import PHOTOS, photo
 
 
@@ -266,22 +266,6 @@ def prepare_step(trainer: Any, checked: Any, args: argparse.Namespace) -> dict[s
         with Pressure(args.host_steps, pids=pids) as probed:
             list(pool.map(lambda step: trainer.replica.prepare(checked, step), range(first, first + args.host_steps)))
     return {**probed.result, "without_probe": quiet.result}
-
-
-class Fed:
-    """A replica's `Stage` that answers one prepared step for every step (the prepare stage taken away)."""
-
-    def __init__(self, batch: Any, tensors: Any) -> None:
-        self.answer = (batch, tensors, [])
-
-    def prepare(self, checked: Any, step: int) -> Any:
-        return self.answer
-
-    def decode(self, checked: Any) -> Any:
-        return {}, []
-
-    def close(self) -> None:
-        pass
 
 
 def idle_probe() -> dict[str, float]:

@@ -195,6 +195,7 @@ def phases(model: Any, modalities: list[str], contents: list[bytes], label: str,
     import queue
     import threading
 
+    import uform.data.windows as windows
     import uform.device_pictures as pictures
     import uform.serve as serve
 
@@ -220,7 +221,7 @@ def phases(model: Any, modalities: list[str], contents: list[bytes], label: str,
     for name in ("_decode", "_prepare", "_device", "_inputs", "_device_units"):
         wrap(serve.Model, name)
     wrap(serve, "_landed")
-    wrap(serve, "prepare", "data.batch.prepare")
+    wrap(windows, "prepare", "data.batch.prepare")
     wrap(serve, "decode_items")
     wrap(pictures, "decode_all")
     wrap(pictures, "split")

@@ -7,6 +7,9 @@ segments per device), bf16 autocast, fused AdamW, full steps (forward, loss, bac
                 contrastive over 128 attract pairs, ambient negatives), stats read back every step,
                 two steps in flight; items are 255-byte slices of CPython's pydoc topics, so the 256
                 segments fill the 64 rows exactly.
+  --fed         then the same steps with the prepare stage taken away (one prepared step answered for every
+                step, bench/data_wait.py's fed run): the device stage alone, against which the step's wall
+                shows the host's share.
   hf_bert       transformers' BertForMaskedLM (SDPA attention) on random ids and labels over every
                 position, as ../shared/bench/anchor_gpu.py measures it.
 
@@ -30,6 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # sibling modules, not a package
+    Fed,
     add_geometry,
     bench_config,
     bert_config,
@@ -76,16 +80,34 @@ def bench_uform(args: argparse.Namespace) -> dict:
     in_flight(run, range(args.warmup, args.warmup + args.steps), args.in_flight)
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - t0) / args.steps
-    last = stats[-1]
+    last_loss, last_dropped, first_loss = (
+        stats[-1].loss,
+        stats[-1].dropped,
+        stats[0].loss,
+    )  # read before a fed run writes the same stats again
     positions = args.rows * args.columns
+    fed = {}
+    if args.fed:  # the same steps with the prepare stage taken away: the device stage alone
+        replica = trainer.replica
+        checked = replica.check_step(modalities, items, u.TrainerStepConfig(relations=relations), False)
+        real, replica.stage = replica.stage, Fed(*replica.prepare(checked, 10_000))
+        in_flight(run, range(args.warmup), args.in_flight)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        in_flight(run, range(args.warmup, args.warmup + args.steps), args.in_flight)
+        torch.cuda.synchronize()
+        fed = {"fed_ms": (time.perf_counter() - t0) / args.steps * 1e3}
+        replica.stage = real
+    trainer.close()
     return {
+        **fed,
         "ms": seconds * 1e3,
         "tokens_per_s": positions / seconds,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "warmup_and_compile_s": compile_s,
-        "loss": last.loss,
-        "dropped": last.dropped,
-        "first_loss": stats[0].loss,
+        "loss": last_loss,
+        "dropped": last_dropped,
+        "first_loss": first_loss,
         "mfu": useful_flops(args.depth, args.hidden, args.rows, args.columns, args.segments)
         / seconds
         / (args.peak_tflops * 1e12),
@@ -136,6 +158,7 @@ def main() -> None:
     )
     parser.add_argument("--peak-tflops", type=float, default=776.0, help="the GPU's measured bf16 matmul rate")
     parser.add_argument("--in-flight", type=int, default=2, help="answers left pending while the next is submitted")
+    parser.add_argument("--fed", action="store_true", help="then time the device stage alone (the prepare stage fed)")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
@@ -152,6 +175,11 @@ def main() -> None:
         if name in results:
             r = results[name]
             print(f"{name:<14} {r['ms']:>9.2f} {r['tokens_per_s']:>12,.0f} {r['peak_gib']:>9.2f}")
+    if "fed_ms" in results["uform_joint"]:
+        fed = results["uform_joint"]["fed_ms"]
+        print(
+            f"uform_joint fed (device stage alone): {fed:.2f} ms/step; data wait {1 - fed / results['uform_joint']['ms']:.1%}"
+        )
     print(
         f"uform model FLOPs utilisation: {100 * results['uform_joint']['mfu']:.1f}% of {args.peak_tflops:.0f} TFLOP/s"
     )

@@ -1,4 +1,4 @@
-"""Packing invariants (docs/design.md §2) on random item sets: `plan` + `fill_text`, and `prepare`."""
+"""Packing invariants (docs/design.md §2) on random item sets: `plan` + `fill_texts`, and `prepare`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from uform.config import BatchShape, LateInteraction, Masking, TrainerInitVramCo
 from uform.config import Schedule as ScheduleConfig
 from uform.data.batch import Batch, covered_capacity, prepare
 from uform.data.items import tape_items
-from uform.data.pack import NO_SEGMENT, Layout, Rows, fill_media, fill_text, plan
+from uform.data.pack import NO_SEGMENT, Layout, Rows, fill_media, fill_texts, plan
 from uform.enums import LateInteractionSide, Modality, Objective
 from uform.model.attention import document_mask
 
@@ -94,10 +94,22 @@ def check_layout(
         assert no_segments or bag_refused or no_room, f"item {i} (need {need}) dropped with room: free {free}"
 
 
+def one_text(rows: Rows, layout: Layout, item: int, prefix: list[int], content: bytes | memoryview) -> None:
+    """The naive reference of `fill_texts`: one placed text item, slice by slice."""
+    r, c0, n = int(layout.row[item]), int(layout.column[item]), int(layout.length[item])
+    p = len(prefix)
+    body = np.frombuffer(content, dtype=np.uint8, count=max(0, min(len(content), n - p)))
+    rows.tokens[r, c0 : c0 + p] = prefix
+    rows.tokens[r, c0 + p : c0 + n] = body
+    rows.positions[r, c0 : c0 + n, :] = np.arange(n, dtype=np.int64)[:, None]
+    rows.segments[r, c0 : c0 + n] = layout.slot[item]
+    rows.content[r, c0 + p : c0 + n] = True
+
+
 def fill(layout: Layout, rows: int, columns: int, prefixes: list[list[int]], contents: list) -> Rows:
     out = Rows.empty(rows, columns)
-    for i in np.flatnonzero(layout.placed):
-        fill_text(out, layout, int(i), prefixes[i], contents[i])
+    placed = np.flatnonzero(layout.placed).tolist()
+    fill_texts(out, layout, placed, [prefixes[i] for i in placed], [contents[i] for i in placed])
     return out
 
 
@@ -133,7 +145,7 @@ def check_order(segments: np.ndarray, padding: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# plan + fill_text
+# plan + fill_texts
 
 
 @pytest.mark.parametrize("seed", range(300))
@@ -324,11 +336,11 @@ def check_batch(config: TrainerInitVramConfig, batch, contents: list, bags: np.n
     assert batch.counts.shape == (S,) and batch.slot_valid.shape == (S,) and batch.z.shape == (S, S)
     assert batch.target_index.shape == batch.targets.shape == batch.target_weight.shape == (P,)
 
-    # Segment ids explicit, (row, column) order, padding S last; the uncorrupted rows as fill_text writes them.
+    # Segment ids explicit, (row, column) order, padding S last; the uncorrupted rows as one text at a time writes them.
     check_order(batch.segments, S)
     clean = Rows.empty(R, C)
     for i in np.flatnonzero(layout.placed):
-        fill_text(clean, layout, int(i), prefixes[i], contents[i])
+        one_text(clean, layout, int(i), prefixes[i], contents[i])
     segments_with_s = np.where(clean.segments == NO_SEGMENT, S, clean.segments)
     assert np.array_equal(batch.segments, segments_with_s)
     assert np.array_equal(batch.positions, clean.positions)
@@ -474,6 +486,12 @@ def one_by_one(
     return r * rows.tokens.shape[1] + c0 + p + np.arange(n - p)
 
 
+def twelve_rows(lengths: np.ndarray, columns: int, seed: int) -> Layout:
+    """Items of `lengths`, one bag each, planned into 12 rows of `columns` and 32 segments (some dropped)."""
+    rng = np.random.default_rng(seed)
+    return plan(lengths, np.arange(len(lengths)), rows=12, columns=columns, segments=32, max_bags=0, rng=rng)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_fill_media_writes_what_one_item_at_a_time_writes(seed: int) -> None:
     rng = np.random.default_rng(seed)
@@ -481,15 +499,7 @@ def test_fill_media_writes_what_one_item_at_a_time_writes(seed: int) -> None:
     prefixes = [[5, 9][: int(rng.integers(1, 3))] if seed % 2 else [5] for _ in range(n)]
     counts = rng.integers(1, 120, n)  # some longer than a row: cut there
     positions = [rng.integers(0, 50, (int(k), 3)) for k in counts]
-    layout = plan(
-        counts + [len(p) for p in prefixes],
-        np.arange(n),
-        rows=12,
-        columns=columns,
-        segments=32,
-        max_bags=0,
-        rng=np.random.default_rng(seed),
-    )
+    layout = twelve_rows(counts + [len(p) for p in prefixes], columns, seed)
     placed = np.flatnonzero(layout.row >= 0).tolist()
     assert 0 < len(placed) < n  # some items dropped for room, some cut
     want, got = Rows.empty(12, columns), Rows.empty(12, columns)
@@ -499,3 +509,26 @@ def test_fill_media_writes_what_one_item_at_a_time_writes(seed: int) -> None:
     for field in ("tokens", "positions", "segments", "content"):
         assert np.array_equal(getattr(got, field), getattr(want, field)), field
     assert fill_media(got, layout, [], [], 7, []).shape == (0,)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fill_texts_writes_what_one_item_at_a_time_writes(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n, columns = 40, 96
+    prefixes = [[5, 9][: int(rng.integers(1, 3))] if seed % 2 else [5] for _ in range(n)]
+    data = rng.integers(0, 256, size=int(n * 60), dtype=np.uint8)
+    offsets = np.concatenate([[0], np.sort(rng.integers(0, len(data), n - 1)), [len(data)]])
+    contents: list = tape_items(data, offsets, "contents")  # memoryviews, some empty, some longer than a row
+    if seed % 3 == 0:
+        contents = [bytes(c) for c in contents]
+    layout = twelve_rows(np.array([len(p) + len(c) for p, c in zip(prefixes, contents, strict=True)]), columns, seed)
+    placed = np.flatnonzero(layout.row >= 0).tolist()
+    assert 0 < len(placed) < n and layout.truncated.any()  # some items dropped for room, some cut
+    want, got = Rows.empty(12, columns), Rows.empty(12, columns)
+    for i in placed:
+        one_text(want, layout, i, prefixes[i], contents[i])
+    fill_texts(got, layout, placed, [prefixes[i] for i in placed], [contents[i] for i in placed])
+    for field in ("tokens", "positions", "segments", "content"):
+        assert np.array_equal(getattr(got, field), getattr(want, field)), field
+    fill_texts(got, layout, [], [], [])  # nothing placed: nothing written
+    assert np.array_equal(got.tokens, want.tokens)

@@ -45,13 +45,14 @@ from uform import (
     vocab,
 )
 from uform.config import resolve, to_json
+from uform.data.windows import packing_rows, plan_batches
 from uform.evaluate import encode_texts, evaluate_retrieval, ranking_metrics, retrieval_metrics
 from uform.model.attention import document_mask
 from uform.model.inputs import DeviceBatch
 from uform.model.network import Network
 from uform.notices import CapacityWarning, Notices
 from uform.replica.checkpoint import write_checkpoint
-from uform.serve import Model, load, packing_rows, plan_batches
+from uform.serve import Model, load
 
 torch.set_num_threads(2)
 

@@ -3,7 +3,7 @@
 The split (`onnx_export` draws the graph): onnxruntime runs the network's forward over one packed batch; this
 module does what `Model.encode` does on the host around it, with the same functions: media decoded into patch
 units in the decode workers (`media.decode.decode_items`), items sorted longest first and cut into batches by
-first fit (`serve.plan_batches`), packed by the trainer's own packing (`data.batch.prepare`), and each answer cut
+first fit (`data.windows.plan_batches`), packed by the trainer's own packing (`data.batch.prepare`), and each answer cut
 to the chosen Matryoshka width and L2-normalised. So its vectors are `Model.encode`'s, up to the float
 reassociation of another runtime's kernels (tests/test_onnx.py holds them within 1e-4 of cosine on the CPU).
 
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from . import vocab
 from .data.batch import prepare
 from .data.items import parse_contents, parse_modalities
+from .data.windows import plan_batches
 from .enums import LateInteractionSide, Modality, Objective
 from .media.decode import MediaPolicy, decode_items
 from .media.limits import MediaError
@@ -34,7 +35,6 @@ from .replica.capacity import warn_truncated
 from .replica.checkpoint import CheckpointError
 from .replica.stored_model import ONNX_FILE, file_digest, read_model
 from .runtime.decoders import DecodePool
-from .serve import plan_batches
 
 __all__ = ["OnnxEncoder"]
 

@@ -47,14 +47,13 @@ Items longer than a row are cut, as in training, at the run's `batch.max_columns
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import math
 import os
 import queue
 import threading
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,13 +65,14 @@ from torch import Tensor
 from . import device_pictures, vocab
 from .arena import Arena, as_scalar
 from .config import TrainerInitVramConfig
-from .data.batch import MEDIA_KINDS, media_features, prepare
+from .data.batch import MEDIA_KINDS, media_features
 from .data.items import is_tape, parse_contents, parse_modalities, parse_sides, tape_items
+from .data.windows import CallItems, Packing, call_batches, pack_batch, packing_rows
 from .enums import LateInteractionSide, Modality, Objective, Scalar
 from .media.decode import MediaPolicy, decode_items, warn_skipped
 from .media.limits import MediaError
 from .media.units import Units
-from .model.attention import block_tables, compiled_flex_available
+from .model.attention import compiled_flex_available
 from .model.inputs import DeviceBatch, to_device, to_host
 from .model.network import Network
 from .notices import Notices
@@ -98,11 +98,6 @@ ERRORS = ("raise", "mask")
 
 _INVALID_I8 = -128
 """The value of every entry of an invalid `Scalar.I8` row: outside the [-127, 127] that real rows take."""
-
-WIDE_COLUMNS = 8192
-"""The widest row a FlexAttention forward packs (`packing_rows`): its block tables grow as the square of a row's
-128-position tiles."""
-
 
 # --------------------------------------------------------------------------------------------------
 # Loading
@@ -158,7 +153,6 @@ def load(
     if not isinstance(compiled, bool):
         raise TypeError(f"compiled: expected a bool or None, got {type(compiled).__name__}")
     decode = _jpeg_decoder(jpeg, device)
-
     shown = os.fsdecode(os.fspath(path))
     # The header alone first, every field of it checked and the stored config's network against the tensors
     # the file holds; then the data, its digest verified; only then is anything built from the config.
@@ -219,15 +213,10 @@ def _precision(precision: str | None, device: torch.device) -> bool:
 
 
 @dataclass
-class _Job:
-    """A checked call: what to pack and what to read out."""
+class _Job(CallItems):
+    """A checked call: what to pack (`data.windows.CallItems`) and what to read out."""
 
-    verb: str  # "encode" | "tokens" | "choose"
-    modalities: list[Modality]
-    contents: list[bytes | memoryview]
-    sides: list[LateInteractionSide] | None
     width: int = 0  # encode: the Matryoshka width
-    span: np.ndarray | None = None  # tokens: [N] most token vectors of each item (-1: every content token)
     errors: str = "raise"  # what a broken media item does (ERRORS)
     cut: int = 0  # text_choose: items whose head was cut before packing
 
@@ -246,39 +235,6 @@ class _Prepared:
     # device and the host both refused (`jpeg="device"`), answered invalid
     owners: list[Tensor] = dataclasses.field(default_factory=list)  # the tensors whose memory the media arrays
     # of `tensors` are (`_media_alloc`), held until the batch's device work is done
-
-
-def packing_rows(rows: int, columns: int, widest: int = WIDE_COLUMNS) -> tuple[int, int]:
-    """(rows, columns) a FlexAttention batch of `rows` x `columns` packs into: the same positions, in rows k times
-    as wide (k the largest divisor of `rows` that keeps a row at most `widest`, or 1). Attention never crosses a
-    segment and positions restart in each, so a row's width changes no answer, only how little of each row is
-    left over: 256 + 1 positions of a 256² image at patch 16 fill three to a 1024-column row (25% of the batch
-    left empty) and 31 to an 8,192-column one (3%)."""
-    k = max(d for d in range(1, rows + 1) if rows % d == 0 and (d == 1 or columns * d <= widest))
-    return rows // k, columns * k
-
-
-def plan_batches(
-    order: Sequence[int], lengths: dict[int, int], rows: int, columns: int, segments: int
-) -> Iterator[tuple[list[int], int]]:
-    """Cuts items (visited in `order`, each `lengths[i]` positions, at most `columns`) into batches of at most
-    `segments` items that first fit lays into `rows` rows of `columns`: each item in the lowest row with room,
-    a batch closing when the next item finds none. Answers (members in order, rows used) per batch; the
-    packer (`data.pack.plan`), given the members in this order as one bag, places them exactly so."""
-    free = np.full(rows, columns, dtype=np.int64)
-    members: list[int] = []
-    for item in order:
-        need = min(lengths[item], columns)
-        fits = np.flatnonzero(free >= need)
-        if len(members) == segments or len(fits) == 0:
-            yield members, int(np.count_nonzero(free < columns))
-            free[:] = columns
-            members = []
-            fits = np.zeros(1, dtype=np.int64)
-        free[fits[0]] -= need
-        members.append(item)
-    if members:
-        yield members, int(np.count_nonzero(free < columns))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -706,66 +662,30 @@ class Model:
             handoff.put(("error", error))
 
     def _host(self, job: _Job, stop: threading.Event) -> Generator[tuple[str, Any], None, None]:
-        """The prepare stage: windows of the call decoded, sorted and cut into prepared batches."""
-        n = len(job.modalities)
-        windows = [range(start, min(n, start + self.window)) for start in range(0, n, self.window)]
-        carried: list[int] = []  # the last, part-filled batch of the window before: packed with this window
-        kept: tuple[dict[int, Units], dict[int, Tensor | None]] = ({}, {})
-        # The next window decodes (on the decoders, and its JPEG headers planned) while this one is packed.
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="uform-serve-decode") as ahead:
-            decoding = ahead.submit(self._decode, job, windows[0]) if windows else None
-            for k, window in enumerate(windows):
-                assert decoding is not None
-                units, failed, pictures = decoding.result()
-                decoding = ahead.submit(self._decode, job, windows[k + 1]) if k + 1 < len(windows) else None
-                units.update(kept[0])
-                pictures.update(kept[1])
-                last = k + 1 == len(windows)
-                carried = yield from self._window(job, [*carried, *window], units, failed, pictures, stop, last)
-                kept = (
-                    {i: units[i] for i in carried if i in units},
-                    {i: pictures[i] for i in carried if i in pictures},
-                )
-                # Views of the decoders' slabs and pictures on the device, packed into the batches now: freed
-                # before the next window, but for those of the items carried into it.
-                del units, pictures
-                if stop.is_set():
-                    return
+        """The prepare stage: windows of the call decoded, sorted and cut into prepared batches
+        (`data.windows.call_batches`)."""
 
-    def _window(
-        self,
-        job: _Job,
-        items: list[int],
-        units: dict[int, Units],
-        failed: list[tuple[int, str]],
-        pictures: dict[int, Tensor | None],
-        stop: threading.Event,
-        last: bool,
-    ) -> Generator[tuple[str, Any], None, list[int]]:
-        """One decoded window's messages: its failures, then its batches, sorted and cut. Answers the members of
-        its last batch unpacked, to go with the next window, unless it is the call's `last` window: a window's
-        last batch is seldom full, and one per window would cost a tenth of a call's batches."""
-        if failed:
-            yield ("skipped", failed)
-        lost = {i for i, _ in failed}
-        lengths = {}
-        for i in items:
-            if i in lost:
-                continue
-            content = len(units[i]) if i in units else len(job.contents[i])
-            lengths[i] = min(self._prefix + content, self.columns)
-        order = sorted(lengths, key=lambda i: (-lengths[i], i))  # longest first: first fit decreasing
-        planned = plan_batches(order, lengths, *self.packing, self.segments)
-        batch = next(planned, None)
-        while batch is not None:
-            if stop.is_set():
-                return []
-            after = next(planned, None)
-            if after is None and not last:
-                return batch[0]
-            yield ("batch", self._prepare(job, batch[0], batch[1], units, pictures))
-            batch = after
-        return []
+        def decode(window: range) -> tuple[dict[int, Units], list[tuple[int, str]], dict[int, Any]]:
+            return self._decode(job, window)
+
+        def pack(members: list[int], rows: int, units: dict[int, Units], pictures: dict[int, Any]) -> _Prepared:
+            return self._prepare(job, members, rows, units, pictures)
+
+        return call_batches(self._shape(), job, decode, pack, stop)
+
+    def _shape(self) -> Packing:
+        """How this model packs a call, as its attributes stand now."""
+        return Packing(
+            config=self._serving,
+            columns=self.columns,
+            prefix=self._prefix,
+            rows=self.rows,
+            segments=self.segments,
+            packing=self.packing,
+            fixed=self.compiled,
+            flex=self.attention == "flex",
+            window=self.window,
+        )
 
     def _decode(
         self, job: _Job, window: range
@@ -833,64 +753,18 @@ class Model:
         units: dict[int, Units],
         pictures: dict[int, Tensor | None],
     ) -> _Prepared:
-        """One batch through the trainer's packing; on the CPU only the rows it uses, on a compiled model the
-        full capacity (one compiled shape)."""
-        n = len(members)
-        fixed = self.compiled
-        pack_rows, pack_columns = self.packing
-        config = dataclasses.replace(
-            self._serving,
-            batch=dataclasses.replace(
-                self._serving.batch,
-                max_rows_per_device=pack_rows if fixed else rows,
-                max_columns_per_row=pack_columns,
-                max_segments_per_device=self.segments if fixed else n,
-            ),
-        )
-        contents = [job.contents[i] for i in members]
-        cut = 0
-        if pack_columns > self.columns:  # rows wider than the run's: a text is cut here where its row would cut it
-            room = self.columns - self._prefix
-            for k, i in enumerate(members):
-                if job.modalities[i] == Modality.Text and len(contents[k]) > room:
-                    contents[k], cut = contents[k][:room], cut + 1
+        """One batch packed (`data.windows.pack_batch`) into host tensors, page-locked on CUDA, where the JPEGs the
+        device decodes are tiled into place."""
         cuda = self.device.type == "cuda"
         owners: list[Tensor] = []
-        batch = prepare(
-            config,
-            [job.modalities[i] for i in members],
-            contents,
-            bags=np.zeros(n, dtype=np.int64),
-            groups=None,
-            sides=None if job.sides is None else [job.sides[i] for i in members],
-            relations=None,
-            step=0,
-            units={k: units[i] for k, i in enumerate(members) if i in units},
-            alloc=_media_alloc(owners, cuda),
-        )
-        layout = batch.layout
-        if not layout.placed.all():  # pragma: no cover - plan_batches makes this impossible
-            raise RuntimeError(f"serving: {int((~layout.placed).sum())} items found no room; this is a bug")
-        columns = batch.tokens.shape[1]
-        start = layout.row * columns + layout.column + self._prefix  # [n] first content position
-        content = layout.length - self._prefix  # [n] content positions kept
-        counts = np.zeros(n, dtype=np.int64)
-        gather = np.zeros(0, dtype=np.int64)
-        if job.verb == "tokens":
-            assert job.span is not None
-            limit = job.span[members]
-            counts = np.where(limit < 0, content, np.minimum(content, limit))
-            gather = np.concatenate([s + np.arange(c) for s, c in zip(start, counts, strict=True)] or [gather])
-        elif job.verb == "choose":
-            gather = start + content - 1  # the placeholder after the text
-            batch.tokens.reshape(-1)[gather] = vocab.MASK
-        picks = torch.from_numpy(layout.slot.copy() if job.verb == "encode" else np.ascontiguousarray(gather))
+        packed = pack_batch(self._shape(), job, members, rows, units, _media_alloc(owners, cuda))
+        batch = packed.batch
         deferred = None
         if self.jpeg_decoder is not None and "image" in batch.media:
             parts = [(i, units[i]) for i in members if job.modalities[i] == Modality.Image]
             values = batch.media["image"]["values"]
             batch.media["image"]["values"], deferred = device_pictures.split(values, parts, cuda)
-        tensors = batch.host_tensors(cuda, tables=block_tables(batch.segments) if self.attention == "flex" else None)
+        tensors = batch.host_tensors(cuda, tables=packed.tables or None)
         failed: list[tuple[int, str]] = []
         if deferred is not None:  # tiled on the device, in the stream's order, after the batch before
             decoded = [pictures[i] for i in deferred.members]
@@ -900,12 +774,13 @@ class Model:
             if failed and job.errors == "raise":
                 item, reason = min(failed)
                 raise MediaError(reason, item=item)
+        picks = torch.from_numpy(packed.picks)
         return _Prepared(
-            members=np.asarray(members, dtype=np.int64),
+            members=packed.members,
             tensors=tensors,
             picks=picks.pin_memory() if cuda else picks,
-            counts=counts,
-            truncated=batch.truncated + cut,
+            counts=packed.counts,
+            truncated=packed.truncated,
             failed=failed,
             owners=owners,
         )

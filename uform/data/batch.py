@@ -28,7 +28,7 @@ from ..media.units import Units, item_key
 from ..relations import pair_targets
 from .corrupt import corrupt_text
 from .items import ChoiceTapes
-from .pack import LateRoom, Layout, Rows, fill_media, fill_state, fill_text, plan
+from .pack import LateRoom, Layout, Rows, fill_media, fill_state, fill_texts, plan
 
 if TYPE_CHECKING:  # torch loads where host tensors are made, never in the preparer process that prepares steps
     import torch
@@ -340,8 +340,6 @@ def prepare(
             mask_at[i] = fill_state(rows, layout, i, prefixes[i], contents[i])
             continue
         if modalities[i] == Modality.Text:
-            fill_text(rows, layout, i, prefixes[i], contents[i])
-            spans.append((int(layout.row[i]), int(layout.column[i]) + p, int(layout.length[i]) - p))
             span_items.append(i)
             continue
         kind, item = MEDIA_KINDS[modalities[i]], units[i]
@@ -353,6 +351,18 @@ def prepare(
             masked = np.zeros(len(item), dtype=bool)
         gathered[kind].append((None if item.source is not None else item.values, int(layout.length[i]) - p, masked))
         truncated[i] |= item.truncated
+    fill_texts(rows, layout, span_items, [prefixes[i] for i in span_items], [contents[i] for i in span_items])
+    if span_items:
+        at = np.asarray(span_items, dtype=np.int64)
+        p_of = np.array([len(prefixes[i]) for i in span_items], dtype=np.int64)
+        spans = list(
+            zip(
+                layout.row[at].tolist(),
+                (layout.column[at] + p_of).tolist(),
+                (layout.length[at] - p_of).tolist(),
+                strict=True,
+            )
+        )
     media = {}
     for kind, f in features.items():
         chosen = media_of[kind]
