@@ -35,6 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from common import add_geometry, bench_config, topic_slices, write_json  # sibling scripts, not a package
+from kernel_trace import load_events, report, summarize
 from train_shards import jpeg
 
 
@@ -88,7 +89,8 @@ def uform_rates(args: argparse.Namespace) -> list[float]:
 
 
 def profile_steps(deferred: Any, steps: int, contents: Any, modalities: list, relations: Any) -> None:
-    """The device's kernels over `steps` more steps, by total device time (torch.profiler), and a Chrome trace."""
+    """The device's kernels over `steps` more steps, by total device time (torch.profiler), where the steps' device
+    time goes (bench/kernel_trace.py), and a Chrome trace."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -103,7 +105,9 @@ def profile_steps(deferred: Any, steps: int, contents: Any, modalities: list, re
             future.result()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
-    prof.export_chrome_trace(os.path.join(os.environ.get("OUT", "."), "pairs-trace.json"))
+    trace = os.path.join(os.environ.get("OUT", "."), "pairs-trace.json")
+    prof.export_chrome_trace(trace)
+    print(report(summarize(load_events(trace), steps), "profiled uform steps"))
 
 
 def open_clip_rates(args: argparse.Namespace) -> list[float]:

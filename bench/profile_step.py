@@ -1,7 +1,10 @@
 """Where a trainer step's time goes on one GPU: torch.profiler over a few steps of the bench geometry.
 
-Prints the kernels by total CUDA time and the wall time per step; writes a Chrome trace to
-$OUT/step-trace.json. Usage: python bench/profile_step.py [--steps 4] (same geometry flags as step.py).
+Prints the kernels by total CUDA time, the wall time per step and where the profiled steps' device time goes
+(bench/kernel_trace.py: kernels, busy, span, the gaps and the host calls in the longest); writes a Chrome trace to
+$OUT/step-trace.json. `--fed` profiles the device stage alone (every step handed one prepared step, as
+bench/step.py --fed times it). Usage: python bench/profile_step.py [--steps 4] [--fed] (same geometry flags as
+step.py).
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ import os
 import time
 
 import torch
-from common import add_geometry, pair_relations, topic_slices  # type: ignore[import-not-found]
+from common import Fed, add_geometry, pair_relations, topic_slices  # type: ignore[import-not-found]
+from kernel_trace import load_events, report, summarize  # type: ignore[import-not-found]
 from torch.profiler import ProfilerActivity, profile
 
 import uform as u
@@ -22,6 +26,7 @@ def main() -> None:
     add_geometry(parser)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--objective", default="joint")
+    parser.add_argument("--fed", action="store_true", help="the device stage alone: one prepared step for every step")
     args = parser.parse_args()
     executor = u.Executor.for_vram([0])
     trainer = u.Trainer.init_vram(
@@ -46,6 +51,8 @@ def main() -> None:
         config = u.TrainerStepConfig(relations=relations, stats=u.TrainerStepStats() if stats else None)
         return verbs.step([u.Modality.Text] * n, items, config)
 
+    if args.fed:
+        Fed.install(trainer, [u.Modality.Text] * n, items, u.TrainerStepConfig(relations=relations))
     for _ in range(6):
         step(True).result()
     torch.cuda.synchronize()
@@ -62,7 +69,9 @@ def main() -> None:
             f.result()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
-    prof.export_chrome_trace(os.path.join(os.environ.get("OUT", "."), "step-trace.json"))
+    trace = os.path.join(os.environ.get("OUT", "."), "step-trace.json")
+    prof.export_chrome_trace(trace)
+    print(report(summarize(load_events(trace), args.steps), "fed steps" if args.fed else "steps"))
 
 
 if __name__ == "__main__":

@@ -88,16 +88,14 @@ def bench_uform(args: argparse.Namespace) -> dict:
     positions = args.rows * args.columns
     fed = {}
     if args.fed:  # the same steps with the prepare stage taken away: the device stage alone
-        replica = trainer.replica
-        checked = replica.check_step(modalities, items, u.TrainerStepConfig(relations=relations), False)
-        real, replica.stage = replica.stage, Fed(*replica.prepare(checked, 10_000))
+        real = Fed.install(trainer, modalities, items, u.TrainerStepConfig(relations=relations))
         in_flight(run, range(args.warmup), args.in_flight)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         in_flight(run, range(args.warmup, args.warmup + args.steps), args.in_flight)
         torch.cuda.synchronize()
         fed = {"fed_ms": (time.perf_counter() - t0) / args.steps * 1e3}
-        replica.stage = real
+        trainer.replica.stage = real
     trainer.close()
     return {
         **fed,

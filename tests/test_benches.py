@@ -1,8 +1,8 @@
 """The bench scripts that answer numbers run end to end on the CPU at a tiny scale (the lead runs them on a
 GPU at the reference geometry of docs/design.md §1): bench/encode.py (its --file path too); bench/onnx_cpu.py; bench/maxsim.py, whose current MaxSim agrees with the previous one it
 keeps as the reference; bench/scaling.py through an executor of two CPU workers; bench/train_shards.py (uform.fit from tar shards against the library loop); bench/pairs.py (uform's side);
-bench/data_wait.py's video and audio steps; bench/profile_host.py --timeline; and bench/attention.py's layouts and FLOP
-count."""
+bench/data_wait.py's video and audio steps; bench/profile_host.py --timeline; bench/attention.py's layouts and FLOP
+count; and bench/kernel_trace.py's reading of a profiler trace."""
 
 from __future__ import annotations
 
@@ -172,3 +172,32 @@ def test_step_bench_counts_the_towers_own_parameters() -> None:
     length = rows * columns // segments
     by_hand = 6 * matrices * rows * columns + 3.5 * depth * segments * 4 * length**2 * hidden
     assert bench.useful_flops(depth, hidden, rows, columns, segments) == by_hand
+
+
+def test_kernel_trace_reads_kernels_busy_time_and_the_gaps_between_them(tmp_path: Path) -> None:
+    import gzip
+
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0.0, "dur": 100.0},
+        {"ph": "X", "cat": "kernel", "name": "norm", "ts": 50.0, "dur": 100.0},  # overlaps: busy is their union
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 160.0, "dur": 40.0},  # a 10 us gap before
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 3200.0, "dur": 200.0},  # a 3 ms gap before
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaHostAlloc", "ts": 150.0, "dur": 3000.0, "tid": 7},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 300.0, "dur": 5.0, "tid": 7},  # too short to name
+    ]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as handle:
+        json.dump({"traceEvents": events}, handle)
+    kernel_trace = load("kernel_trace")
+    summary = kernel_trace.summarize(kernel_trace.load_events(str(path)), steps=2)
+    assert summary["kernels_ms"] == pytest.approx(0.44 / 2)
+    assert summary["busy_ms"] == pytest.approx(0.39 / 2) and summary["span_ms"] == pytest.approx(3.4 / 2)
+    assert summary["gaps_ms"] == pytest.approx(3.01 / 2)
+    assert summary["gaps_by_size_ms"] == pytest.approx({"<20us": 0.005, ">=2ms": 1.5})
+    worst = summary["longest_gaps"][0]
+    assert worst["ms"] == pytest.approx(3.0) and worst["after"] == "Memcpy HtoD" and worst["before"] == "gemm"
+    assert worst["host"] == [("cudaHostAlloc", 7, 3.0)]
+    assert summary["top_kernels_ms"][0] == ("gemm", pytest.approx(0.15))
+    assert "gap 3.00 ms after 'Memcpy HtoD'" in kernel_trace.report(summary, "steps")
+    with pytest.raises(ValueError, match="no device events"):
+        kernel_trace.summarize(events[4:], steps=1)
