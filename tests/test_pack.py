@@ -527,8 +527,12 @@ def test_fill_texts_writes_what_one_item_at_a_time_writes(seed: int) -> None:
     want, got = Rows.empty(12, columns), Rows.empty(12, columns)
     for i in placed:
         one_text(want, layout, i, prefixes[i], contents[i])
-    fill_texts(got, layout, placed, [prefixes[i] for i in placed], [contents[i] for i in placed])
+    spans = fill_texts(got, layout, placed, [prefixes[i] for i in placed], [contents[i] for i in placed])
     for field in ("tokens", "positions", "segments", "content"):
         assert np.array_equal(getattr(got, field), getattr(want, field)), field
-    fill_texts(got, layout, [], [], [])  # nothing placed: nothing written
+    p = [len(prefixes[i]) for i in placed]  # each item's content span, as corrupt_text takes it
+    assert spans == [
+        (layout.row[i], layout.column[i] + q, layout.length[i] - q) for i, q in zip(placed, p, strict=True)
+    ]
+    assert fill_texts(got, layout, [], [], []) == []  # nothing placed: nothing written
     assert np.array_equal(got.tokens, want.tokens)

@@ -153,6 +153,7 @@ def load(
     if not isinstance(compiled, bool):
         raise TypeError(f"compiled: expected a bool or None, got {type(compiled).__name__}")
     decode = _jpeg_decoder(jpeg, device)
+
     shown = os.fsdecode(os.fspath(path))
     # The header alone first, every field of it checked and the stored config's network against the tensors
     # the file holds; then the data, its digest verified; only then is anything built from the config.
@@ -679,7 +680,6 @@ class Model:
             config=self._serving,
             columns=self.columns,
             prefix=self._prefix,
-            rows=self.rows,
             segments=self.segments,
             packing=self.packing,
             fixed=self.compiled,

@@ -320,7 +320,6 @@ def prepare(
         late=room,
     )
     rows = Rows.empty(R, C)
-    spans: list[tuple[int, int, int]] = []
     features = media_features(config)
     gathered: dict[str, list[tuple[np.ndarray | None, int, np.ndarray]]] = {kind: [] for kind in features}
     media_of: dict[str, list[int]] = {kind: [] for kind in features}  # each modality's placed items, in order
@@ -351,18 +350,7 @@ def prepare(
             masked = np.zeros(len(item), dtype=bool)
         gathered[kind].append((None if item.source is not None else item.values, int(layout.length[i]) - p, masked))
         truncated[i] |= item.truncated
-    fill_texts(rows, layout, span_items, [prefixes[i] for i in span_items], [contents[i] for i in span_items])
-    if span_items:
-        at = np.asarray(span_items, dtype=np.int64)
-        p_of = np.array([len(prefixes[i]) for i in span_items], dtype=np.int64)
-        spans = list(
-            zip(
-                layout.row[at].tolist(),
-                (layout.column[at] + p_of).tolist(),
-                (layout.length[at] - p_of).tolist(),
-                strict=True,
-            )
-        )
+    spans = fill_texts(rows, layout, span_items, [prefixes[i] for i in span_items], [contents[i] for i in span_items])
     media = {}
     for kind, f in features.items():
         chosen = media_of[kind]

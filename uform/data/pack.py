@@ -120,6 +120,13 @@ class LateRoom:
         return query, (document > 0).astype(np.int64), document
 
 
+def first_fit(free: list[int], need: int) -> int:
+    """The lowest row with room for `need` positions, of rows with `free` positions left at their ends; -1 when
+    none has. Over Python ints: a numpy search an item was most of a plan's time, and each numpy call lets go of
+    the interpreter lock, a hand-off where other threads wait for it."""
+    return next((k for k, left in enumerate(free) if left >= need), -1)
+
+
 def plan(
     lengths: np.ndarray,
     bags: np.ndarray,
@@ -156,8 +163,7 @@ def plan(
     for item, unit in enumerate(inverse.tolist()):
         members[unit].append(item)
 
-    # The first fit runs over Python ints: numpy calls per item (a search, scalar reads and writes) were most of
-    # the plan's time, and each lets go of the interpreter lock, a hand-off where other threads wait for it.
+    # Over Python ints (`first_fit`): numpy's scalar reads and writes an item were most of the plan's time.
     free = [columns] * rows  # positions left at the end of each row
     need_of = kept.tolist()
     skipped_item = [False] * count if skip is None else np.asarray(skip, dtype=bool).tolist()
@@ -181,7 +187,7 @@ def plan(
             if late is not None and np.any(used_late + needs[item] > room):
                 lost_to[item] = _LATE + int(np.argmax(used_late + needs[item] > room))
                 continue
-            r = next((k for k, left in enumerate(free) if left >= need), -1)
+            r = first_fit(free, need)
             if r < 0:
                 lost_to[item] = _ROWS
                 continue
@@ -240,13 +246,15 @@ class Rows:
 
 def fill_texts(
     rows: Rows, layout: Layout, items: list[int], prefixes: list[list[int]], contents: Sequence[bytes | memoryview]
-) -> None:
+) -> list[tuple[int, int, int]]:
     """Writes placed text items: item k of `items` its prefix ids `prefixes[k]`, then the bytes `contents[k]`
     cut to its segment's kept length, positions 0.. along every axis and its slot, content marked past the
-    prefix. A few numpy calls for all the items, as `fill_media` (and for the same reason): one item at a time
-    it was five numpy calls an item, a quarter of serving's packing of a 256-text batch."""
+    prefix. Answers each item's content span (row, first column past its prefix, positions), as
+    `corrupt.corrupt_text` takes them. A few numpy calls for all the items, as `fill_media` (and for the same
+    reason): one item at a time it was five numpy calls an item, a quarter of serving's packing of a 256-text
+    batch."""
     if not items:
-        return
+        return []
     columns = rows.tokens.shape[1]
     at = np.asarray(items, dtype=np.int64)
     length = layout.length[at]  # [M] positions of each item, its prefix included
@@ -256,24 +264,14 @@ def fill_texts(
     kept = body.tolist()
     joined = b"".join([c[:k] for c, k in zip(contents, kept, strict=True)])  # one buffer of every kept byte
     tokens = rows.tokens.reshape(-1)
-    axial = rows.positions.reshape(-1, 3)
-    segments = rows.segments.reshape(-1)
-    content = rows.content.reshape(-1)
-    for p in np.unique(prefix_of).tolist():  # a step's prefixes are of one length or two
-        chosen = np.flatnonzero(prefix_of == p)
-        if p:
-            tokens[start[chosen, None] + np.arange(p)] = np.array([prefixes[k] for k in chosen.tolist()])
-    # Item k's j-th position lies at start + j: its first position less the positions before it, plus the rank.
-    total = int(length.sum())
-    rank = np.arange(total, dtype=np.int64)  # [L]
-    before = np.cumsum(length) - length  # [M]
-    flat = np.repeat(start - before, length) + rank  # [L] every position of every item
-    axial[flat] = (rank - np.repeat(before, length))[:, None]
-    segments[flat] = np.repeat(layout.slot[at], length)
-    past = np.cumsum(body) - body  # [M] bytes before each item's
-    where = np.repeat(start + prefix_of - past, body) + np.arange(len(joined), dtype=np.int64)  # [B] its bytes
+    _write_prefixes(tokens, start, prefixes, prefix_of)
+    flat = _runs(start, length)  # [L] every position of every item
+    rows.positions.reshape(-1, 3)[flat] = (flat - np.repeat(start, length))[:, None]
+    rows.segments.reshape(-1)[flat] = np.repeat(layout.slot[at], length)
+    where = _runs(start + prefix_of, body)  # [B] the positions of their bytes
     tokens[where] = np.frombuffer(joined, dtype=np.uint8)
-    content[where] = True
+    rows.content.reshape(-1)[where] = True
+    return list(zip(layout.row[at].tolist(), (layout.column[at] + prefix_of).tolist(), kept, strict=True))
 
 
 def fill_media(
@@ -298,22 +296,35 @@ def fill_media(
     axial = rows.positions.reshape(-1, 3)
     segments = rows.segments.reshape(-1)
     slot = layout.slot[at]  # [M]
-    for p in np.unique(prefix_of).tolist():  # a step's prefixes are of one length or two
-        chosen = np.flatnonzero(prefix_of == p)
-        if p:
-            flat = start[chosen, None] + np.arange(p)  # [m, p]
-            tokens[flat] = np.array([prefixes[k] for k in chosen.tolist()], dtype=np.int64)
-            axial[flat] = np.arange(p, dtype=np.int64)[None, :, None]
-            segments[flat] = slot[chosen, None]
-    # Item k's j-th unit lies at start + prefix + j: item k's first unit less the units before it, plus the rank.
-    before = np.cumsum(units) - units  # [M]
-    index = np.repeat(start + prefix_of - before, units) + np.arange(int(units.sum()), dtype=np.int64)  # [U]
+    _write_prefixes(tokens, start, prefixes, prefix_of)
+    head = _runs(start, prefix_of)  # [P] every prefix position
+    axial[head] = (head - np.repeat(start, prefix_of))[:, None]
+    segments[head] = np.repeat(slot, prefix_of)
+    index = _runs(start + prefix_of, units)  # [U] every unit's position
     tokens[index] = marker
     segments[index] = np.repeat(slot, units)
     kept = np.concatenate([q[:u] for q, u in zip(positions, units.tolist(), strict=True)])  # [U, 3] from 0
     kept += prefix_of[0] if (prefix_of == prefix_of[0]).all() else np.repeat(prefix_of, units)[:, None]
     axial[index] = kept
     return index
+
+
+def _runs(start: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """[sum(length)] int64: the flat positions of runs of `length[k]` positions from `start[k]`, run after run
+    (run k's j-th position: its start less the positions of the runs before it, plus the running rank)."""
+    before = np.cumsum(length) - length
+    return np.repeat(start - before, length) + np.arange(int(length.sum()), dtype=np.int64)
+
+
+def _write_prefixes(tokens: np.ndarray, start: np.ndarray, prefixes: list[list[int]], prefix_of: np.ndarray) -> None:
+    """Writes item k's prefix ids `prefixes[k]` (`prefix_of[k]` of them) into the flat `tokens` from `start[k]`:
+    one write for each prefix length (a step's prefixes are of one length or two)."""
+    for p in np.unique(prefix_of).tolist():
+        if p:
+            chosen = np.flatnonzero(prefix_of == p)
+            tokens[start[chosen, None] + np.arange(p)] = np.array(
+                [prefixes[k] for k in chosen.tolist()], dtype=np.int64
+            )
 
 
 def fill_state(rows: Rows, layout: Layout, item: int, prefix: list[int], content: bytes | memoryview) -> int:

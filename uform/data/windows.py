@@ -28,6 +28,7 @@ from ..enums import LateInteractionSide, Modality
 from ..media.units import Units
 from .batch import Alloc, Batch, prepare
 from .blocks import block_tables
+from .pack import first_fit
 
 __all__ = [
     "WIDE_COLUMNS",
@@ -59,8 +60,6 @@ class Packing:
     """Positions one item spans at most: the run's row (items are cut where training cut them)."""
     prefix: int
     """Positions of a text item's prefix (the modality marker, and the side marker under late interaction)."""
-    rows: int
-    """Rows (of `columns`) one forward takes at most."""
     segments: int
     """Items one forward carries at most."""
     packing: tuple[int, int]
@@ -119,11 +118,11 @@ def plan_batches(
     `segments` items that first fit lays into `rows` rows of `columns`: each item in the lowest row with room,
     a batch closing when the next item finds none. Answers (members in order, rows used) per batch; the
     packer (`data.pack.plan`), given the members in this order as one bag, places them exactly so."""
-    free = [columns] * rows  # Python ints: a numpy search an item was most of the cut's time
+    free = [columns] * rows
     members: list[int] = []
     for item in order:
         need = min(lengths[item], columns)
-        r = next((k for k, left in enumerate(free) if left >= need), -1)
+        r = first_fit(free, need)
         if len(members) == segments or r < 0:
             yield members, sum(left < columns for left in free)
             free = [columns] * rows
