@@ -2,7 +2,7 @@
 GPU at the reference geometry of docs/design.md §1): bench/encode.py (its --file path too); bench/onnx_cpu.py; bench/maxsim.py, whose current MaxSim agrees with the previous one it
 keeps as the reference; bench/scaling.py through an executor of two CPU workers; bench/train_shards.py (uform.fit from tar shards against the library loop); bench/pairs.py (uform's side);
 bench/data_wait.py's video and audio steps; bench/profile_host.py --timeline; bench/attention.py's layouts and FLOP
-count; and bench/kernel_trace.py's reading of a profiler trace."""
+count; bench/kernel_trace.py's reading of a profiler trace; and bench/loss_curve.py's windows."""
 
 from __future__ import annotations
 
@@ -201,3 +201,12 @@ def test_kernel_trace_reads_kernels_busy_time_and_the_gaps_between_them(tmp_path
     assert "gap 3.00 ms after 'Memcpy HtoD'" in kernel_trace.report(summary, "steps")
     with pytest.raises(ValueError, match="no device events"):
         kernel_trace.summarize(events[4:], steps=1)
+
+
+def test_loss_curve_bench_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUT", str(tmp_path))
+    tiny = "--cpu --depth 1 --hidden 128 --rows 2 --columns 128 --segments 8 --steps 6 --window 4 --seed 3"
+    results = load("loss_curve").main(tiny.split())
+    assert len(results["curve"]) == 2 and results["finite"] and all(np.isfinite(results["curve"]))
+    assert results["curve"][0] > results["curve"][1]  # six steps of a fresh tower still lower the loss
+    assert json.loads((tmp_path / "bench-loss-curve.json").read_text())["curve"] == results["curve"]

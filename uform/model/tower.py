@@ -7,12 +7,24 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import HEAD_DIM
 from .attention import DocumentMask, attend
 from .embed import AxialRotary
+from .qk_rotation import rotate_qkv
+
+
+class RMSNorm(nn.RMSNorm):
+    """`nn.RMSNorm` whose float32 weight meets the input in the input's dtype: under autocast the residual stream
+    is bfloat16, and a float32 weight beside a bfloat16 input leaves PyTorch's fused kernel for its composite (with a
+    warning). The statistics are computed in float32 either way; a float32 input is normalised exactly as before."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.weight.to(x.dtype) if self.weight is not None else None
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
 
 class Block(nn.Module):
@@ -21,22 +33,21 @@ class Block(nn.Module):
     def __init__(self, hidden: int) -> None:
         super().__init__()
         self.heads = hidden // HEAD_DIM
-        self.attention_norm = nn.RMSNorm(hidden, eps=1e-6)
+        self.attention_norm = RMSNorm(hidden, eps=1e-6)
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
         self.out = nn.Linear(hidden, hidden, bias=False)
-        self.mlp_norm = nn.RMSNorm(hidden, eps=1e-6)
+        self.mlp_norm = RMSNorm(hidden, eps=1e-6)
         self.up = nn.Linear(hidden, 4 * hidden, bias=False)
         self.down = nn.Linear(4 * hidden, hidden, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
         rows, columns, hidden = x.shape
         qkv = self.qkv(self.attention_norm(x)).view(rows, columns, 3, self.heads, HEAD_DIM)
-        q, k, v = qkv.unbind(2)  # each [R, C, H, K]
         # Rotated in the token-major layout the projection wrote, and handed to attention as [R, H, C, K]
         # views: the rotation and its backward then read and write whole rows of qkv (and its gradient)
         # instead of transposing them (H200 profile, reference geometry: the rotation's backward and the
         # re-stacking of the head-major gradients cost 5.4 ms of a 50 ms step).
-        q, k = AxialRotary.rotate(q, cos, sin), AxialRotary.rotate(k, cos, sin)
+        q, k, v = rotate_qkv(qkv, cos, sin)  # each [R, C, H, K]
         a = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)  # [R, H, C, K]
         a = a.transpose(1, 2).reshape(rows, columns, hidden)  # [R, C, D]
         x = x + self.out(a)
@@ -45,6 +56,9 @@ class Block(nn.Module):
 
 class Tower(nn.Module):
     """Embedded inputs [R, C, D] and their rotary code (cos, sin [R, C, 1, K/2]) -> final-norm states.
+
+    The residual stream is float32 (the weights' dtype), except in training mode under autocast, where it is the
+    autocast dtype; the final-norm states come out in the stream's dtype.
 
     The rotary code is an input rather than computed inside so that a compiled step can receive it
     materialised once per step (computed eagerly from the positions) instead of re-deriving the sines
@@ -55,9 +69,16 @@ class Tower(nn.Module):
         super().__init__()
         self.rotary = AxialRotary(HEAD_DIM)
         self.blocks = nn.ModuleList(Block(hidden) for _ in range(depth))
-        self.norm = nn.RMSNorm(hidden, eps=1e-6)
+        self.norm = RMSNorm(hidden, eps=1e-6)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
+        device = x.device.type
+        if self.training and torch.is_autocast_enabled(device):
+            # A training step carries the residual stream in the autocast dtype (bf16), as nanochat and
+            # modded-nanogpt do: the projections round their inputs to it anyway, and a float32 stream made the
+            # norms, the residual adds and their casts move twice the bytes (H200, BENCHMARKS.md "Issue 12,
+            # sixth day": 3.6 ms of a 49.5 ms reference step). Evaluation and serving (eval mode) keep float32.
+            x = x.to(torch.get_autocast_dtype(device))
         for block in self.blocks:
             x = block(x, cos, sin, mask)
         return self.norm(x)

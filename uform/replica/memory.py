@@ -49,7 +49,9 @@ CPU_BACKWARD_MASK_BYTES = 8.0
 # CUDA (bf16 autocast, compiled, FlexAttention: no C x C term): peak allocated over a step beyond the weights
 # and moments, measured on an H200 (torch 2.11) at the reference geometry and with rows, columns and depth
 # halved and hidden doubled, linear in each: 42.3 bytes a block and 10.9 for the heads, gradients included
-# (4.6 of them at the reference geometry), the transients of backward included.
+# (4.6 of them at the reference geometry), the transients of backward included. Measured with the float32
+# residual stream; the bf16 one (2026-12-02) peaked 1.56 GiB lower at the reference geometry (14.38 against
+# 15.94 GiB, bench/step.py), so these now overstate a step by about that much until re-measured.
 CUDA_BLOCK_BYTES = 42.5
 CUDA_HEAD_BYTES = 6.5
 # Late interaction: each device's MaxSim holds a few chunks at once (`losses.late.chunk_elements`); at the

@@ -1,0 +1,179 @@
+"""The rotary code applied to a block's queries and keys, with a backward written by hand for CUDA.
+
+Shape legend: R rows, C columns, H heads, K head width, F = K / 2 rotary frequencies.
+
+`rotate_qkv` splits the projection's [R, C, 3, H, K] into rotated q, rotated k and v. The forward is plain tensor
+code (under `torch.compile` it fuses into FlexAttention's kernel). Its backward has to write the projection's
+gradient [R, C, 3, H, K] from three gradients: the un-rotated dq and dk, and dv. What autograd derives for that
+(each half scattered into zeros, then concatenated) compiles on the H200 into one pointwise kernel of masked
+two-byte loads, 0.25 ms a reference block: about 1.6 TB/s, a third of the memory's rate (BENCHMARKS.md, "Issue 12,
+sixth day"). `rotary_qkv_backward` writes it instead: a Triton kernel on CUDA that moves whole [tokens, F] tiles,
+and the same arithmetic in tensor code elsewhere (the CPU reference, which tests/test_qk_rotation.py holds the
+kernel to).
+
+The rotation of (x1, x2), the two halves of a head: y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin. Its transpose,
+the backward: dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin (RoFormer, Su et al. 2021, eq. 34's rotation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .embed import AxialRotary
+
+try:  # Triton ships with CUDA builds of PyTorch; the CPU build has none
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised by the CPU build
+    triton = None
+
+__all__ = ["rotary_qkv_backward", "rotate_qkv", "unrotate_reference"]
+
+_TOKENS = 64
+"""Tokens a program of the kernel handles (for one head): [64, F] tiles."""
+
+
+def unrotate_reference(g: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The transposed rotation of g [R, C, H, K] (cos, sin broadcast over heads), in at least float32, rounded to
+    g's dtype."""
+    wide = torch.promote_types(g.dtype, torch.float32)
+    half = g.shape[-1] // 2
+    g1, g2 = g[..., :half].to(wide), g[..., half:].to(wide)
+    c, s = cos.to(wide), sin.to(wide)
+    return torch.cat((g1 * c + g2 * s, g2 * c - g1 * s), dim=-1).to(g.dtype)
+
+
+def _usable_kernel(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    tensors = (dq, dk, dv, cos, sin)
+    return (
+        triton is not None
+        and all(t.is_cuda for t in tensors)
+        and dq.dtype == dk.dtype == dv.dtype
+        and cos.dtype == sin.dtype
+        and all(t.stride(-1) == 1 for t in (dq, dk, dv))
+        and cos.stride() == sin.stride()
+        and dq.shape[-1] % 2 == 0
+        and (dq.shape[-1] // 2) & (dq.shape[-1] // 2 - 1) == 0  # a power of two: a tile's width
+    )
+
+
+@torch.library.custom_op("uform::rotary_qkv_backward", mutates_args=())
+def rotary_qkv_backward(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The projection's gradient [R, C, 3, H, K] (contiguous) from dq, dk, dv [R, C, H, K] and (cos, sin)
+    [R, C, 1, F]: dq and dk rotated back, dv as it is."""
+    if not _usable_kernel(dq, dk, dv, cos, sin):
+        return torch.stack((unrotate_reference(dq, cos, sin), unrotate_reference(dk, cos, sin), dv), dim=2)
+    rows, columns, heads, width = dq.shape
+    out = dq.new_empty((rows, columns, 3, heads, width))
+    tokens = rows * columns
+    grid = (triton.cdiv(tokens, _TOKENS), heads)
+    with torch.cuda.device(dq.device):
+        _kernel[grid](
+            dq,
+            dk,
+            dv,
+            cos,
+            sin,
+            out,
+            tokens,
+            columns,
+            *dq.stride()[:3],
+            *dk.stride()[:3],
+            *dv.stride()[:3],
+            *cos.stride()[:2],
+            cos.stride(3),
+            heads,
+            HALF=width // 2,
+            TOKENS=_TOKENS,
+        )
+    return out
+
+
+@rotary_qkv_backward.register_fake
+def _(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    rows, columns, heads, width = dq.shape
+    return dq.new_empty((rows, columns, 3, heads, width))
+
+
+class _RotateQKV(torch.autograd.Function):
+    @staticmethod
+    def forward(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # type: ignore[override]
+        q, k, v = qkv.unbind(2)  # each [R, C, H, K]
+        return AxialRotary.rotate(q, cos, sin), AxialRotary.rotate(k, cos, sin), v
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: Any) -> None:
+        _, cos, sin = inputs
+        ctx.save_for_backward(cos, sin)
+
+    @staticmethod
+    def backward(ctx: Any, dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        cos, sin = ctx.saved_tensors
+        return rotary_qkv_backward(dq, dk, dv, cos.to(dq.dtype), sin.to(dq.dtype)), None, None
+
+
+def rotate_qkv(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """qkv [R, C, 3, H, K] -> rotated q, rotated k, v, each [R, C, H, K] (v a view of qkv).
+
+    Without a gradient to take (serving, export) this is the plain rotation; with one, the backward above."""
+    if torch.is_grad_enabled() and qkv.requires_grad:
+        return _RotateQKV.apply(qkv, cos, sin)  # type: ignore[no-any-return]
+    q, k, v = qkv.unbind(2)
+    return AxialRotary.rotate(q, cos, sin), AxialRotary.rotate(k, cos, sin), v
+
+
+if triton is not None:
+
+    @triton.jit
+    def _kernel(
+        dq,
+        dk,
+        dv,
+        cos,
+        sin,
+        out,
+        tokens,
+        columns,
+        q_row,
+        q_column,
+        q_head,
+        k_row,
+        k_column,
+        k_head,
+        v_row,
+        v_column,
+        v_head,
+        c_row,
+        c_column,
+        c_frequency,
+        heads,
+        HALF: tl.constexpr,
+        TOKENS: tl.constexpr,
+    ):  # pragma: no cover - runs on CUDA only
+        head = tl.program_id(1)
+        t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)  # [T] flat token ids
+        live = (t < tokens)[:, None]  # [T, 1]
+        r, c = t // columns, t % columns
+        f = tl.arange(0, HALF)[None, :]  # [1, F]
+        code = (r * c_row + c * c_column)[:, None] + f * c_frequency  # [T, F]
+        co = tl.load(cos + code, mask=live, other=0.0).to(tl.float32)
+        si = tl.load(sin + code, mask=live, other=0.0).to(tl.float32)
+        width = 2 * HALF
+        o = (t * 3 * heads * width + head * width)[:, None] + f  # [T, F] the first half, slot q
+        slot = heads * width
+        q = (r * q_row + c * q_column + head * q_head)[:, None] + f
+        a = tl.load(dq + q, mask=live, other=0.0).to(tl.float32)
+        b = tl.load(dq + q + HALF, mask=live, other=0.0).to(tl.float32)
+        tl.store(out + o, (a * co + b * si).to(out.dtype.element_ty), mask=live)
+        tl.store(out + o + HALF, (b * co - a * si).to(out.dtype.element_ty), mask=live)
+        k = (r * k_row + c * k_column + head * k_head)[:, None] + f
+        a = tl.load(dk + k, mask=live, other=0.0).to(tl.float32)
+        b = tl.load(dk + k + HALF, mask=live, other=0.0).to(tl.float32)
+        tl.store(out + o + slot, (a * co + b * si).to(out.dtype.element_ty), mask=live)
+        tl.store(out + o + slot + HALF, (b * co - a * si).to(out.dtype.element_ty), mask=live)
+        v = (r * v_row + c * v_column + head * v_head)[:, None] + f
+        tl.store(out + o + 2 * slot, tl.load(dv + v, mask=live, other=0.0), mask=live)
+        tl.store(out + o + 2 * slot + HALF, tl.load(dv + v + HALF, mask=live, other=0.0), mask=live)
