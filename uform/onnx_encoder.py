@@ -2,10 +2,11 @@
 
 The split (`onnx_export` draws the graph): onnxruntime runs the network's forward over one packed batch; this
 module does what `Model.encode` does on the host around it, with the same functions: media decoded into patch
-units in the decode workers (`media.decode.decode_items`), items sorted longest first and cut into batches by
-first fit (`data.windows.plan_batches`), packed by the trainer's own packing (`data.batch.prepare`), and each answer cut
-to the chosen Matryoshka width and L2-normalised. So its vectors are `Model.encode`'s, up to the float
-reassociation of another runtime's kernels (tests/test_onnx.py holds them within 1e-4 of cosine on the CPU).
+units in the decode workers (`media.decode.decode_items`), windows of items sorted longest first, cut into
+batches by first fit and packed by the trainer's own packing (`data.windows.call_batches` and `pack_batch`, as a
+`Model` on the CPU packs them), and each answer cut to the chosen Matryoshka width and L2-normalised. So its
+vectors are `Model.encode`'s, up to the float reassociation of another runtime's kernels (tests/test_onnx.py holds
+them within 1e-4 of cosine on the CPU).
 
 The folder is checked first, as `uform.load` checks it (`replica.stored_model.read_model`: digest, config), and
 `model.onnx` against the SHA-256 that `model.safetensors` vouches for, so a swapped graph is refused too.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -24,9 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from . import vocab
-from .data.batch import prepare
 from .data.items import parse_contents, parse_modalities
-from .data.windows import plan_batches
+from .data.windows import CallItems, Packed, Packing, call_batches, pack_batch
 from .enums import LateInteractionSide, Modality, Objective
 from .media.decode import MediaPolicy, decode_items
 from .media.limits import MediaError
@@ -103,18 +104,28 @@ class OnnxEncoder:
         n = len(mods)
         out = torch.zeros(n, width)
         cut = 0
-        window = 2 * self.segments
-        for start in range(0, n, window):
-            chunk = range(start, min(n, start + window))
-            units = self._decode(mods, items, chunk)
-            lengths = {
-                i: min(self._prefix + (len(units[i]) if i in units else len(items[i])), self.columns) for i in chunk
-            }
-            order = sorted(lengths, key=lambda i: (-lengths[i], i))  # longest first: first fit decreasing
-            for members, rows in plan_batches(order, lengths, self.rows, self.columns, self.segments):
-                pooled, truncated = self._forward(mods, items, members, rows, units)  # [n, D]
-                out[torch.tensor(members)] = F.normalize(pooled[:, :width], dim=-1)
-                cut += truncated
+        shape = Packing(
+            config=self._serving,
+            columns=self.columns,
+            prefix=self._prefix,
+            segments=self.segments,
+            packing=(self.rows, self.columns),
+            fixed=False,  # only the rows a batch uses, as an eager `Model` packs
+            flex=False,
+            window=2 * self.segments,
+        )
+        call = CallItems("encode", mods, items, None)
+
+        def decode(window: range) -> tuple[dict[int, Any], list[tuple[int, str]], dict[int, Any]]:
+            return self._decode(mods, items, window), [], {}  # a media item that fails raises in `_decode`
+
+        def pack(members: list[int], rows: int, units: dict[int, Any], _along: dict[int, Any]) -> Packed:
+            return pack_batch(shape, call, members, rows, units, np.empty)
+
+        for _kind, packed in call_batches(shape, call, decode, pack, threading.Event()):  # batches only
+            pooled = self._forward(packed)  # [n, D]
+            out[torch.from_numpy(packed.members)] = F.normalize(pooled[:, :width], dim=-1)
+            cut += packed.truncated
         advice = f"the graph serves at its run's batch.max_columns_per_row ({self.columns} positions a row)"
         warn_truncated(self.notices, cut, n, "encode", advice, 2)
         return out
@@ -133,27 +144,9 @@ class OnnxEncoder:
             raise MediaError(reason, item=item)
         return units
 
-    def _forward(
-        self, mods: list[Modality], items: list[Any], members: list[int], rows: int, units: dict[int, Any]
-    ) -> tuple[torch.Tensor, int]:
-        """One batch packed as `Model.encode` packs it on the CPU (only the rows it uses), through the graph."""
-        n = len(members)
-        config = dataclasses.replace(
-            self._serving,
-            batch=dataclasses.replace(self._serving.batch, max_rows_per_device=rows, max_segments_per_device=n),
-        )
-        batch = prepare(
-            config,
-            [mods[i] for i in members],
-            [items[i] for i in members],
-            bags=np.zeros(n, dtype=np.int64),
-            groups=None,
-            sides=None,
-            relations=None,
-            step=0,
-            units={k: units[i] for k, i in enumerate(members) if i in units},
-        )
-        host = batch.host_tensors(False)
+    def _forward(self, packed: Packed) -> torch.Tensor:
+        """One packed batch through the graph: its members' pooled embeddings [n, D]."""
+        host = packed.batch.host_tensors(False)
         feed = {name: host[name].numpy() for name in self._names}
         pooled = torch.from_numpy(self.session.run(["pooled"], feed)[0])  # [S, D]
-        return pooled[torch.from_numpy(batch.layout.slot.astype(np.int64))], batch.truncated  # [n, D], items cut
+        return pooled[torch.from_numpy(packed.picks)]  # [n, D]: each member's segment slot
