@@ -8,6 +8,8 @@ Times one layer's attention of q, k, v [R, H, C, K] bf16 under a document mask, 
   flex <opts> the same with explicit `kernel_options` (tile sides, warps, stages; forward and backward)
   varlen      `torch.nn.attention.varlen.varlen_attn` (FlashAttention 2's variable-length kernels) over the
               segments laid end to end, padding its own sequence per row (where this torch has it)
+  cudnn       the same call routed to cuDNN's ragged attention (the backend torch's varlen_attn has but leaves
+              switched off), as a reading of what cuDNN's fused kernels would give the same layout
 
 and two layouts of segments: "text" (256 segments of 256 in 64 x 1024, tile-aligned: every tile is whole) and
 "pairs" (segments of 257 and 61 positions alternating, first-fit into rows, as an image-caption step packs:
@@ -33,7 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from common import write_json  # sibling scripts, not a package
 
 from uform.data.blocks import block_tables
-from uform.model.attention import document_mask
+from uform.model.attention import document_mask, kernel_options
 
 
 def layout(name: str, rows: int, columns: int) -> np.ndarray:
@@ -94,8 +96,11 @@ def flex_runner(
     return run, lambda: compiled(q, k, v, block_mask=mask.block, kernel_options=options)
 
 
-def varlen_runner(q: Any, k: Any, v: Any, segments: np.ndarray) -> Any:
+def varlen_runner(q: Any, k: Any, v: Any, segments: np.ndarray, cudnn: bool = False) -> Any:
+    from torch.nn.attention import varlen
     from torch.nn.attention.varlen import varlen_attn
+
+    switch = varlen._should_use_cudnn  # torch's own choice between its two backends (FlashAttention 2 as shipped)
 
     rows, columns = segments.shape
     flat = segments.reshape(-1)
@@ -107,6 +112,16 @@ def varlen_runner(q: Any, k: Any, v: Any, segments: np.ndarray) -> Any:
     def packed(t: Any) -> Any:  # [R, H, C, K] -> [R*C, H, K]
         return t.transpose(1, 2).reshape(rows * columns, t.shape[1], t.shape[3])
 
+    def chosen(fn: Any) -> Any:
+        def call() -> Any:
+            varlen._should_use_cudnn = lambda index: cudnn
+            try:
+                return fn()
+            finally:
+                varlen._should_use_cudnn = switch
+
+        return call
+
     def forward() -> Any:
         return varlen_attn(packed(q), packed(k), packed(v), cu, cu, longest, longest)
 
@@ -114,7 +129,24 @@ def varlen_runner(q: Any, k: Any, v: Any, segments: np.ndarray) -> Any:
         out = forward()
         out.backward(torch.ones_like(out))
 
-    return run, forward
+    return chosen(run), chosen(forward)
+
+
+def allow_backward_tiles(side: int) -> None:
+    """Adds backward tiles of `side` to inductor's FlexAttention backward configs on CUDA. Its lowering keeps only
+    the configs whose tiles divide the block mask's sparse block, before the caller's `kernel_options` replace
+    their tiles, and Hopper's one default for head width 64 is 64/128/128/64: sparse blocks under 128 compile no
+    backward at all without this."""
+    from torch._inductor.template_heuristics.triton import CUDAConfigHeuristic, FlexBwDConfig
+
+    shipped = CUDAConfigHeuristic.get_flex_attn_bwd_configs
+
+    def configs(self: Any, head_dim: int, dtype: Any) -> list[Any]:
+        found = list(shipped(self, head_dim, dtype))
+        extra = FlexBwDConfig(side, side, side, side, 3, 4)
+        return found if extra in found else [*found, extra]
+
+    CUDAConfigHeuristic.get_flex_attn_bwd_configs = configs  # type: ignore[method-assign]
 
 
 def main() -> dict[str, Any]:
@@ -129,11 +161,18 @@ def main() -> dict[str, Any]:
     parser.add_argument("--blocks", default="128,64", help="FlexAttention tile sides of the block mask")
     parser.add_argument("--autotune", action="store_true", help="also inductor's max-autotune over flex's configs")
     parser.add_argument("--varlen", action="store_true", help="also FlashAttention 2's varlen kernels")
+    parser.add_argument("--cudnn", action="store_true", help="also cuDNN's ragged kernels through varlen_attn")
+    parser.add_argument("--backward-tiles", type=int, default=0, help="let the backward compile tiles of this side")
     args = parser.parse_args()
+    if args.backward_tiles:
+        allow_backward_tiles(args.backward_tiles)
     width = 64
     torch._dynamo.config.recompile_limit = 1024  # one compile per (config, layout): not a recompile storm
     torch._dynamo.config.cache_size_limit = 1024
     configs: list[tuple[str, dict[str, Any] | None]] = [("flex default", None)]
+    trainer_tiles = kernel_options(torch.device("cuda"))
+    if trainer_tiles is not None:  # the tiles the trainer runs with on this GPU (forward and backward together)
+        configs.append(("flex trainer tiles", trainer_tiles))
     if not args.quick:
         for bm, bn, warps, stages in ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2)):
             configs.append(
@@ -200,6 +239,11 @@ def main() -> dict[str, Any]:
                 runners.append(("varlen (FA2)", varlen_runner(q, k, v, segments)))
             except (ImportError, RuntimeError) as error:
                 print(f"varlen: not available here ({error})")
+        if args.cudnn:
+            try:
+                runners.append(("varlen (cuDNN)", varlen_runner(q, k, v, segments, cudnn=True)))
+            except (ImportError, RuntimeError) as error:
+                print(f"cudnn: not available here ({error})")
         reference = None
         for label, (run, forward) in runners:
             try:

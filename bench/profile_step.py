@@ -3,8 +3,10 @@
 Prints the kernels by total CUDA time, the wall time per step and where the profiled steps' device time goes
 (bench/kernel_trace.py: kernels, busy, span, the gaps and the host calls in the longest); writes a Chrome trace to
 $OUT/step-trace.json. `--fed` profiles the device stage alone (every step handed one prepared step, as
-bench/step.py --fed times it). Usage: python bench/profile_step.py [--steps 4] [--fed] (same geometry flags as
-step.py).
+bench/step.py --fed times it). `--sync-debug` first runs a few steps under `torch.cuda.set_sync_debug_mode("warn")`
+and prints each distinct Python stack that made the host wait for the device (a synchronizing copy, an `.item()`,
+a blocking allocation): any such wait inside a step empties the device's queue. Usage:
+python bench/profile_step.py [--steps 4] [--fed] [--sync-debug] (same geometry flags as step.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 import time
+import traceback
+import warnings
 
 import torch
 from common import Fed, add_geometry, pair_relations, topic_slices  # type: ignore[import-not-found]
@@ -21,12 +25,43 @@ from torch.profiler import ProfilerActivity, profile
 import uform as u
 
 
+def sync_stacks(run: object) -> None:
+    """Runs `run()` under the CUDA sync debug mode and prints each distinct stack that synchronized (any thread)."""
+    seen: dict[str, int] = {}
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:  # type: ignore[no-untyped-def]
+        if "synchroniz" not in str(message):
+            shown(message, category, filename, lineno, file, line)
+            return
+        stack = "".join(traceback.format_stack()[:-2][-12:])
+        seen[stack] = seen.get(stack, 0) + 1
+
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                run()  # type: ignore[operator]
+                torch.cuda.synchronize()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = shown
+    print(f"synchronizing calls over 4 steps: {sum(seen.values())} from {len(seen)} stacks", flush=True)
+    for stack, count in sorted(seen.items(), key=lambda kv: -kv[1]):
+        print(f"--- {count} times:\n{stack}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     add_geometry(parser)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--objective", default="joint")
     parser.add_argument("--fed", action="store_true", help="the device stage alone: one prepared step for every step")
+    parser.add_argument("--sync-debug", action="store_true", help="print the stacks that synchronize with the device")
     args = parser.parse_args()
     executor = u.Executor.for_vram([0])
     trainer = u.Trainer.init_vram(
@@ -56,6 +91,8 @@ def main() -> None:
     for _ in range(6):
         step(True).result()
     torch.cuda.synchronize()
+    if args.sync_debug:
+        sync_stacks(lambda: [f.result() for f in [step(True) for _ in range(4)]])
     for stats in (False, True):
         t0 = time.perf_counter()
         futures = [step(stats) for _ in range(10)]

@@ -19,7 +19,7 @@ from uform.config import BatchShape, Masking, TrainerInitVramConfig, resolve
 from uform.config import Schedule as ScheduleConfig
 from uform.data.batch import prepare
 from uform.enums import Modality, Objective
-from uform.model.attention import BLOCK, attend, block_tables, document_mask
+from uform.model.attention import BLOCK, allow_backward_tiles, attend, block_tables, document_mask, flex_block
 from uform.model.inputs import to_device
 from uform.model.network import Network
 
@@ -131,13 +131,15 @@ def tile_sets(tables: dict[str, np.ndarray], r: int, t: int) -> tuple[set[int], 
     return set(partial.tolist()), set(full.tolist())
 
 
+@pytest.mark.parametrize("block", [BLOCK, 64])
 @pytest.mark.parametrize("index", range(len(MONOTONE)))
-def test_block_tables_match_create_block_mask(index: int) -> None:
+def test_block_tables_match_create_block_mask(index: int, block: int) -> None:
     seg = MONOTONE[index]
     rows, columns = seg.shape
-    tables = block_tables(seg)
-    reference = create_block_mask(same_segment_mod(torch.from_numpy(seg)), rows, None, columns, columns, device="cpu")
-    tiles = -(-columns // BLOCK)
+    tables = block_tables(seg, block)
+    mod = same_segment_mod(torch.from_numpy(seg))
+    reference = create_block_mask(mod, rows, None, columns, columns, device="cpu", BLOCK_SIZE=block)
+    tiles = -(-columns // block)
     for name, num, idx in (
         ("partial", reference.kv_num_blocks, reference.kv_indices),
         ("full", reference.full_kv_num_blocks, reference.full_kv_indices),
@@ -229,6 +231,35 @@ def test_block_tables_stay_correct_for_other_ids(seed: int) -> None:
     check_tile_classes(other_ids(seed), exact=False)
 
 
+def test_tables_of_another_tile_side_are_refused() -> None:
+    """A mask read at 128-wide tiles from tables built at 64 (or the other way round) would skip the wrong tiles
+    without a word; document_mask refuses the pair instead."""
+    seg = torch.from_numpy(LAYOUTS[0])
+    for built, read in ((64, BLOCK), (BLOCK, 64)):
+        carried = {k: torch.from_numpy(v) for k, v in block_tables(seg.numpy(), built).items()}
+        with pytest.raises(ValueError, match="another tile side"):
+            document_mask(seg, "flex", carried, read)
+        sides = document_mask(seg, "flex", carried, built).block.BLOCK_SIZE
+        assert tuple(sides) == (built, built)
+
+
+def test_flex_block_off_hopper_is_the_default_tile() -> None:
+    assert flex_block(torch.device("cpu")) == BLOCK
+
+
+def test_backward_tiles_are_added_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor's Hopper default for the backward (64/128/128/64) divides no 64-wide sparse tile: the candidates
+    gain one config of 64-wide tiles, once, however often it is asked, and keep the shipped ones."""
+    heuristics = pytest.importorskip("torch._inductor.template_heuristics.triton")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    shipped = heuristics.CUDAConfigHeuristic().get_flex_attn_bwd_configs(64, torch.bfloat16)
+    assert allow_backward_tiles(64) and allow_backward_tiles(64)
+    configs = heuristics.CUDAConfigHeuristic().get_flex_attn_bwd_configs(64, torch.bfloat16)
+    sixty_four = [c for c in configs if (c.block_m1, c.block_n1, c.block_m2, c.block_n2) == (64, 64, 64, 64)]
+    assert len(sixty_four) == 1
+    assert all(c in configs for c in shipped)
+
+
 def test_dense_mask_is_same_segment() -> None:
     seg = torch.from_numpy(LAYOUTS[0])
     mask = document_mask(seg, "dense")
@@ -256,10 +287,10 @@ def attention_case(
     return seg, q, k, v
 
 
-def flex_masks(seg: torch.Tensor) -> list:
+def flex_masks(seg: torch.Tensor, block: int = BLOCK) -> list:
     """The flex mask as document_mask computes it, and from host tables carried to the device (the trainer's way)."""
-    carried = {k: torch.from_numpy(v).to(seg.device) for k, v in block_tables(seg.cpu().numpy()).items()}
-    return [document_mask(seg, "flex"), document_mask(seg, "flex", carried)]
+    carried = {k: torch.from_numpy(v).to(seg.device) for k, v in block_tables(seg.cpu().numpy(), block).items()}
+    return [document_mask(seg, "flex", block=block), document_mask(seg, "flex", carried, block)]
 
 
 FORWARD_CASES = [
@@ -315,9 +346,13 @@ def test_attend_gradients_flex_equal_dense(seed: int, columns: int, padding: str
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled FlexAttention kernel needs CUDA here")
+@pytest.mark.parametrize("block", [BLOCK, 64])
 @pytest.mark.parametrize("columns, padding", [(512, "S"), (200, "S"), (256, "NO_SEGMENT")])
-def test_attend_compiled_flex_equals_dense_cuda(columns: int, padding: str) -> None:
-    """The production path: FlexAttention compiled, reading the block tables (skipping tiles), with gradients."""
+def test_attend_compiled_flex_equals_dense_cuda(columns: int, padding: str, block: int) -> None:
+    """The production path: FlexAttention compiled, reading the block tables (skipping tiles), with gradients;
+    at the default tile and at Hopper's (`flex_block`), where this GPU runs it."""
+    if block != BLOCK and flex_block(torch.device("cuda")) != block:
+        pytest.skip(f"the trainer reads tiles of {block} on Hopper only")
     seg, q, k, v = attention_case(5, "cuda", rows=3, heads=2, columns=columns, padding=padding)
     compiled = torch.compile(attend)
     upstream = torch.randn_like(q)
@@ -329,7 +364,7 @@ def test_attend_compiled_flex_equals_dense_cuda(columns: int, padding: str) -> N
         return [out.detach()] + [t.grad for t in leaves]
 
     expected = grads(attend, document_mask(seg, "dense"))
-    for mask in flex_masks(seg):
+    for mask in flex_masks(seg, block):
         for a, b in zip(grads(compiled, mask), expected, strict=True):
             torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
 

@@ -434,7 +434,7 @@ def test_the_first_step_starts_every_process_and_close_ends_those_still_starting
     a run whose steps go in flight later does not pay its boot then (it used to start on the first step that
     found the others busy). A close while the second still boots ends it as soon as it has booted."""
     config = resolve(run_config())
-    hosts = Preparers(2, config, MediaPolicy(workers=1), "dense", pin=False)
+    hosts = Preparers(2, config, MediaPolicy(workers=1), 0, pin=False)
     try:
         hosts.prepare(text_job(), 1)
         processes = started_processes(hosts, 2)
@@ -445,7 +445,7 @@ def test_the_first_step_starts_every_process_and_close_ends_those_still_starting
         hosts.close()
     assert not wait_gone({p.pid for p in processes})
 
-    hosts = Preparers(2, config, MediaPolicy(workers=1), "dense", pin=False)
+    hosts = Preparers(2, config, MediaPolicy(workers=1), 0, pin=False)
     hosts.prepare(text_job(), 1)
     hosts.close()  # the second is most likely still booting
     starters = [t for t in threading.enumerate() if t.name.startswith("uform-host-start-")]
@@ -458,7 +458,7 @@ def test_the_first_step_starts_every_process_and_close_ends_those_still_starting
 def test_a_process_that_fails_to_start_behind_is_started_again_when_needed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A start behind the first that fails leaves its process unstarted, not the trainer broken: the first
     process takes the steps, and the step that needs the second starts it again and raises its error there."""
-    hosts = Preparers(2, resolve(run_config()), MediaPolicy(workers=1), "dense", pin=False)
+    hosts = Preparers(2, resolve(run_config()), MediaPolicy(workers=1), 0, pin=False)
     real = hosts._start
     failures: list[int] = []
 
@@ -500,15 +500,17 @@ def test_the_transport_answers_the_same_whichever_way_it_goes(monkeypatch: pytes
     policy = MediaPolicy(workers=1)
     if how == "no shared memory":
         monkeypatch.setattr(uform.runtime.helper, "create_slab", lambda size, prefix: (None, None))
-    hosts = Preparers(1, config, policy, "flex", pin=False)  # "flex": the block tables cross too
+    hosts = Preparers(1, config, policy, 64, pin=False)  # tables of 64-wide tiles (Hopper's) cross too
     if how == "areas too small":
         hosts.input_bytes, hosts.output_bytes = 64, 4096
     try:
         job = text_job()
         for step in (1, 2, 3):
             batch, tensors, failed = hosts.prepare(job, step)
-            expected = prepare_step(config, policy, "flex", lambda: None, job, step)  # type: ignore[arg-type,return-value]
+            expected = prepare_step(config, policy, 64, lambda: None, job, step)  # type: ignore[arg-type,return-value]
             assert failed == [] and sorted(expected.tables)
+            tiles = -(-config.batch.max_columns_per_row // 64)
+            assert tensors["block.kv_indices"].shape[-2:] == (tiles, tiles)
             for name, array in expected.batch.arrays().items():
                 assert np.array_equal(batch.arrays()[name], array) and torch.equal(
                     tensors[name], torch.from_numpy(array)
@@ -527,7 +529,7 @@ def test_the_media_arrays_are_built_where_the_answer_crosses() -> None:
     there rather than copying them once more (it used to copy them in after the rest, from memory of its own)."""
     config = resolve(run_config())
     policy = MediaPolicy(workers=1)
-    hosts = Preparers(1, config, policy, "dense", pin=False)
+    hosts = Preparers(1, config, policy, 0, pin=False)
     try:
         contents = [jpeg(), b"one", jpeg("coffee.png"), b"two"]
         batch, _, failed = hosts.prepare(
@@ -555,7 +557,7 @@ class Interrupted(Future):
 def test_an_interrupted_wait_keeps_its_slot_until_the_step_comes_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step whose wait was interrupted is still being prepared into its slot's areas: the slot is not given to
     another step until its answer came back (both would write the same output area)."""
-    hosts = Preparers(1, resolve(run_config()), MediaPolicy(workers=1), "dense", pin=False)
+    hosts = Preparers(1, resolve(run_config()), MediaPolicy(workers=1), 0, pin=False)
     host = uform.runtime.preparers._Preparer(0, SimpleNamespace(died=None, process=None))  # type: ignore[arg-type]
     hosts._processes[0] = host
     answer = Interrupted()

@@ -16,6 +16,7 @@ query row is ever fully masked (no NaN) and padding never reaches a segment.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,8 @@ def document_mask(
     """The mask of segment ids [R, C] for the `kind` attention path.
 
     For "flex", `tables` are `block_tables` of tile side `block` already on the device (made on the host,
-    off the critical path); without them they are computed here.
+    off the critical path); without them they are computed here. Tables whose tile count is not that of `block`
+    are refused (ValueError): a mask read at another side than its tables were built for skips the wrong tiles.
     """
     if kind == "dense":
         same = segments[:, None, :, None] == segments[:, None, None, :]  # [R, 1, C, C]
@@ -63,6 +65,12 @@ def document_mask(
         tables = {
             k: torch.from_numpy(v).to(segments.device) for k, v in block_tables(segments.cpu().numpy(), block).items()
         }
+    tiles = -(-segments.shape[1] // block)
+    if tuple(tables["kv_indices"].shape[-2:]) != (tiles, tiles):  # tables of another side would read wrong tiles
+        raise ValueError(
+            f"document_mask: block tables of {tuple(tables['kv_indices'].shape[-2:])} tiles, but {segments.shape[1]} "
+            f"columns in tiles of {block} make {tiles}: the tables were built for another tile side"
+        )
 
     def same_segment(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
         return segments[b, q] == segments[b, k]
@@ -108,9 +116,62 @@ _HOPPER_TILES = {
 
 def kernel_options(device: torch.device) -> dict[str, Any] | None:
     """FlexAttention's kernel options on `device` (head width 64): the measured tiles on Hopper, else the defaults."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+    if _hopper(device):
         return dict(_HOPPER_TILES)
     return None
+
+
+def flex_block(device: torch.device) -> int:
+    """The side of the block mask's sparse tiles on `device`: 64 on Hopper, where the kernels' own tiles are 64 wide
+    (`kernel_options`) and inductor can be given a backward for them (`allow_backward_tiles`), else `BLOCK` (128).
+
+    Finer sparse tiles skip more of what a document mask leaves empty where segments straddle tiles: a 257-position
+    image spans three 128-wide tiles each way, five or six 64-wide ones (the image-text step's tiles hold 2.19 times
+    the same-segment pairs at 128, 1.60 times at 64). H200, `python bench/pairs.py --skip-open-clip` side by side
+    (BENCHMARKS.md, "Issue 12, seventh day"): 4,145 against 3,892 pairs/s; text whose segments fill whole tiles is
+    unchanged (`bench/attention.py`: 1.076 against 1.074 ms a layer)."""
+    if _hopper(device) and allow_backward_tiles(_HOPPER_TILES["bwd_BLOCK_M1"]):
+        return _HOPPER_TILES["bwd_BLOCK_M1"]
+    return BLOCK
+
+
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+_BACKWARD_TILES: set[int] = set()
+_BACKWARD_LOCK = threading.Lock()
+
+
+def allow_backward_tiles(side: int) -> bool:
+    """Lets inductor compile FlexAttention's backward for sparse tiles of `side` on CUDA; answers whether it can.
+
+    Inductor's lowering keeps only the backward configs whose own tiles divide the block mask's sparse tile, before
+    the caller's `kernel_options` replace those tiles, and its one Hopper default for head width 64 is 64 / 128 /
+    128 / 64 wide: a mask of 64-wide tiles then compiles no backward at all ("NoValidChoicesError"). This appends
+    one config of `side`-wide tiles (4 warps, 3 stages) to its CUDA candidates, once per process. The candidates
+    are process-wide: another FlexAttention backward compiled in this process may find the extra one beside its
+    default, and inductor then times both at compile time and keeps the faster. Where this torch keeps those
+    heuristics elsewhere (they are not public API), nothing is changed and the answer is False."""
+    with _BACKWARD_LOCK:
+        if side in _BACKWARD_TILES:
+            return True
+        try:
+            from torch._inductor.template_heuristics.triton import CUDAConfigHeuristic, FlexBwDConfig
+        except ImportError:
+            return False
+        shipped = getattr(CUDAConfigHeuristic, "get_flex_attn_bwd_configs", None)
+        if shipped is None:
+            return False
+        extra = FlexBwDConfig(side, side, side, side, 3, 4)
+
+        def configs(self: Any, head_dim: int, dtype: torch.dtype) -> list[Any]:
+            found = list(shipped(self, head_dim, dtype))
+            return found if extra in found else [*found, extra]
+
+        CUDAConfigHeuristic.get_flex_attn_bwd_configs = configs  # type: ignore[method-assign]
+        _BACKWARD_TILES.add(side)
+        return True
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ..data.batch import MEDIA_KINDS, Batch
+from ..data.blocks import BLOCK
 from .attention import DocumentMask, document_mask
 
 Rotary = Callable[[Tensor, torch.dtype], tuple[Tensor, Tensor]]
@@ -95,14 +96,15 @@ def to_device(
     attention: str,
     dtype: torch.dtype,
     dynamic: bool,
+    block: int = BLOCK,
 ) -> DeviceBatch:
     """The step's host tensors (`Batch.host_tensors`, page-locked where the caller asked) on `device`.
 
     Every tensor is copied with `non_blocking` (asynchronous from page-locked memory); where `dynamic` (a
     compiled step) the media units' first axis U is marked dynamic, so the step compiles one graph for every
-    unit count; the document mask is built for the `attention` path ("flex": from the block tables when the
-    host made them); the rotary code is `rotary(positions, dtype)`. Raises ValueError on a name that is not
-    a batch array's.
+    unit count; the document mask is built for the `attention` path ("flex": from the block tables of tile
+    side `block` when the host made them, `attention.flex_block`); the rotary code is `rotary(positions,
+    dtype)`. Raises ValueError on a name that is not a batch array's, or on tables of another tile side.
     """
     tensors = {name: t.to(device, non_blocking=True) for name, t in host.items()}
     plain: dict[str, Tensor] = {}
@@ -122,7 +124,7 @@ def to_device(
         for kind in MEDIA_KINDS.values():
             for t in parts.get(kind, {}).values():
                 torch._dynamo.mark_dynamic(t, 0)
-    mask = document_mask(plain["segments"], attention, tables or None)
+    mask = document_mask(plain["segments"], attention, tables or None, block)
     cos, sin = rotary(plain["positions"], dtype)
     late = parts.pop("late", None)
     choice = parts.pop("choice", None)

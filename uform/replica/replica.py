@@ -30,11 +30,12 @@ import torch
 
 from ..config import TrainerInitVramConfig, TrainerSaveConfig, TrainerStepConfig, TrainerStepStats, to_dict
 from ..data.batch import Batch
+from ..data.blocks import BLOCK
 from ..losses.peers import Peers
 from ..losses.term import Term, world_counts
 from ..media.decode import warn_skipped
 from ..media.units import Units
-from ..model.attention import compiled_flex_available
+from ..model.attention import compiled_flex_available, flex_block
 from ..model.inputs import DeviceBatch, to_device, to_host
 from ..model.network import Losses, Network
 from ..notices import NonFiniteWarning, Notices, ScheduleWarning
@@ -70,8 +71,9 @@ class Stage(Protocol):
         ...
 
 
-StageFactory = Callable[[TrainerInitVramConfig, str], Stage]
-"""Makes a replica's stage from the resolved run and the attention path ("flex" or "dense") its batches need."""
+StageFactory = Callable[[TrainerInitVramConfig, str, int], Stage]
+"""Makes a replica's stage from the resolved run, the attention path ("flex" or "dense") its batches need and the
+side of the flex path's block tables."""
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,9 @@ class Replica:
         self._resolving = threading.Lock()
         cuda = self.device.type == "cuda"
         self.attention = "flex" if compiled_flex_available(self.device) else "dense"
-        self.stage = stage(config, self.attention)
+        self.block = flex_block(self.device) if self.attention == "flex" else BLOCK
+        """The side of the flex block mask's sparse tiles (`model.attention.flex_block`)."""
+        self.stage = stage(config, self.attention, self.block)
         """Where this replica's prepare stage runs (`Stage`)."""
         self._losses: Callable[..., Losses] = self.network.losses
         self.world_compile = world_compile
@@ -365,6 +369,7 @@ class Replica:
             attention=self.attention,
             dtype=torch.bfloat16 if cuda else torch.float32,
             dynamic=cuda,
+            block=self.block,
         )
         was_training = self.network.training
         self.network.eval()
@@ -461,7 +466,13 @@ class Replica:
         cuda = self.device.type == "cuda"
         dtype = torch.bfloat16 if cuda else torch.float32
         inputs = to_device(
-            tensors, self.device, self.network.rotary, attention=self.attention, dtype=dtype, dynamic=cuda
+            tensors,
+            self.device,
+            self.network.rotary,
+            attention=self.attention,
+            dtype=dtype,
+            dynamic=cuda,
+            block=self.block,
         )
         rate = learning_rate(r.schedule, step)
         for group in self.optimizer.param_groups:

@@ -30,12 +30,13 @@ class Preparation:
     process's threads, decoding in a pool started on the first media item)."""
 
     def __init__(
-        self, config: TrainerInitVramConfig, media: MediaPolicy, attention: str, pin: bool, host_processes: int
+        self, config: TrainerInitVramConfig, media: MediaPolicy, tiles: int, pin: bool, host_processes: int
     ) -> None:
         self.config = config
         self.media = media
         """The media policy every step's items are decoded under."""
-        self.attention = attention
+        self.tiles = tiles
+        """The side of the block tables each step carries (the flex attention path's), 0 for none (the dense path)."""
         self.pin = pin
         """Whether host tensors are page-locked (CUDA)."""
         self.host_processes = host_processes
@@ -46,9 +47,11 @@ class Preparation:
     @classmethod
     def factory(
         cls, media: MediaPolicy, device: torch.device, host_processes: int
-    ) -> Callable[[TrainerInitVramConfig, str], Preparation]:
+    ) -> Callable[[TrainerInitVramConfig, str, int], Preparation]:
         """The `replica.StageFactory` of a replica on `device`."""
-        return lambda config, attention: cls(config, media, attention, device.type == "cuda", host_processes)
+        return lambda config, attention, block: cls(
+            config, media, block if attention == "flex" else 0, device.type == "cuda", host_processes
+        )
 
     def prepare(self, checked: CheckedStep, step: int) -> tuple[Batch, dict[str, torch.Tensor], list[tuple[int, str]]]:
         """Step `step`'s prepare stage (`preparers.prepare_step`: decode, pack, corrupt and pair, block tables), here
@@ -57,9 +60,9 @@ class Preparation:
         if self.host_processes:
             with self._lock:
                 if self._preparers is None:
-                    self._preparers = Preparers(self.host_processes, self.config, self.media, self.attention, self.pin)
+                    self._preparers = Preparers(self.host_processes, self.config, self.media, self.tiles, self.pin)
             return self._preparers.prepare(job, step)
-        answer = prepare_step(self.config, self.media, self.attention, self.decode_pool, job, step)
+        answer = prepare_step(self.config, self.media, self.tiles, self.decode_pool, job, step)
         batch = answer.batch
         host = batch.host_tensors(self.pin, tables=answer.tables)
         return batch, host, answer.failed

@@ -16,7 +16,8 @@ arrays come back through shared memory that the trainer's process copies once, i
 
 The processes (``host_processes=N``, all started by the first step: the one it needs in its thread, the others behind it):
 
-- Each preparer process is started with the run's config, its `MediaPolicy` and the attention path, owns a
+- Each preparer process is started with the run's config, its `MediaPolicy` and the side of the block tables
+  its steps carry (the flex attention path's; 0 for none), owns a
   `DecodePool` of its own (``media.workers`` split over the N processes; started lazily, so a text-only process
   never starts decoders) and prepares up to `PREPARE_SLOTS` steps at once on two threads of its own: while one waits
   for its step's media, the other packs. It is a `uform.runtime.child.Child` (a fresh interpreter on a module of uform's,
@@ -153,15 +154,15 @@ def decode_media(
 def prepare_step(
     config: TrainerInitVramConfig,
     policy: MediaPolicy,
-    attention: str,
+    tiles: int,
     decoders: Callable[[], DecodePool],
     job: PrepareJob,
     step: int,
     alloc: Alloc = np.empty,
 ) -> Prepared:
     """Decodes the step's media items in `decoders()` (the pool, made on first need), then packs, corrupts and
-    pairs the step (`data.batch.prepare`, its media arrays made by `alloc`) and, on the flex attention path,
-    builds its block tables. Raises `MediaError` naming the first item that failed under a strict `policy`."""
+    pairs the step (`data.batch.prepare`, its media arrays made by `alloc`) and, where `tiles` is not 0 (the flex
+    attention path), builds its block tables of that tile side. Raises `MediaError` naming the first item that failed under a strict `policy`."""
     units, failed = decode_media(config, policy, decoders, job)  # views of the decoders' slabs, held until dropped
     skipped = None
     if units or failed:
@@ -183,7 +184,7 @@ def prepare_step(
         alloc=alloc,
     )
     del units  # copied into the batch: the decoders may write over those bytes again
-    tables = block_tables(batch.segments) if attention == "flex" else {}
+    tables = block_tables(batch.segments, tiles) if tiles else {}
     return Prepared(batch, tables, failed)
 
 
@@ -241,7 +242,7 @@ class Preparers:
         count: int,
         config: TrainerInitVramConfig,
         policy: MediaPolicy,
-        attention: str,
+        tiles: int,
         pin: bool,
         context: str = _DEFAULT_CONTEXT,
     ) -> None:
@@ -252,7 +253,7 @@ class Preparers:
         # What a preparer process needs of the run: no mesh, no progress callback (neither crosses a process).
         self._config = dataclasses.replace(config, mesh=None, progress=None)
         self._policy = policy
-        self._attention = attention
+        self._tiles = tiles
         self.decoders = max(1, (policy.workers or decode_parallelism()) // count)
         """Decoding processes of each preparer process."""
         self._context = context
@@ -399,7 +400,7 @@ class Preparers:
     def _start(self, index: int) -> _Preparer:
         helper = Helper(
             _preparer_main,
-            (self.input_bytes, self.output_bytes, self._config, self._policy, self._attention, self.decoders),
+            (self.input_bytes, self.output_bytes, self._config, self._policy, self._tiles, self.decoders),
             name=f"uform-host-{index}",
             context=self._context,
             slab_bytes=PREPARE_SLOTS * (self.input_bytes + self.output_bytes),
@@ -532,7 +533,7 @@ def _preparer_main(
     output_bytes: int,
     config: TrainerInitVramConfig,
     policy: MediaPolicy,
-    attention: str,
+    tiles: int,
     decoders: int,
 ) -> None:
     """A preparer process's whole life: map the slab, say ready, then prepare each step it is sent on a thread of
@@ -544,7 +545,7 @@ def _preparer_main(
     if _DECODER_CONTEXT == "forkserver":
         multiprocessing.get_context("forkserver").set_forkserver_preload(_DECODER_PRELOAD)
     endpoint = link.open()
-    state = _PreparerState(endpoint, input_bytes, output_bytes, config, policy, attention, decoders)
+    state = _PreparerState(endpoint, input_bytes, output_bytes, config, policy, tiles, decoders)
     if not endpoint.ready():
         return
     jobs = ThreadPoolExecutor(PREPARE_SLOTS, thread_name_prefix="uform-host-job")
@@ -571,7 +572,7 @@ class _PreparerState:
         output_bytes: int,
         config: TrainerInitVramConfig,
         policy: MediaPolicy,
-        attention: str,
+        tiles: int,
         decoders: int,
     ) -> None:
         self.endpoint = endpoint
@@ -579,7 +580,7 @@ class _PreparerState:
         self.output_bytes = output_bytes
         self.config = config
         self.policy = policy
-        self.attention = attention
+        self.tiles = tiles
         self.workers = decoders
         self.reserved = [0] * PREPARE_SLOTS  # bytes of each output area backed so far
         self.pool: DecodePool | None = None
@@ -599,7 +600,7 @@ class _PreparerState:
             start = slot * (self.input_bytes + self.output_bytes) + self.input_bytes
             end = start + self.output_bytes
             built = _Built(endpoint.slab, endpoint.slab_fd, self.reserved, slot, start, end)
-            answer = prepare_step(self.config, self.policy, self.attention, self.decoders, job, step, built)
+            answer = prepare_step(self.config, self.policy, self.tiles, self.decoders, job, step, built)
             del job, record
             at = built.at  # the rest of the answer's buffers are copied in after those built in place
             endpoint.reply(
