@@ -162,7 +162,8 @@ def prepare_step(
 ) -> Prepared:
     """Decodes the step's media items in `decoders()` (the pool, made on first need), then packs, corrupts and
     pairs the step (`data.batch.prepare`, its media arrays made by `alloc`) and, where `tiles` is not 0 (the flex
-    attention path), builds its block tables of that tile side. Raises `MediaError` naming the first item that failed under a strict `policy`."""
+    attention path), builds its block tables of that tile side. Raises `MediaError` naming the first item that
+    failed under a strict `policy`."""
     units, failed = decode_media(config, policy, decoders, job)  # views of the decoders' slabs, held until dropped
     skipped = None
     if units or failed:
