@@ -57,6 +57,8 @@ from uform.config import resolve
 from uform.media.decode import MediaPolicy
 from uform.media.limits import MediaError, MediaLimits
 from uform.notices import MediaWarning, Notices
+from uform.replica.checked_step import check_step
+from uform.runtime.preparation import Preparation
 from uform.runtime.preparers import PREPARE_SLOTS, PrepareJob, PreparerError, Preparers, prepare_step
 from uform.runtime.remote_error import RemoteError, pack_error, unpack_error
 
@@ -629,3 +631,22 @@ def test_a_trainer_in_a_fleet_worker_uses_host_processes() -> None:
         assert a.skipped == b.skipped == 1 and a.step == b.step
         for name in ("loss", "contrastive_loss", "masked_text_loss", "masked_image_loss"):
             assert getattr(a, name) == pytest.approx(getattr(b, name), rel=1e-5), name
+
+
+@pytest.mark.parametrize("attention, block, tiles", [("flex", 64, 4), ("flex", 128, 2), ("dense", 128, 0)])
+def test_a_replicas_stage_builds_tables_of_its_tile_side(attention: str, block: int, tiles: int) -> None:
+    """`Preparation.factory` hands the stage the replica's path and tile side (`model.attention.flex_block`): the
+    flex path's steps carry tables of that side, the dense path's none."""
+    config = resolve(run_config())
+    job = text_job()
+    checked = check_step(config, job.modalities, job.contents, None, False)
+    stage = Preparation.factory(MediaPolicy(workers=1), torch.device("cpu"), 0)(config, attention, block)
+    try:
+        _, tensors, failed = stage.prepare(checked, 1)
+    finally:
+        stage.close()
+    assert failed == []
+    if not tiles:
+        assert not [name for name in tensors if name.startswith("block.")]
+    else:
+        assert tensors["block.kv_indices"].shape[-2:] == (tiles, tiles)
