@@ -31,7 +31,15 @@ WRAPPED: dict[str, list[Any]] = {
         ("_PreparerState", "run"),
     ],
     "uform.runtime.helper": [("Endpoint", "reply"), ("Helper", "_receive"), ("Helper", "submit")],
-    "uform.data.batch": ["_stack_units", "keyed_rngs", "mask_units", "corrupt_text", "pair_targets", "plan"],
+    "uform.data.batch": [
+        "_stack_units",
+        "keyed_rngs",
+        "keyed_states",
+        "mask_units",
+        "corrupt_text",
+        "pair_targets",
+        "plan",
+    ],
 }
 """What is timed: module -> functions (module-level names as the callers look them up) and (class, method)."""
 

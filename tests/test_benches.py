@@ -205,8 +205,8 @@ def test_kernel_trace_reads_kernels_busy_time_and_the_gaps_between_them(tmp_path
 
 def test_loss_curve_bench_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OUT", str(tmp_path))
-    tiny = "--cpu --depth 1 --hidden 128 --rows 2 --columns 128 --segments 8 --steps 6 --window 4 --seed 3"
+    tiny = "--cpu --depth 1 --hidden 128 --rows 2 --columns 128 --segments 8 --steps 12 --window 6 --seed 3"
     results = load("loss_curve").main(tiny.split())
     assert len(results["curve"]) == 2 and results["finite"] and all(np.isfinite(results["curve"]))
-    assert results["curve"][0] > results["curve"][1]  # six steps of a fresh tower still lower the loss
+    assert results["curve"][0] > results["curve"][1]  # twelve steps of a fresh tower lower the loss (6 were noise)
     assert json.loads((tmp_path / "bench-loss-curve.json").read_text())["curve"] == results["curve"]

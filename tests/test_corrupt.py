@@ -10,8 +10,8 @@ import pytest
 
 from uform import vocab
 from uform.config import Masking
-from uform.data.batch import keyed_rng, keyed_rngs
-from uform.data.corrupt import corrupt_text, cover_spans
+from uform.data.batch import keyed_rng, keyed_rngs, keyed_states
+from uform.data.corrupt import corrupt_text, cover_spans, words
 from uform.enums import Modality
 
 
@@ -37,8 +37,8 @@ def test_cover_spans_exact_count(mean_span: float) -> None:
 
 
 def test_cover_spans_draws_are_pinned() -> None:
-    """The masks and the generator's state after them, as the numpy implementation of 2026-11 drew them (the
-    spans are now laid in Python): a change here changes every resumed run's corruption."""
+    """The masks and the generator's state after them (two words taken for the key), as the counter-keyed
+    layout of 2026-12-02 draws them: a change here changes every run's corruption from that version on."""
     digest = hashlib.sha256()
     cases = [(200, 30, 16.0, 1), (200, 30, 3.0, 2), (7, 6, 16.0, 3), (50, 49, 1.0, 4), (300, 45, 0.5, 5)]
     for length, count, mean, seed in [*cases, (1, 1, 16.0, 6), (10, 0, 16.0, 7)]:
@@ -46,7 +46,7 @@ def test_cover_spans_draws_are_pinned() -> None:
         mask = cover_spans(length, count, mean, rng)
         digest.update(np.packbits(mask).tobytes())
         digest.update(rng.integers(0, 1 << 62).tobytes())
-    assert digest.hexdigest()[:32] == "d16dfa45d28014f64d9711280eaefc0f"
+    assert digest.hexdigest()[:32] == "ea7286cbdc297bb367d84f4de3382038"
 
 
 def test_cover_spans_deterministic() -> None:
@@ -88,9 +88,13 @@ def test_cover_spans_every_position_equally_likely(length: int, probability: flo
     trials = 20_000
     count = round(probability * length)
     share = count / length
-    hits = np.zeros(length)
-    for t in range(trials):
-        hits += cover_spans(length, count, mean_span, np.random.default_rng([31, t]))
+    # One step of `trials` segments, each its own item's keyed stream (the trainer's path, all drawn at once).
+    masking = Masking(token_mask_probability=probability, token_mean_span=mean_span)
+    tokens = np.zeros((trials, length), dtype=np.int64)
+    keys = keyed_states(31, 1, 2, list(range(trials)))[:, :2]
+    _, covered = corrupt_text(tokens, [(t, 0, length) for t in range(trials)], masking, keys)
+    assert (covered.sum(axis=1) == count).all()
+    hits = covered.sum(axis=0).astype(np.float64)
     z = NormalDist().inv_cdf(1 - PROFILE_ALPHA / (2 * length))
     tolerance = z * np.sqrt(share * (1 - share) / trials)
     worst = int(np.argmax(np.abs(hits / trials - share)))
@@ -141,9 +145,9 @@ def random_spans(rng: np.random.Generator, rows: int, columns: int) -> list[tupl
     return spans
 
 
-def generators(seed: int, spans: list) -> list[np.random.Generator]:
-    """One generator per span, as the trainer keys one per item."""
-    return [np.random.default_rng([seed, i]) for i in range(len(spans))]
+def generators(seed: int, spans: list) -> np.ndarray:
+    """One key per span ([S, 2] uint64), as the trainer keys one stream per item."""
+    return np.random.default_rng(seed).integers(0, 2**64, size=(len(spans), 2), dtype=np.uint64)
 
 
 MASKINGS = [
@@ -248,11 +252,11 @@ def test_corrupt_text_a_span_draws_alone() -> None:
     masking = Masking(token_mask_probability=0.3, token_mean_span=4.0, replace_fraction=0.8, random_fraction=0.1)
     alone = np.full((1, 130), vocab.PAD, dtype=np.int64)
     alone[0, 1:121] = text
-    a, covered_a = corrupt_text(alone, [(0, 1, 120)], masking, [np.random.default_rng(11)])
+    keyed = generators(11, [0, 0, 0])
+    a, covered_a = corrupt_text(alone, [(0, 1, 120)], masking, keyed[1:2])
     crowded = rng.integers(0, 256, size=(3, 300)).astype(np.int64)
     crowded[2, 150:270] = text
     spans = [(0, 0, 200), (2, 150, 120), (1, 5, 90)]
-    keyed = [np.random.default_rng(1), np.random.default_rng(11), np.random.default_rng(2)]
     b, covered_b = corrupt_text(crowded, spans, masking, keyed)
     assert np.array_equal(a[0, 1:121], b[2, 150:270])
     assert np.array_equal(covered_a[0, 1:121], covered_b[2, 150:270])
@@ -283,3 +287,56 @@ def test_keyed_rngs_are_state_for_state_the_keyed_rng_of_each_key() -> None:
     assert keyed_rngs(1, 2, 3, []) == []
     with pytest.raises(ValueError, match="non-negative"):
         keyed_rngs(1, 2, 3, [-1])
+
+
+def _splitmix64(seed: int, count: int, skip: int = 0) -> list[int]:
+    """Vigna's SplitMix64, as its reference C code steps it: the state advanced by the golden gamma, then mixed
+    (`skip` outputs passed over by advancing the state skip gammas at once, which is what stepping does)."""
+    out, mask = [], (1 << 64) - 1
+    state = (seed + skip * 0x9E3779B97F4A7C15) & mask
+    for _ in range(count):
+        state = (state + 0x9E3779B97F4A7C15) & mask
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        out.append(z ^ (z >> 31))
+    return out
+
+
+def test_words_are_splitmix64() -> None:
+    """A key whose increment is SplitMix64's gamma gives SplitMix64's own sequence from the key's first word (its
+    well-known first outputs from seed 0 among them); the stream of a purpose starts 2^32 words further on."""
+    gamma = 0x9E3779B97F4A7C15
+    assert words(np.array([0, gamma], dtype=np.uint64), 0, np.arange(3)).tolist() == [
+        0xE220A8397B1DCDAF,
+        0x6E789E6AA1B965F4,
+        0x06C45D188009454F,
+    ]
+    rng = np.random.default_rng(0)
+    for seed in rng.integers(0, 2**64, size=5, dtype=np.uint64).tolist():
+        key = np.array([seed, gamma], dtype=np.uint64)
+        assert words(key, 0, np.arange(6)).tolist() == _splitmix64(seed, 6)
+        assert _splitmix64(seed, 3, skip=3) == _splitmix64(seed, 6)[3:]
+        assert words(key, 1, np.arange(2)).tolist() == _splitmix64(seed, 2, skip=1 << 32)
+
+
+def test_corrupt_text_draws_are_pinned() -> None:
+    """A step's inputs and covered positions from fixed keys, as the counter-keyed draws of 2026-12-02 give them:
+    a change here changes every run's corruption from that version on."""
+    rng = np.random.default_rng(12)
+    tokens = rng.integers(0, 256, size=(3, 300)).astype(np.int64)
+    spans = [(0, 1, 299), (1, 1, 100), (1, 102, 150), (2, 2, 10), (2, 20, 3)]
+    masking = Masking(token_mask_probability=0.2, token_mean_span=5.0, replace_fraction=0.8, random_fraction=0.1)
+    keys = keyed_states(42, 7, 2, [11, 12, 13, 14, 15])[:, :2]
+    inputs, covered = corrupt_text(tokens, spans, masking, keys)
+    digest = hashlib.sha256(inputs.astype("<i8").tobytes() + np.packbits(covered).tobytes()).hexdigest()
+    assert digest[:32] == "e4b479e3a463bb4ed51d6170e51bead8"
+
+
+def test_keyed_states_are_the_keyed_generators_seeds() -> None:
+    """The states text corruption keys its streams with are the seeds `keyed_rng` gives PCG64, key for key."""
+    keys = [0, 5, 2**32 + 1, 2**128 - 1]
+    states = keyed_states(3, 9, 2, keys)
+    assert states.shape == (4, 4) and states.dtype == np.uint64
+    for key, state in zip(keys, states, strict=True):
+        expected = np.random.SeedSequence([3, 9, 2, key]).generate_state(4, np.uint64)
+        assert np.array_equal(state, expected)

@@ -88,17 +88,23 @@ def keyed_rng(seed: int, step: int, stream: int, *key: int) -> np.random.Generat
 
 def keyed_rngs(seed: int, step: int, stream: int, keys: Sequence[int]) -> list[np.random.Generator]:
     """`keyed_rng(seed, step, stream, key)` for each of `keys`, state for state: the seed sequences' hashing done
-    for all keys at once in numpy (`_seed_states`), since making each `SeedSequence` costs about as much as a
+    for all keys at once in numpy (`keyed_states`), since making each `SeedSequence` costs about as much as a
     small item's whole corruption (9 of the 10 us of one generator, measured)."""
+    states = keyed_states(seed, step, stream, keys)
+    return [np.random.Generator(np.random.PCG64(_SeedState(s))) for s in states]  # type: ignore[arg-type]
+
+
+def keyed_states(seed: int, step: int, stream: int, keys: Sequence[int]) -> np.ndarray:
+    """[len(keys), 4] uint64: the seed state of each (seed, step, stream, key), what `keyed_rng` seeds PCG64
+    with (`SeedSequence([seed, step, stream, key]).generate_state(4, np.uint64)`), hashed for all keys at once.
+    Text corruption keys its counter-based streams with them (`corrupt.words`)."""
     head = [w for part in (seed, step, stream) for w in _words(part)]
     words = [head + _words(k) for k in keys]
-    out: list[np.random.Generator | None] = [None] * len(words)
+    out = np.zeros((len(words), _POOL), dtype=np.uint64)
     for length in sorted({len(w) for w in words}):  # rows of one length hash alike
         rows = [j for j, w in enumerate(words) if len(w) == length]
-        states = _seed_states(np.array([words[j] for j in rows], dtype=np.uint32))  # [n, 4] uint64
-        for j, state in zip(rows, states, strict=True):
-            out[j] = np.random.Generator(np.random.PCG64(_SeedState(state)))  # type: ignore[arg-type]
-    return out  # type: ignore[return-value]
+        out[rows] = _seed_states(np.array([words[j] for j in rows], dtype=np.uint32))  # [n, 4] uint64
+    return out
 
 
 # numpy's SeedSequence (numpy/random/bit_generator.pyx, O'Neill's seed_seq_fe design): its hashing constants.
@@ -366,8 +372,8 @@ def prepare(
     tokens = rows.tokens
     if config.objective != Objective.Contrastive:
         keys = [item_key(modalities[i], contents[i]) for i in span_items]
-        rngs = keyed_rngs(config.seed, step, CORRUPT_STREAM, keys)
-        tokens, covered = corrupt_text(rows.tokens, spans, config.masking, rngs)
+        states = keyed_states(config.seed, step, CORRUPT_STREAM, keys)[:, :2]
+        tokens, covered = corrupt_text(rows.tokens, spans, config.masking, states)
         where = np.flatnonzero(covered.reshape(-1))
         target_index[: len(where)] = where
         targets[: len(where)] = rows.tokens.reshape(-1)[where]
