@@ -33,9 +33,8 @@ WRAPPED: dict[str, list[Any]] = {
     "uform.runtime.helper": [("Endpoint", "reply"), ("Helper", "_receive"), ("Helper", "submit")],
     "uform.data.batch": [
         "_stack_units",
-        "keyed_rngs",
         "keyed_states",
-        "mask_units",
+        "mask_media",
         "corrupt_text",
         "pair_targets",
         "plan",

@@ -10,8 +10,8 @@ import pytest
 
 from uform import vocab
 from uform.config import Masking
-from uform.data.batch import keyed_rng, keyed_rngs, keyed_states
-from uform.data.corrupt import corrupt_text, cover_spans, words
+from uform.data.corrupt import corrupt_text, cover_spans
+from uform.data.keyed import keyed_rng, keyed_rngs, keyed_states, words
 from uform.enums import Modality
 
 

@@ -21,6 +21,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterator, Sequence
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -64,8 +65,9 @@ from uform import (
     vocab,
 )
 from uform.config import resolve
-from uform.data.batch import MEDIA_KINDS, prepare
+from uform.data.batch import MEDIA_KINDS, mask_media, prepare
 from uform.data.items import parse_modalities
+from uform.data.keyed import keyed_states
 from uform.losses.masked import masked_units_sum, normalised_targets
 from uform.losses.term import Term
 from uform.media.decode import MediaPolicy, decode_item
@@ -448,6 +450,34 @@ def test_masks_hit_their_ratios_and_tubes_agree_across_time() -> None:
             np.testing.assert_array_equal(again.media[kind]["masked"], batch.media[kind]["masked"])
     for i, masks in seen.items():  # and a new draw every step
         assert any(not np.array_equal(masks[0], m) for m in masks[1:]), f"item {i}: the same mask every step"
+
+
+def _units(grid: tuple[int, int, int]) -> Units:
+    n = math.prod(grid)
+    return Units(values=np.zeros((n, 3), np.uint8), positions=np.zeros((n, 3), np.int64), grid=grid, truncated=False)
+
+
+def test_media_masks_are_uniform_over_units_and_each_items_own() -> None:
+    """Over 4,000 keyed images every unit is masked with chance count / N (each within z binomial standard errors,
+    z set by a 1e-4 chance over the units), the count exact in each; a clip masks one plane, tiled over its times;
+    and an item's mask is its key's alone, whatever other items (of other sizes, kinds and ratios) share the call."""
+    trials, grid = 4000, (1, 4, 8)
+    keys = keyed_states(5, 1, 3, list(range(trials)))[:, :2]
+    masks = np.array(mask_media(["image"] * trials, [_units(grid)] * trials, [0.25] * trials, keys))  # [T, 32]
+    assert (masks.sum(axis=1) == 8).all()
+    share, z = 0.25, NormalDist().inv_cdf(1 - 1e-4 / (2 * 32))
+    assert np.abs(masks.mean(axis=0) - share).max() <= z * math.sqrt(share * (1 - share) / trials)
+    clip = (3, 4, 4)
+    mixed = mask_media(
+        ["audio", "video", "image"],
+        [_units((7, 1, 1)), _units(clip), _units(grid)],
+        [0.5, 0.5, 0.25],
+        keyed_states(5, 1, 3, [77, 78, 3])[:, :2],
+    )
+    assert mixed[0].sum() == round(0.5 * 7) and mixed[1].sum() == 3 * round(0.5 * 16)
+    plane = mixed[1].reshape(3, 16)
+    assert (plane == plane[0]).all()
+    assert np.array_equal(mixed[2], masks[3])  # key 3 among the 4,000 images and here: the same mask
 
 
 def dirty(shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray:

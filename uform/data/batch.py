@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from ..media.units import Units, item_key
 from ..relations import pair_targets
 from .corrupt import corrupt_text
 from .items import ChoiceTapes
+from .keyed import keyed_rng, keyed_states, words
 from .pack import LateRoom, Layout, Rows, fill_media, fill_state, fill_texts, plan
 
 if TYPE_CHECKING:  # torch loads where host tensors are made, never in the preparer process that prepares steps
@@ -64,116 +65,31 @@ _MODALITY_OF = {kind: modality for modality, kind in MEDIA_KINDS.items()}
 """Each media kind's modality ("image" -> Modality.Image)."""
 
 
-def mask_units(kind: str, units: Units, ratio: float, rng: np.random.Generator) -> np.ndarray:
-    """[N] bool: round(ratio * N) units of an image or audio item; for video round(ratio * rows * columns)
-    spatial positions masked in every tube-time of the clip (VideoMAE's tube masking, Tong et al. 2022)."""
-    n = len(units)
-    masked = np.zeros(n, dtype=bool)
-    if kind == "video":
-        _times, rows, columns = units.grid
-        plane = rows * columns
-        chosen = rng.choice(plane, size=round(ratio * plane), replace=False)
-        spatial = np.zeros(plane, dtype=bool)
-        spatial[chosen] = True
-        masked[:] = np.tile(spatial, n // plane)
-    else:
-        masked[rng.choice(n, size=round(ratio * n), replace=False)] = True
-    return masked
-
-
-def keyed_rng(seed: int, step: int, stream: int, *key: int) -> np.random.Generator:
-    """The generator of one (seed, step, stream[, key...]): the same key gives the same draws on any machine."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, step, stream, *key])))
-
-
-def keyed_rngs(seed: int, step: int, stream: int, keys: Sequence[int]) -> list[np.random.Generator]:
-    """`keyed_rng(seed, step, stream, key)` for each of `keys`, state for state: the seed sequences' hashing done
-    for all keys at once in numpy (`keyed_states`), since making each `SeedSequence` costs about as much as a
-    small item's whole corruption (9 of the 10 us of one generator, measured)."""
-    states = keyed_states(seed, step, stream, keys)
-    return [np.random.Generator(np.random.PCG64(_SeedState(s))) for s in states]  # type: ignore[arg-type]
-
-
-def keyed_states(seed: int, step: int, stream: int, keys: Sequence[int]) -> np.ndarray:
-    """[len(keys), 4] uint64: the seed state of each (seed, step, stream, key), what `keyed_rng` seeds PCG64
-    with (`SeedSequence([seed, step, stream, key]).generate_state(4, np.uint64)`), hashed for all keys at once.
-    Text corruption keys its counter-based streams with them (`corrupt.words`)."""
-    head = [w for part in (seed, step, stream) for w in _words(part)]
-    words = [head + _words(k) for k in keys]
-    out = np.zeros((len(words), _POOL), dtype=np.uint64)
-    for length in sorted({len(w) for w in words}):  # rows of one length hash alike
-        rows = [j for j, w in enumerate(words) if len(w) == length]
-        out[rows] = _seed_states(np.array([words[j] for j in rows], dtype=np.uint32))  # [n, 4] uint64
+def mask_media(
+    kinds: Sequence[str], items: Sequence[Units], ratios: Sequence[float], keys: np.ndarray
+) -> list[np.ndarray]:
+    """Each media item's [N] bool mask: round(ratio * N) units of an image or audio item; for video round(ratio *
+    rows * columns) spatial positions masked in every tube-time of the clip (VideoMAE's tube masking, Tong et al.
+    2022). Each unit (each spatial position of a clip) is ranked by a word of its item's keyed stream (`keys`
+    [I, 2], `keyed.words`) and the lowest are masked: every unit equally likely, an item's mask its key's alone,
+    and the items of one size drawn in a few array calls for all of them (one generator and a choice an item
+    cost ~15 us each, 128 images a reference step)."""
+    sizes = [math.prod(u.grid[1:]) if kind == "video" else len(u) for kind, u in zip(kinds, items, strict=True)]
+    counts = [round(ratio * size) for ratio, size in zip(ratios, sizes, strict=True)]
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, shape in enumerate(zip(sizes, counts, strict=True)):
+        groups.setdefault(shape, []).append(i)
+    out: list[np.ndarray] = [np.zeros(0, dtype=bool)] * len(items)
+    for (size, count), members in groups.items():
+        chosen = np.zeros((len(members), size), dtype=bool)  # [I, size]
+        if count >= size:
+            chosen[:] = True
+        elif count > 0:
+            ranked = words(keys[members][:, None, :], 0, np.arange(size))  # [I, size]
+            np.put_along_axis(chosen, np.argpartition(ranked, count - 1, axis=1)[:, :count], True, axis=1)
+        for row, i in zip(chosen, members, strict=True):
+            out[i] = np.tile(row, len(items[i]) // size) if kinds[i] == "video" else row
     return out
-
-
-# numpy's SeedSequence (numpy/random/bit_generator.pyx, O'Neill's seed_seq_fe design): its hashing constants.
-_POOL = 4
-_INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
-_MIX_L, _MIX_R = 0xCA01F9DD, 0x4973F715
-_MASK32 = 0xFFFFFFFF
-
-
-def _words(value: int) -> list[int]:
-    """A non-negative int as SeedSequence reads it: 32-bit words, least significant first (0 is one word)."""
-    if value < 0:
-        raise ValueError(f"keyed_rngs: a key must be a non-negative int, got {value}")
-    out = [value & _MASK32]
-    value >>= 32
-    while value:
-        out.append(value & _MASK32)
-        value >>= 32
-    return out
-
-
-def _seed_states(entropy: np.ndarray) -> np.ndarray:
-    """[n, 4] uint64: `SeedSequence(row).generate_state(4, np.uint64)` of each row of `entropy` [n, L] uint32,
-    every row at once (the hash constants advance alike for rows of one length). uint32 arithmetic wraps, as the
-    Cython original's does."""
-    count, length = entropy.shape
-    shift = np.uint32(16)
-    const = _INIT_A
-
-    def hashmix(value: np.ndarray) -> np.ndarray:
-        nonlocal const
-        value = value ^ np.uint32(const)
-        const = (const * _MULT_A) & _MASK32
-        value = value * np.uint32(const)
-        return value ^ (value >> shift)
-
-    def mix(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        result = (np.uint32(_MIX_L) * x - np.uint32(_MIX_R) * y).astype(np.uint32, copy=False)
-        return result ^ (result >> shift)
-
-    zero = np.zeros(count, dtype=np.uint32)
-    pool = [hashmix(entropy[:, i] if i < length else zero) for i in range(_POOL)]
-    for source in range(_POOL):
-        for target in range(_POOL):
-            if source != target:
-                pool[target] = mix(pool[target], hashmix(pool[source]))
-    for source in range(_POOL, length):
-        for target in range(_POOL):
-            pool[target] = mix(pool[target], hashmix(entropy[:, source]))
-    const = _INIT_B
-    state = np.empty((count, 2 * _POOL), dtype=np.uint32)  # four uint64 words, as eight uint32 ones
-    for i in range(2 * _POOL):
-        value = pool[i % _POOL] ^ np.uint32(const)
-        const = (const * _MULT_B) & _MASK32
-        value = value * np.uint32(const)
-        state[:, i] = value ^ (value >> shift)
-    return state.astype("<u4").view("<u8").astype(np.uint64)
-
-
-class _SeedState(np.random.bit_generator.ISeedSequence):
-    """A seed sequence whose one state is already known (`keyed_rngs`): what PCG64 reads of a `SeedSequence`."""
-
-    def __init__(self, state: np.ndarray) -> None:
-        self.state = np.ascontiguousarray(state, dtype=np.uint64)  # [4]
-
-    def generate_state(self, n_words: int, dtype: Any = np.uint32) -> np.ndarray:
-        if n_words != _POOL or np.dtype(dtype) != np.uint64:
-            raise ValueError("keyed_rngs: a PCG64 seed is four uint64 words")
-        return self.state
 
 
 def covered_capacity(config: TrainerInitVramConfig) -> int:
@@ -334,11 +250,15 @@ def prepare(
     truncated = layout.truncated.copy()
     mask_at = np.zeros(n, dtype=np.int64)
     placed_items = np.flatnonzero(layout.placed).tolist()
-    media_rngs: dict[int, np.random.Generator] = {}
-    if masking:  # every media item's mask generator, made at once
+    media_masks: dict[int, np.ndarray] = {}
+    if masking:  # every media item's mask, drawn at once
         media_items = [i for i in placed_items if not chooses[i] and modalities[i] != Modality.Text]
         digests = [_media_key(units[i], modalities[i], contents[i]) for i in media_items]
-        media_rngs = dict(zip(media_items, keyed_rngs(config.seed, step, MEDIA_STREAM, digests), strict=True))
+        kinds = [MEDIA_KINDS[modalities[i]] for i in media_items]
+        ratios = [getattr(config.masking, f"{kind}_mask_ratio") for kind in kinds]
+        keys = keyed_states(config.seed, step, MEDIA_STREAM, digests)[:, :2]
+        drawn = mask_media(kinds, [units[i] for i in media_items], ratios, keys)
+        media_masks = dict(zip(media_items, drawn, strict=True))
     for i in placed_items:
         p = len(prefixes[i])
         if chooses[i]:
@@ -349,11 +269,7 @@ def prepare(
             continue
         kind, item = MEDIA_KINDS[modalities[i]], units[i]
         media_of[kind].append(i)
-        ratio = getattr(config.masking, f"{kind}_mask_ratio")
-        if masking:
-            masked = mask_units(kind, item, ratio, media_rngs[i])
-        else:
-            masked = np.zeros(len(item), dtype=bool)
+        masked = media_masks[i] if masking else np.zeros(len(item), dtype=bool)
         gathered[kind].append((None if item.source is not None else item.values, int(layout.length[i]) - p, masked))
         truncated[i] |= item.truncated
     spans = fill_texts(rows, layout, span_items, [prefixes[i] for i in span_items], [contents[i] for i in span_items])
@@ -371,8 +287,8 @@ def prepare(
     target_weight = np.zeros(capacity, dtype=np.float32)
     tokens = rows.tokens
     if config.objective != Objective.Contrastive:
-        keys = [item_key(modalities[i], contents[i]) for i in span_items]
-        states = keyed_states(config.seed, step, CORRUPT_STREAM, keys)[:, :2]
+        text_keys = [item_key(modalities[i], contents[i]) for i in span_items]
+        states = keyed_states(config.seed, step, CORRUPT_STREAM, text_keys)[:, :2]
         tokens, covered = corrupt_text(rows.tokens, spans, config.masking, states)
         where = np.flatnonzero(covered.reshape(-1))
         target_index[: len(where)] = where

@@ -27,28 +27,10 @@ import numpy as np
 
 from .. import vocab
 from ..config import Masking
+from .keyed import words
 
 _SPAN, _BAR, _TURN, _ROUND, _RANK, _BYTE = range(6)
 """The purposes a segment draws words for, each a stream of its own."""
-
-_GAMMA = np.uint64(0x9E3779B97F4A7C15)
-_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-def words(keys: np.ndarray, purpose: int, counters: np.ndarray) -> np.ndarray:
-    """Random 64-bit words: word `counters` of stream `purpose` of each key, elementwise (keys [..., 2] uint64
-    broadcast against counters [...]).
-
-    SplitMix64 (Steele, Lea and Flood 2014, "Fast splittable pseudorandom number generators"): the key's first
-    word plus an odd increment (its second word) times the counter, through Stafford's "Mix13" finaliser. Integer
-    arithmetic only, so the same key gives the same words on any machine."""
-    keys, counters = np.asarray(keys, dtype=np.uint64), np.asarray(counters, dtype=np.uint64)
-    x: np.ndarray = (
-        keys[..., 0] + (keys[..., 1] | np.uint64(1)) * ((np.uint64(purpose) << np.uint64(32)) + counters) + _GAMMA
-    )
-    x = (x ^ (x >> np.uint64(30))) * _MIX1
-    x = (x ^ (x >> np.uint64(27))) * _MIX2
-    return x ^ (x >> np.uint64(31))
 
 
 def _below(word: np.ndarray, bound: np.ndarray) -> np.ndarray:

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from ..config import TrainerInitVramConfig, resolve
-from ..data.batch import PACK_STREAM, keyed_rng, late_room
+from ..data.batch import PACK_STREAM, late_room
+from ..data.keyed import keyed_rng
 from ..data.pack import plan
 from ..notices import CapacityWarning, MediaWarning, Notices
 from .fields import RecordItems, read_record

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..data.batch import keyed_rng
+from ..data.keyed import keyed_rng
 from .record import Record
 from .source import Source
 
