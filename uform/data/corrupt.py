@@ -11,7 +11,7 @@ every position is covered with chance exactly k / n. This is T5's and SpanBERT's
 show MASK and random_fraction * k a uniform random byte (each rounded stochastically: down or up with the odds
 that make it exact in expectation), and the rest keep their byte.
 
-Every draw of a segment is a word of its item's own counter-based stream (`words`: the item's key, a purpose,
+Every draw of a segment is a word of its item's own counter-based stream (`keyed.words`: the item's key, a purpose,
 a counter), so an item's corruption depends on nothing else in its step, and the step's segments are drawn
 together in a few numpy calls rather than one generator object and half a dozen calls each (those calls were
 most of a text step's prepare stage: 8 of 13 ms for 256 segments, BENCHMARKS.md "Issue 12, seventh day").
@@ -127,7 +127,7 @@ def corrupt_text(
     keys: np.ndarray | Sequence[Sequence[int]],
 ) -> tuple[np.ndarray, np.ndarray]:
     """Corrupts the text content `spans` (row, first column, length) of `tokens` [R, C], span i drawing from
-    `keys[i]` alone ([S, 2] uint64: each item's own keyed stream, `data.batch.keyed_states`, so an item's
+    `keys[i]` alone ([S, 2] uint64: each item's own keyed stream, `data.keyed.keyed_states`, so an item's
     corruption does not depend on the other items of its step, nor on which device they share).
 
     Answers (inputs [R, C] int64, covered [R, C] bool); the targets are `tokens[covered]`.
