@@ -40,14 +40,16 @@ def _below(word: np.ndarray, bound: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=16)
-def _geometric_table(mean_span: float) -> np.ndarray:
+def _geometric_table(mean_span: float, limit: int) -> np.ndarray:
     """Ascending 32-bit thresholds t of the geometric law of mean `mean_span` (success chance q = 1 / mean): a
     length exceeds g exactly when a uniform 32-bit word falls below floor((1 - q)^g 2^32), so a word's length is 1
-    plus the number of thresholds above it. Empty where q is 1 (every span is one position)."""
+    plus the number of thresholds above it. Empty where q is 1 (every span is one position). Lengths stop at
+    `limit` + 1: a span is cut to the count it reaches, and no count is past `limit`, so a longer one would be cut
+    to the same (a huge mean span stays a short table)."""
     q = 1.0 / max(mean_span, 1.0)
     table = []
     g = 1
-    while q < 1.0:
+    while q < 1.0 and g <= limit:
         t = math.floor((1.0 - q) ** g * 2.0**32)
         if t <= 0:
             break
@@ -59,15 +61,16 @@ def _geometric_table(mean_span: float) -> np.ndarray:
 def _span_lengths(keys: np.ndarray, counts: np.ndarray, mean_span: float) -> tuple[np.ndarray, np.ndarray]:
     """Geometric span lengths [S, J] drawn until each segment's reach `counts` [S] (> 0), the last cut to it,
     zeros past it, and the spans each segment uses [S]."""
-    table = _geometric_table(mean_span)
-    width = int(min(counts.max(), math.ceil(counts.max() / max(mean_span, 1.0)) + 8))
+    longest = int(counts.max())
+    table = _geometric_table(mean_span, 1 << longest.bit_length())  # a power of two past every count: few tables
+    width = min(longest, math.ceil(longest / max(mean_span, 1.0)) + 8)
     while True:  # span j of a segment is its word j: a wider draw leaves the narrower one as it was
         drawn = words(keys[:, None, :], _SPAN, np.arange(width))  # [S, J]
         spans = (1 + len(table) - np.searchsorted(table, drawn >> np.uint64(32), side="right")).astype(np.int64)
         reach = np.cumsum(spans, axis=1)  # [S, J]
-        if (reach[:, -1] >= counts).all() or width >= counts.max():
+        if (reach[:, -1] >= counts).all() or width >= longest:
             break
-        width = min(2 * width, int(counts.max()))
+        width = min(2 * width, longest)
     used = np.argmax(reach >= counts[:, None], axis=1) + 1  # [S] the first span that reaches the count is the last
     rows = np.arange(len(counts))
     spans[rows, used - 1] -= reach[rows, used - 1] - counts
