@@ -340,3 +340,15 @@ def test_keyed_states_are_the_keyed_generators_seeds() -> None:
     for key, state in zip(keys, states, strict=True):
         expected = np.random.SeedSequence([3, 9, 2, key]).generate_state(4, np.uint64)
         assert np.array_equal(state, expected)
+
+
+def test_a_huge_mean_span_covers_one_run_at_once() -> None:
+    """A mean span far past any segment draws one span, cut to the count: one covered run around the circle, and no
+    table of the geometric law as long as the mean (it stops past the step's longest count)."""
+    masking = Masking(token_mask_probability=0.5, token_mean_span=1e12, replace_fraction=0.8, random_fraction=0.1)
+    tokens = np.zeros((3, 1000), dtype=np.int64)
+    _, covered = corrupt_text(tokens, [(0, 0, 1000), (1, 0, 999), (2, 0, 7)], masking, generators(8, [0, 0, 0]))
+    for r, n in enumerate((1000, 999, 7)):
+        row = covered[r, :n]
+        assert row.sum() == round(0.5 * n)
+        assert len(runs(np.roll(row, -int(np.argmin(row))))) == 1  # one run, once turned past a free position
