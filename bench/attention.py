@@ -35,7 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from common import write_json  # sibling scripts, not a package
 
 from uform.data.blocks import block_tables
-from uform.model.attention import document_mask, kernel_options
+from uform.model.attention import allow_backward_tiles, document_mask, kernel_options
 
 
 def layout(name: str, rows: int, columns: int) -> np.ndarray:
@@ -132,23 +132,6 @@ def varlen_runner(q: Any, k: Any, v: Any, segments: np.ndarray, cudnn: bool = Fa
     return chosen(run), chosen(forward)
 
 
-def allow_backward_tiles(side: int) -> None:
-    """Adds backward tiles of `side` to inductor's FlexAttention backward configs on CUDA. Its lowering keeps only
-    the configs whose tiles divide the block mask's sparse block, before the caller's `kernel_options` replace
-    their tiles, and Hopper's one default for head width 64 is 64/128/128/64: sparse blocks under 128 compile no
-    backward at all without this."""
-    from torch._inductor.template_heuristics.triton import CUDAConfigHeuristic, FlexBwDConfig
-
-    shipped = CUDAConfigHeuristic.get_flex_attn_bwd_configs
-
-    def configs(self: Any, head_dim: int, dtype: Any) -> list[Any]:
-        found = list(shipped(self, head_dim, dtype))
-        extra = FlexBwDConfig(side, side, side, side, 3, 4)
-        return found if extra in found else [*found, extra]
-
-    CUDAConfigHeuristic.get_flex_attn_bwd_configs = configs  # type: ignore[method-assign]
-
-
 def main() -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=64)
@@ -164,8 +147,8 @@ def main() -> dict[str, Any]:
     parser.add_argument("--cudnn", action="store_true", help="also cuDNN's ragged kernels through varlen_attn")
     parser.add_argument("--backward-tiles", type=int, default=0, help="let the backward compile tiles of this side")
     args = parser.parse_args()
-    if args.backward_tiles:
-        allow_backward_tiles(args.backward_tiles)
+    if args.backward_tiles and not allow_backward_tiles(args.backward_tiles):
+        print(f"--backward-tiles {args.backward_tiles}: this torch keeps inductor's heuristics elsewhere; not added")
     width = 64
     torch._dynamo.config.recompile_limit = 1024  # one compile per (config, layout): not a recompile storm
     torch._dynamo.config.cache_size_limit = 1024
