@@ -11,7 +11,7 @@ import pytest
 from uform import vocab
 from uform.config import Masking
 from uform.data.corrupt import corrupt_text, cover_spans
-from uform.data.keyed import keyed_rng, keyed_rngs, keyed_states, words
+from uform.data.keyed import keyed_rng, keyed_states, words
 from uform.enums import Modality
 
 
@@ -271,24 +271,6 @@ def test_corrupt_text_no_spans() -> None:
     assert not covered.any()  # round(0.15 * 3) == 0
 
 
-def test_keyed_rngs_are_state_for_state_the_keyed_rng_of_each_key() -> None:
-    """The generators made at once (the seed sequences hashed together in numpy) are numpy's own, state for state:
-    keys of every word count (0, one word, 128-bit digests, beyond), steps past 32 bits, any stream."""
-    rng = np.random.default_rng(5)
-    digests = [int.from_bytes(rng.bytes(16), "little") for _ in range(40)]
-    keys = [0, 1, 2**32 - 1, 2**32, 2**64 + 3, 2**128 - 1, 2**160 + 7, *digests, digests[0]]
-    for seed, step, stream in ((0, 0, 0), (42, 7, 2), (2**40 + 1, 123_456_789_012, 3), (11, 2**32, 1)):
-        made = keyed_rngs(seed, step, stream, keys)
-        assert len(made) == len(keys)
-        for key, generator in zip(keys, made, strict=True):
-            expected = keyed_rng(seed, step, stream, key)
-            assert generator.bit_generator.state == expected.bit_generator.state, (seed, step, stream, key)
-            assert np.array_equal(generator.integers(0, 2**63, size=4), expected.integers(0, 2**63, size=4))
-    assert keyed_rngs(1, 2, 3, []) == []
-    with pytest.raises(ValueError, match="non-negative"):
-        keyed_rngs(1, 2, 3, [-1])
-
-
 def _splitmix64(seed: int, count: int, skip: int = 0) -> list[int]:
     """Vigna's SplitMix64, as its reference C code steps it: the state advanced by the golden gamma, then mixed
     (`skip` outputs passed over by advancing the state skip gammas at once, which is what stepping does)."""
@@ -333,13 +315,23 @@ def test_corrupt_text_draws_are_pinned() -> None:
 
 
 def test_keyed_states_are_the_keyed_generators_seeds() -> None:
-    """The states text corruption keys its streams with are the seeds `keyed_rng` gives PCG64, key for key."""
-    keys = [0, 5, 2**32 + 1, 2**128 - 1]
-    states = keyed_states(3, 9, 2, keys)
-    assert states.shape == (4, 4) and states.dtype == np.uint64
-    for key, state in zip(keys, states, strict=True):
-        expected = np.random.SeedSequence([3, 9, 2, key]).generate_state(4, np.uint64)
-        assert np.array_equal(state, expected)
+    """The states hashed at once in numpy are numpy's own SeedSequence states, what `keyed_rng` seeds PCG64 with,
+    state for state: keys of every word count (0, one word, 128-bit digests, beyond), steps past 32 bits, any
+    stream."""
+    rng = np.random.default_rng(5)
+    digests = [int.from_bytes(rng.bytes(16), "little") for _ in range(40)]
+    keys = [0, 1, 2**32 - 1, 2**32, 2**64 + 3, 2**128 - 1, 2**160 + 7, *digests, digests[0]]
+    for seed, step, stream in ((0, 0, 0), (42, 7, 2), (2**40 + 1, 123_456_789_012, 3), (11, 2**32, 1)):
+        states = keyed_states(seed, step, stream, keys)
+        assert states.shape == (len(keys), 4) and states.dtype == np.uint64
+        for key, state in zip(keys, states, strict=True):
+            expected = np.random.SeedSequence([seed, step, stream, key]).generate_state(4, np.uint64)
+            assert np.array_equal(state, expected), (seed, step, stream, key)
+            seeded = keyed_rng(seed, step, stream, key).bit_generator.seed_seq.generate_state(4, np.uint64)
+            assert np.array_equal(state, seeded)
+    assert keyed_states(1, 2, 3, []).shape == (0, 4)
+    with pytest.raises(ValueError, match="non-negative"):
+        keyed_states(1, 2, 3, [-1])
 
 
 def test_a_huge_mean_span_covers_one_run_at_once() -> None:

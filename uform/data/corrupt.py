@@ -154,11 +154,11 @@ def corrupt_text(
     # Which covered positions show MASK, a random byte or their own: each segment's ranked by a word apiece,
     # the lowest `shown` MASK, the next `drawn` a byte. Both cumulative shares are rounded stochastically with one
     # draw: each is exact in expectation even for a three-byte caption, and together they never exceed k.
-    ordinal = np.arange(len(segment)) - np.repeat(np.cumsum(counts) - counts, counts)  # [P] within its segment
-    rank_words = words(keys[segment], _RANK, ordinal)
-    order = np.lexsort((ordinal, rank_words, segment))
+    first = np.repeat(np.cumsum(counts) - counts, counts)  # [P] where its segment's run starts in the flat order
+    ordinal = np.arange(len(segment)) - first  # [P] within its segment
+    order = np.lexsort((ordinal, words(keys[segment], _RANK, ordinal), segment))
     rank = np.empty(len(segment), dtype=np.int64)
-    rank[order] = np.arange(len(segment)) - np.repeat(np.cumsum(counts) - counts, counts)
+    rank[order] = ordinal  # each segment's run is the same places in sorted order, so the ordinals rank them
     u = (words(keys, _ROUND, np.zeros(len(keys))) >> np.uint64(11)).astype(np.float64) / 2.0**53  # [S] in [0, 1)
     shown = np.minimum(counts, np.floor(masking.replace_fraction * counts + u).astype(np.int64))
     upto = np.floor((masking.replace_fraction + masking.random_fraction) * counts + u).astype(np.int64)

@@ -1,15 +1,14 @@
 """Keyed draws (docs/design.md §4): every random draw of a step is keyed by (seed, step, stream[, item key]), so an
 item draws the same whichever items share its step and whichever device or process prepares it.
 
-Two forms: `keyed_rng` / `keyed_rngs`, numpy PCG64 generators seeded by `SeedSequence([seed, step, stream, key])`
-(packing and media masks), and `words`, a counter-based stream of the same seed state (`keyed_states`) that a
-whole step's items draw from at once in array calls (text corruption). This module needs numpy only.
+Two forms: `keyed_rng`, a numpy PCG64 generator seeded by `SeedSequence([seed, step, stream, *key])` (packing),
+and `words`, a counter-based stream of the same seed state (`keyed_states`) that a whole step's items draw from at
+once in array calls (text corruption, media masks). This module needs numpy only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -19,18 +18,11 @@ def keyed_rng(seed: int, step: int, stream: int, *key: int) -> np.random.Generat
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, step, stream, *key])))
 
 
-def keyed_rngs(seed: int, step: int, stream: int, keys: Sequence[int]) -> list[np.random.Generator]:
-    """`keyed_rng(seed, step, stream, key)` for each of `keys`, state for state: the seed sequences' hashing done
-    for all keys at once in numpy (`keyed_states`), since making each `SeedSequence` costs about as much as a
-    small item's whole corruption (9 of the 10 us of one generator, measured)."""
-    states = keyed_states(seed, step, stream, keys)
-    return [np.random.Generator(np.random.PCG64(_SeedState(s))) for s in states]  # type: ignore[arg-type]
-
-
 def keyed_states(seed: int, step: int, stream: int, keys: Sequence[int]) -> np.ndarray:
     """[len(keys), 4] uint64: the seed state of each (seed, step, stream, key), what `keyed_rng` seeds PCG64
-    with (`SeedSequence([seed, step, stream, key]).generate_state(4, np.uint64)`), hashed for all keys at once.
-    Text corruption keys its counter-based streams with them (`corrupt.words`)."""
+    with (`SeedSequence([seed, step, stream, key]).generate_state(4, np.uint64)`), the hashing done for all keys
+    at once in numpy (`_seed_states`), since a `SeedSequence` each costs about as much as a small item's whole
+    draws. Text corruption and media masks key their counter-based streams with them (`words`)."""
     head = [w for part in (seed, step, stream) for w in _words(part)]
     words = [head + _words(k) for k in keys]
     out = np.zeros((len(words), _POOL), dtype=np.uint64)
@@ -50,7 +42,7 @@ _MASK32 = 0xFFFFFFFF
 def _words(value: int) -> list[int]:
     """A non-negative int as SeedSequence reads it: 32-bit words, least significant first (0 is one word)."""
     if value < 0:
-        raise ValueError(f"keyed_rngs: a key must be a non-negative int, got {value}")
+        raise ValueError(f"keyed_states: a key must be a non-negative int, got {value}")
     out = [value & _MASK32]
     value >>= 32
     while value:
@@ -95,18 +87,6 @@ def _seed_states(entropy: np.ndarray) -> np.ndarray:
         value = value * np.uint32(const)
         state[:, i] = value ^ (value >> shift)
     return state.astype("<u4").view("<u8").astype(np.uint64)
-
-
-class _SeedState(np.random.bit_generator.ISeedSequence):
-    """A seed sequence whose one state is already known (`keyed_rngs`): what PCG64 reads of a `SeedSequence`."""
-
-    def __init__(self, state: np.ndarray) -> None:
-        self.state = np.ascontiguousarray(state, dtype=np.uint64)  # [4]
-
-    def generate_state(self, n_words: int, dtype: Any = np.uint32) -> np.ndarray:
-        if n_words != _POOL or np.dtype(dtype) != np.uint64:
-            raise ValueError("keyed_rngs: a PCG64 seed is four uint64 words")
-        return self.state
 
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
