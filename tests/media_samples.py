@@ -139,9 +139,7 @@ def pan_frames(
     ]
 
 
-def _encode_video(
-    container: str, codec: str, frames: list[np.ndarray], fps: int, audio: tuple[np.ndarray, int] | None
-) -> bytes:
+def _encode_video(container: str, codec: str, frames: list[np.ndarray], fps: int) -> bytes:
     out = io.BytesIO()
     with av.open(out, mode="w", format=container) as output:
         stream: Any = output.add_stream(codec, rate=fps)
@@ -153,16 +151,29 @@ def _encode_video(
             stream.options = {"deadline": "realtime", "cpu-used": "8", "crf": "10", "b": "0"}
         else:
             stream.options = {"qscale": "2"}
-        write_audio = None
-        if audio is not None:
-            write_audio = _add_audio(output, "aac" if container == "mp4" else "libopus", *audio)
         for index, pixels in enumerate(frames):
             frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
             frame.pts = index
             output.mux(stream.encode(frame))
         output.mux(stream.encode(None))
-        if write_audio is not None:
-            write_audio()
+    return out.getvalue()
+
+
+def _add_audio_track(data: bytes, container: str, audio: tuple[np.ndarray, int]) -> bytes:
+    """`data`'s video packets copied as they are beside a new audio track: the video bitstream stays
+    bit-identical (a second encode may not be, e.g. under threaded x264), so decoders must give equal frames."""
+    out = io.BytesIO()
+    with av.open(io.BytesIO(data)) as source, av.open(out, mode="w", format=container) as output:
+        video_in = source.streams.video[0]
+        from_template = getattr(output, "add_stream_from_template", None)  # PyAV 13+; 12 takes template=
+        stream: Any = from_template(video_in) if from_template else output.add_stream(template=video_in)
+        write_audio = _add_audio(output, "aac" if container == "mp4" else "libopus", *audio)
+        for packet in source.demux(video_in):
+            if packet.dts is None:  # the demuxer's flush packet
+                continue
+            packet.stream = stream
+            output.mux(packet)
+        write_audio()
     return out.getvalue()
 
 
@@ -170,15 +181,15 @@ def _encode_video(
 def video(container: str, frames: int = VIDEO_FRAMES, with_audio: bool = False) -> tuple[bytes, str]:
     """(a clip panning over a real photograph, the encoder that made it) in "mp4" or "webm"; skips the test
     with the reason when PyAV's wheel carries no encoder for the container."""
-    audio = None
     if with_audio:
+        silent, codec = video(container, frames)
         samples, rate = recording("boom.wav")
         rate_out = 48000 if container == "webm" else 44100
-        audio = (soxr.resample(samples, rate, rate_out), rate_out)
+        return _add_audio_track(silent, container, (soxr.resample(samples, rate, rate_out), rate_out)), codec
     failures = []
     for codec in VIDEO_ENCODERS[container]:
         try:
-            return _encode_video(container, codec, pan_frames(frames=frames), 12, audio), codec
+            return _encode_video(container, codec, pan_frames(frames=frames), 12), codec
         except Exception as error:  # the codec is absent or cannot run here: try the next one
             failures.append(f"{codec}: {type(error).__name__}: {error}")
     pytest.skip(f"no {container} video encoder in PyAV's wheel ({'; '.join(failures)})")
