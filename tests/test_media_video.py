@@ -150,6 +150,43 @@ def test_channels(channels: int) -> None:
         assert np.abs(frames[:, :, :, 0] - luma).mean() < 4
 
 
+@pytest.mark.parametrize("container", CONTAINERS)
+@pytest.mark.parametrize("channels", [1, 3, 4])
+@pytest.mark.parametrize("max_units", [1, 6, 40, 1023])  # 4 x 3, 11 x 8, 27 x 20, 64 x 48: odd widths pad rows
+def test_frames_are_what_pyav_converts_them_to(container: str, channels: int, max_units: int) -> None:
+    """The decoder scales each frame with one scaler a clip and reads its plane itself: the pixels are those of
+    PyAV's own `to_ndarray` at the same size, format and interpolation, padded rows and all."""
+    import io
+
+    import av
+
+    data, _ = video(container)
+    units = decode(data, channels=channels, max_units=max_units, patch_side=4, tube_frames=1)
+    width, height = fit_size(WIDTH, HEIGHT, 4, max_units)
+    with av.open(io.BytesIO(data)) as media:
+        expected = [
+            frame.to_ndarray(
+                width=width, height=height, format={1: "gray", 3: "rgb24", 4: "rgba"}[channels], interpolation="AREA"
+            )
+            for frame in media.decode(media.streams.video[0])
+        ]
+    frames = pictures(units, 4, channels)[:, :height, :width]
+    assert len(frames) == min(VIDEO_FRAMES, units.grid[0])
+    for got, want in zip(frames, expected, strict=False):
+        np.testing.assert_array_equal(got, want.reshape(height, width, channels))
+
+
+def test_scaling_asks_pyav_for_one_thread_where_it_can() -> None:
+    """From PyAV 17 swscale may start a thread per core for every frame unless told otherwise; before it, the
+    keyword does not exist and must not be passed."""
+    import av
+
+    from uform.media.video import _scale_options
+
+    major = int(av.__version__.split(".")[0])
+    assert _scale_options() == ({"threads": 1} if major >= 17 else {})
+
+
 def test_larger_patches_than_the_frame_pad() -> None:
     units = decode(video("webm")[0], patch_side=80, tube_frames=4)
     assert units.grid == (3, 1, 1)

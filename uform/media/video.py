@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import av
 import numpy as np
+from av.video.reformatter import VideoReformatter
 
 from ._pyav import open_input
 from .grid import check_arguments, fit_size, grid_of, positions, tile
@@ -17,6 +19,18 @@ from .units import Units
 _DEMUXER = {"mp4": "mp4", "webm": "webm"}
 _NAME = {"mp4": "MP4", "webm": "WebM"}
 _PIXEL_FORMAT = {1: "gray", 3: "rgb24", 4: "rgba"}
+
+
+@functools.cache
+def _scale_options() -> dict[str, Any]:
+    """`reformat`'s keyword for a one-threaded scale where this PyAV takes it (17 and later, whose default lets
+    swscale start a thread per core for every frame: 61 us to scale a 64 x 48 frame against 3.4 us on one thread,
+    PyAV 19 on the 2-core dev machine). The decoders are one process per core already."""
+    try:
+        VideoReformatter().reformat(av.VideoFrame(16, 16, "yuv420p"), format="rgb24", threads=1)
+    except TypeError:  # before PyAV 17: no such keyword, and one thread already
+        return {}
+    return {"threads": 1}
 
 
 def video_units(
@@ -109,6 +123,10 @@ def _decode(
     if stream.frames and stream.frames > limits.max_frames:
         raise MediaError(f"the video has {stream.frames} frames, over the limit of {limits.max_frames}")
 
+    # One thread: the decoders are one process per core already, and FFmpeg's default starts a thread per core
+    # for every clip it opens.
+    stream.codec_context.thread_count = 1
+    reformatter = VideoReformatter()  # one scaler for the clip (`to_ndarray` makes one a frame)
     sampled: list[np.ndarray] = []
     size: tuple[int, int] | None = None
     keep_times = wanted = count = 0
@@ -131,10 +149,15 @@ def _decode(
             wanted = (keep_times + 1) * tube_frames
         count += 1
         if count <= keep_times * tube_frames:  # the tube-time past them is only counted, never converted
-            pixels = frame.to_ndarray(
-                width=size[0], height=size[1], format=_PIXEL_FORMAT[channels], interpolation="AREA"
+            converted = reformatter.reformat(
+                frame,
+                width=size[0],
+                height=size[1],
+                format=_PIXEL_FORMAT[channels],
+                interpolation="AREA",
+                **_scale_options(),
             )
-            sampled.append(pixels[:, :, None] if pixels.ndim == 2 else pixels)
+            sampled.append(_pixels(converted, channels))
         if count >= wanted:
             break
     if size is None:
@@ -155,3 +178,11 @@ def _check_pixels(width: int, height: int, limits: MediaLimits) -> None:
             f"a {width} x {height} = {width * height} pixel frame is over the limit of {limits.max_frame_pixels} "
             "pixels (MediaLimits.max_frame_pixels)"
         )
+
+
+def _pixels(frame: Any, channels: int) -> np.ndarray:
+    """[H, W, channels] uint8, a copy of a packed gray / rgb24 / rgba frame's one plane (its rows are padded to
+    `line_size`); what `to_ndarray` answers, without the scaler it makes for every frame."""
+    plane = frame.planes[0]
+    rows = np.frombuffer(plane, dtype=np.uint8).reshape(frame.height, plane.line_size)
+    return rows[:, : frame.width * channels].reshape(frame.height, frame.width, channels).copy()
