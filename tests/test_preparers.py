@@ -633,14 +633,14 @@ def test_a_trainer_in_a_fleet_worker_uses_host_processes() -> None:
             assert getattr(a, name) == pytest.approx(getattr(b, name), rel=1e-5), name
 
 
-@pytest.mark.parametrize("attention, block, tiles", [("flex", 64, 4), ("flex", 128, 2), ("dense", 128, 0)])
-def test_a_replicas_stage_builds_tables_of_its_tile_side(attention: str, block: int, tiles: int) -> None:
-    """`Preparation.factory` hands the stage the replica's path and tile side (`model.attention.flex_block`): the
-    flex path's steps carry tables of that side, the dense path's none."""
+@pytest.mark.parametrize("side, tiles", [(64, 4), (128, 2), (0, 0)])
+def test_a_replicas_stage_builds_tables_of_its_tile_side(side: int, tiles: int) -> None:
+    """`Preparation.factory` hands the stage the replica's tile side (`model.attention.flex_block` on the flex path,
+    0 on the dense path): the flex path's steps carry tables of that side, the dense path's none."""
     config = resolve(run_config())
     job = text_job()
     checked = check_step(config, job.modalities, job.contents, None, False)
-    stage = Preparation.factory(MediaPolicy(workers=1), torch.device("cpu"), 0)(config, attention, block)
+    stage = Preparation.factory(MediaPolicy(workers=1), torch.device("cpu"), 0)(config, side)
     try:
         _, tensors, failed = stage.prepare(checked, 1)
     finally:
@@ -650,3 +650,9 @@ def test_a_replicas_stage_builds_tables_of_its_tile_side(attention: str, block: 
         assert not [name for name in tensors if name.startswith("block.")]
     else:
         assert tensors["block.kv_indices"].shape[-2:] == (tiles, tiles)
+
+
+def test_a_dense_replicas_stage_carries_no_tables(make_trainer) -> None:
+    """The replica hands its stage tile side 0 on the dense path (the CPU's): its steps carry no block tables."""
+    trainer = make_trainer()
+    assert trainer.replica.attention == "dense" and trainer.replica.stage.tiles == 0

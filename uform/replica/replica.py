@@ -71,9 +71,9 @@ class Stage(Protocol):
         ...
 
 
-StageFactory = Callable[[TrainerInitVramConfig, str, int], Stage]
-"""Makes a replica's stage from the resolved run, the attention path ("flex" or "dense") its batches need and the
-side of the flex path's block tables."""
+StageFactory = Callable[[TrainerInitVramConfig, int], Stage]
+"""Makes a replica's stage from the resolved run and the side of the block tables its steps carry (the flex
+attention path's; 0 for none, the dense path)."""
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ class Replica:
         self.attention = "flex" if compiled_flex_available(self.device) else "dense"
         self.block = flex_block(self.device) if self.attention == "flex" else BLOCK
         """The side of the flex block mask's sparse tiles (`model.attention.flex_block`)."""
-        self.stage = stage(config, self.attention, self.block)
+        self.stage = stage(config, self.block if self.attention == "flex" else 0)
         """Where this replica's prepare stage runs (`Stage`)."""
         self._losses: Callable[..., Losses] = self.network.losses
         self.world_compile = world_compile

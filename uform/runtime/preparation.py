@@ -47,11 +47,9 @@ class Preparation:
     @classmethod
     def factory(
         cls, media: MediaPolicy, device: torch.device, host_processes: int
-    ) -> Callable[[TrainerInitVramConfig, str, int], Preparation]:
+    ) -> Callable[[TrainerInitVramConfig, int], Preparation]:
         """The `replica.StageFactory` of a replica on `device`."""
-        return lambda config, attention, block: cls(
-            config, media, block if attention == "flex" else 0, device.type == "cuda", host_processes
-        )
+        return lambda config, tiles: cls(config, media, tiles, device.type == "cuda", host_processes)
 
     def prepare(self, checked: CheckedStep, step: int) -> tuple[Batch, dict[str, torch.Tensor], list[tuple[int, str]]]:
         """Step `step`'s prepare stage (`preparers.prepare_step`: decode, pack, corrupt and pair, block tables), here
