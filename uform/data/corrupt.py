@@ -58,6 +58,11 @@ def _geometric_table(mean_span: float, limit: int) -> np.ndarray:
     return np.array(table[::-1], dtype=np.uint64)
 
 
+def _ordinals(runs: np.ndarray) -> np.ndarray:
+    """[sum(runs)] each element's index within its run, for consecutive runs of the given lengths."""
+    return np.arange(int(runs.sum())) - np.repeat(np.cumsum(runs) - runs, runs)
+
+
 def _span_lengths(keys: np.ndarray, counts: np.ndarray, mean_span: float) -> tuple[np.ndarray, np.ndarray]:
     """Geometric span lengths [S, J] drawn until each segment's reach `counts` [S] (> 0), the last cut to it,
     zeros past it, and the spans each segment uses [S]."""
@@ -107,8 +112,7 @@ def _layout(
     owner = np.repeat(np.arange(segments), used)  # [n spans]
     first = (starts[live] + turn[owner]) % lengths[owner]
     segment = np.repeat(owner, flat_spans)  # [P]
-    inside = np.arange(len(segment)) - np.repeat(np.cumsum(flat_spans) - flat_spans, flat_spans)
-    position = (np.repeat(first, flat_spans) + inside) % lengths[segment]
+    position = (np.repeat(first, flat_spans) + _ordinals(flat_spans)) % lengths[segment]
     return segment, position
 
 
@@ -154,8 +158,7 @@ def corrupt_text(
     # Which covered positions show MASK, a random byte or their own: each segment's ranked by a word apiece,
     # the lowest `shown` MASK, the next `drawn` a byte. Both cumulative shares are rounded stochastically with one
     # draw: each is exact in expectation even for a three-byte caption, and together they never exceed k.
-    first = np.repeat(np.cumsum(counts) - counts, counts)  # [P] where its segment's run starts in the flat order
-    ordinal = np.arange(len(segment)) - first  # [P] within its segment
+    ordinal = _ordinals(counts)  # [P] within its segment
     order = np.lexsort((ordinal, words(keys[segment], _RANK, ordinal), segment))
     rank = np.empty(len(segment), dtype=np.int64)
     rank[order] = ordinal  # each segment's run is the same places in sorted order, so the ordinals rank them

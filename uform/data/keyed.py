@@ -24,11 +24,11 @@ def keyed_states(seed: int, step: int, stream: int, keys: Sequence[int]) -> np.n
     at once in numpy (`_seed_states`), since a `SeedSequence` each costs about as much as a small item's whole
     draws. Text corruption and media masks key their counter-based streams with them (`words`)."""
     head = [w for part in (seed, step, stream) for w in _words(part)]
-    words = [head + _words(k) for k in keys]
-    out = np.zeros((len(words), _POOL), dtype=np.uint64)
-    for length in sorted({len(w) for w in words}):  # rows of one length hash alike
-        rows = [j for j, w in enumerate(words) if len(w) == length]
-        out[rows] = _seed_states(np.array([words[j] for j in rows], dtype=np.uint32))  # [n, 4] uint64
+    entropy = [head + _words(k) for k in keys]
+    out = np.zeros((len(entropy), _POOL), dtype=np.uint64)
+    for length in sorted({len(e) for e in entropy}):  # rows of one length hash alike
+        rows = [j for j, e in enumerate(entropy) if len(e) == length]
+        out[rows] = _seed_states(np.array([entropy[j] for j in rows], dtype=np.uint32))  # [n, 4] uint64
     return out
 
 
