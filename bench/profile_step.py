@@ -37,19 +37,15 @@ def sync_stacks(run: object) -> None:
         stack = "".join(traceback.format_stack()[:-2][-12:])
         seen[stack] = seen.get(stack, 0) + 1
 
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                run()  # type: ignore[operator]
-                torch.cuda.synchronize()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = shown
+    with warnings.catch_warnings():  # restores the filters and `showwarning` on the way out
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()  # type: ignore[operator]
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     print(f"synchronizing calls over 4 steps: {sum(seen.values())} from {len(seen)} stacks", flush=True)
     for stack, count in sorted(seen.items(), key=lambda kv: -kv[1]):
         print(f"--- {count} times:\n{stack}", flush=True)
