@@ -147,7 +147,11 @@ def decode_rates(args: argparse.Namespace) -> list[dict[str, Any]]:
             [c for c, _ in clips],
             args.clips,
         ),
-        *(("audio", f"{name} 7.1 s 11025 Hz", audio, [data], args.recordings) for name, data in recordings()),
+        # `--recordings 0` leaves audio out, and with it pygame (not installed on every machine).
+        *(
+            ("audio", f"{name} 7.1 s 11025 Hz", audio, [data], args.recordings)
+            for name, data in (recordings() if args.recordings else [])
+        ),
     ]
     counts = sorted({1, args.workers or decode_parallelism()})
     rows = []

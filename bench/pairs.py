@@ -105,7 +105,9 @@ def profile_steps(deferred: Any, steps: int, contents: Any, modalities: list, re
             future.result()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
-    trace = os.path.join(os.environ.get("OUT", "."), "pairs-trace.json")
+    folder = os.environ.get("OUT", ".")
+    os.makedirs(folder, exist_ok=True)  # the profiler does not make it, and would lose the steps' summary
+    trace = os.path.join(folder, "pairs-trace.json")
     prof.export_chrome_trace(trace)
     print(report(summarize(load_events(trace), steps), "profiled uform steps"))
 

@@ -2,7 +2,7 @@
 GPU at the reference geometry of docs/design.md §1): bench/encode.py (its --file path too); bench/onnx_cpu.py; bench/maxsim.py, whose current MaxSim agrees with the previous one it
 keeps as the reference; bench/scaling.py through an executor of two CPU workers; bench/train_shards.py (uform.fit from tar shards against the library loop); bench/pairs.py (uform's side);
 bench/data_wait.py's video and audio steps; bench/profile_host.py --timeline; bench/attention.py's layouts and FLOP
-count; bench/kernel_trace.py's reading of a profiler trace; and bench/loss_curve.py's windows."""
+count; bench/kernel_trace.py's reading of a profiler trace; bench/loss_curve.py's windows; and bench/copy_rate.py."""
 
 from __future__ import annotations
 
@@ -210,3 +210,11 @@ def test_loss_curve_bench_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert len(results["curve"]) == 2 and results["finite"] and all(np.isfinite(results["curve"]))
     assert results["curve"][0] > results["curve"][1]  # twelve steps of a fresh tower lower the loss (6 were noise)
     assert json.loads((tmp_path / "bench-loss-curve.json").read_text())["curve"] == results["curve"]
+
+
+def test_copy_rate_bench_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUT", str(tmp_path))
+    result = load("copy_rate").main(["--mib", "1", "--repeats", "2"])
+    copies = {name: r for name, r in result.items() if isinstance(r, dict)}
+    assert len(copies) == 8 and all(r["worst"] <= r["median"] <= r["best"] for r in copies.values())
+    assert json.loads((tmp_path / "bench-copy-rate.json").read_text())["mib"] == 1

@@ -92,6 +92,36 @@ def test_flex_equals_dense_on_cuda() -> None:
         torch.testing.assert_close(flex_grads[name], dense_grads[name], rtol=2e-3, atol=2e-4, msg=name)
 
 
+def test_inputs_copied_on_a_side_stream_are_read_after_they_land() -> None:
+    """`to_device(copy_stream=...)`: the copies run on that stream, and what the current stream reads of them
+    afterwards is the host's values even while the copy stream is held back (a missing wait would read them
+    before they land)."""
+    resolved = resolve(config())
+    network = Network(resolved).cuda()
+    texts, relations = items()
+    contents = [t.encode() for t in texts]
+    batch = prepare(
+        resolved, [u.Modality.Text] * 16, contents, bags=None, groups=None, sides=None, relations=relations, step=1
+    )
+    host = batch.host_tensors(pin=True, tables=block_tables(batch.segments))
+    device = torch.device("cuda")
+    side = torch.cuda.Stream(device)
+    names = ("tokens", "segments", "positions")
+    for _ in range(3):
+        with torch.cuda.stream(side):
+            # Blocks of the copies' sizes freed holding -7, so a read that does not wait finds -7, not old values.
+            poisoned = [torch.full_like(host[name], -7, device=device) for name in names]
+            del poisoned
+            torch.cuda._sleep(50_000_000)  # ~25 ms of the side stream before its copies start
+        inputs = to_device(
+            host, device, network.rotary, attention="flex", dtype=torch.float32, dynamic=False, copy_stream=side
+        )
+        read = {name: getattr(inputs, name).cpu() for name in names}
+        for name, value in read.items():
+            assert torch.equal(value, host[name]), name
+    torch.cuda.synchronize()
+
+
 def test_cuda_step_matches_cpu_step() -> None:
     """One step's losses on CUDA (bf16 autocast, compiled) stay near the CPU fp32 reference."""
     texts, relations = items()

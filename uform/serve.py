@@ -301,6 +301,7 @@ class Model:
             batch=dataclasses.replace(b, max_bags_per_device=0),
         )
         self.attention = "flex" if compiled and compiled_flex_available(device) else "dense"
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # batches cross on it
         self.packing = packing_rows(self.rows, self.columns) if self.attention == "flex" else (self.rows, self.columns)
         """(rows, columns) a batch packs into: `rows` x `columns` positions, in wider rows where the forward's
         attention is FlexAttention's (`packing_rows`); the dense path's mask grows as a row's width squared."""
@@ -821,7 +822,13 @@ class Model:
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         rotary = self.network.rotary
         return to_device(
-            prepared.tensors, self.device, rotary, attention=self.attention, dtype=dtype, dynamic=self.compiled
+            prepared.tensors,
+            self.device,
+            rotary,
+            attention=self.attention,
+            dtype=dtype,
+            dynamic=self.compiled,
+            copy_stream=self._copy_stream,
         )
 
     def _pooled_forward(self, batch: DeviceBatch) -> Tensor:

@@ -30,6 +30,7 @@ from .corrupt import corrupt_text
 from .items import ChoiceTapes
 from .keyed import keyed_rng, keyed_states, words
 from .pack import LateRoom, Layout, Rows, fill_media, fill_state, fill_texts, plan
+from .row_copy import copy_rows
 
 if TYPE_CHECKING:  # torch loads where host tensors are made, never in the preparer process that prepares steps
     import torch
@@ -476,15 +477,7 @@ def _stack_units(
     masked = alloc((padded,), np.bool_)
     valid = alloc((padded,), np.float32)
     if parts:
-        present = [v[:n] for v, n, _ in parts if v is not None]
-        if len(present) == len(parts):
-            np.concatenate(present, out=values[:count], casting="unsafe")
-        else:
-            at = 0
-            for v, n, _ in parts:
-                if v is not None:
-                    values[at : at + n] = v[:n]
-                at += n
+        copy_rows(values, [None if v is None else v[:n] for v, n, _ in parts], [n for _, n, _ in parts])
         index[:count] = flat
         np.concatenate([m[:n] for _, n, m in parts], out=masked[:count], casting="unsafe")
     values[count:] = 0

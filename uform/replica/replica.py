@@ -171,6 +171,7 @@ class Replica:
         self.attention = "flex" if compiled_flex_available(self.device) else "dense"
         self.block = flex_block(self.device) if self.attention == "flex" else BLOCK
         """The side of the flex block mask's sparse tiles (`model.attention.flex_block`)."""
+        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None  # a step's inputs cross on it
         self.stage = stage(config, self.block if self.attention == "flex" else 0)
         """Where this replica's prepare stage runs (`Stage`)."""
         self._losses: Callable[..., Losses] = self.network.losses
@@ -473,6 +474,7 @@ class Replica:
             dtype=dtype,
             dynamic=cuda,
             block=self.block,
+            copy_stream=self._copy_stream,
         )
         rate = learning_rate(r.schedule, step)
         for group in self.optimizer.param_groups:
