@@ -14,11 +14,14 @@ open_clip  `open_clip.model.CLIP` with two towers of the same depth and width (v
 Both time the step period over `--steps` steps after `--warmup` (uform: between two completions; open_clip: CUDA
 events around each step) and report the median pairs/s, then uform's ratio to open_clip. uform's rate counts
 pairs trained: the items its steps dropped for lack of room (read from the stats of the last warm-up step and the
-last step) are taken off as a pair each. open_clip is imported
-only for its side (`--skip-open-clip` leaves it out; it is not a dependency of uform's: on the GPU machine carry
+last step) are taken off as a pair each. With `--fed`, uform's steps run again with the prepare stage taken
+away (one prepared step answered for every step, as bench/data_wait.py's fed run): the image-text step's data
+wait is 1 - fed / pipeline step time, printed with the prepare stage's time for one step alone (issue 12, goal
+2). open_clip is imported only for its side (`--skip-open-clip` leaves it out; it is not a dependency of uform's: on the GPU machine carry
 open_clip_torch, ftfy and wcwidth as wheels). Writes bench-pairs.json under $OUT (or the current folder).
 
   python bench/pairs.py                      # the GPU, both sides
+  python bench/pairs.py --skip-open-clip --fed   # uform's data wait on the image-text step
   python bench/pairs.py --cpu --skip-open-clip --depth 1 --hidden 128 --pairs 4 --rows 4 --columns 640 --segments 8 --steps 3 --warmup 1
 """
 
@@ -34,13 +37,14 @@ from collections import deque
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from common import add_geometry, bench_config, topic_slices, write_json  # sibling scripts, not a package
+from common import Fed, add_geometry, bench_config, topic_slices, write_json  # sibling scripts, not a package
 from kernel_trace import load_events, report, summarize
 from train_shards import jpeg
 
 
-def uform_rates(args: argparse.Namespace) -> list[float]:
-    """pairs/s of each uform step (the period between two completions), the JPEGs decoded every step."""
+def uform_rates(args: argparse.Namespace) -> dict[str, Any]:
+    """pairs/s of each uform step (the period between two completions), the JPEGs decoded every step; with
+    `--fed`, the same of the device stage alone, and the prepare stage's own time."""
     import uform as u
     from uform.fitting import steps_in_flight
 
@@ -57,35 +61,56 @@ def uform_rates(args: argparse.Namespace) -> list[float]:
 
     executor = u.Executor.cpu() if args.cpu else u.Executor.for_vram([0])
     trainer = u.Trainer.init_vram(executor, config)
+    answer: dict[str, Any] = {}
     try:
         deferred = trainer.deferred(executor)
         depth = steps_in_flight(trainer)
-        in_flight: deque = deque()
-        rates: list[float] = []
-        finished = time.perf_counter()
-        total = args.warmup + args.steps
-        # Stats on two steps only (each read waits for its step's losses): the last warm-up step's read starts
-        # the count of items dropped for lack of room, the last step's ends it.
+
+        def drive(counted: Any) -> list[float]:
+            """pairs/s of each of `--warmup` + `--steps` steps, `depth` in flight; the stats of the last warm-up
+            step and the last step read into `counted` (each read waits for its step's losses): the count of
+            items dropped for lack of room between the two."""
+            in_flight: deque = deque()
+            rates: list[float] = []
+            finished = time.perf_counter()
+            total = args.warmup + args.steps
+            for k in range(total + depth):
+                if k < total:
+                    read = counted if k == total - 1 else u.TrainerStepStats() if k == args.warmup - 1 else None
+                    step_config = u.TrainerStepConfig(relations=relations, stats=read)
+                    in_flight.append(deferred.step(modalities, contents(k), step_config))
+                    if len(in_flight) < depth:
+                        continue
+                if not in_flight:
+                    break
+                in_flight.popleft().result()
+                now = time.perf_counter()
+                rates.append(p / (now - finished))
+                finished = now
+            return rates[args.warmup :]
+
         counted = u.TrainerStepStats()
-        for k in range(total + depth):
-            if k < total:
-                read = counted if k == total - 1 else u.TrainerStepStats() if k == args.warmup - 1 else None
-                step_config = u.TrainerStepConfig(relations=relations, stats=read)
-                in_flight.append(deferred.step(modalities, contents(k), step_config))
-                if len(in_flight) < depth:
-                    continue
-            if not in_flight:
-                break
-            in_flight.popleft().result()
-            now = time.perf_counter()
-            rates.append(p / (now - finished))
-            finished = now
+        answer["rates"] = drive(counted)
+        answer["dropped"] = counted.dropped
+        if args.fed:
+            replica = trainer.replica
+            checked = replica.check_step(modalities, contents(0), u.TrainerStepConfig(relations=relations), False)
+            alone = []
+            for k in range(4):  # one step at a time, after one untimed
+                started = time.perf_counter()
+                replica.prepare(checked, 10_000 + k)
+                alone.append(time.perf_counter() - started)
+            answer["prepare_ms"] = statistics.median(alone[1:]) * 1e3
+            # The device stage alone: every step answered at once with one prepared step (its items' pairs).
+            real = Fed.install(trainer, modalities, contents(0), u.TrainerStepConfig(relations=relations))
+            answer["fed_rates"] = drive(u.TrainerStepStats())
+            replica.stage = real
         if args.profile:
             profile_steps(deferred, args.profile, contents, modalities, relations)
     finally:
         trainer.close()
         executor.close()
-    return rates[args.warmup :], counted.dropped
+    return answer
 
 
 def profile_steps(deferred: Any, steps: int, contents: Any, modalities: list, relations: Any) -> None:
@@ -169,6 +194,9 @@ def main() -> dict[str, Any]:
     parser.add_argument("--cpu", action="store_true", help="uform on the CPU (a smoke run; open_clip needs CUDA)")
     parser.add_argument("--skip-open-clip", action="store_true")
     parser.add_argument("--profile", type=int, default=0, help="then profile this many more uform steps")
+    parser.add_argument(
+        "--fed", action="store_true", help="then uform's device stage alone (the prepare stage fed): its data wait"
+    )
     args = parser.parse_args()
     args.segments = args.segments or 2 * args.pairs
 
@@ -180,17 +208,29 @@ def main() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
     }
-    rates, dropped = uform_rates(args)
+    uform = uform_rates(args)
+    dropped = uform["dropped"]
     counted_steps = args.steps if args.warmup > 0 else args.steps + args.warmup
     # A dropped item leaves its pair untrained: counted as such, so the rate is of pairs trained at most.
     trained = max(0.0, 1.0 - dropped / (args.pairs * counted_steps))
     result["uform_items_dropped"] = dropped
-    result["uform_pairs_per_second"] = statistics.median(rates) * trained
+    result["uform_pairs_per_second"] = statistics.median(uform["rates"]) * trained
     print(
         f"uform, from JPEG bytes:            {result['uform_pairs_per_second']:,.0f} pairs/s "
         f"(pairs trained: {dropped} of {2 * args.pairs * counted_steps} items dropped for room)",
         flush=True,
     )
+    if args.fed:
+        step_ms = args.pairs / statistics.median(uform["rates"]) * 1e3
+        fed_ms = args.pairs / statistics.median(uform["fed_rates"]) * 1e3
+        result["uform_step_ms"], result["uform_fed_ms"] = step_ms, fed_ms
+        result["uform_data_wait"] = 1 - fed_ms / step_ms
+        result["uform_prepare_ms"] = uform["prepare_ms"]
+        print(
+            f"uform step {step_ms:.2f} ms, fed (device stage alone) {fed_ms:.2f} ms: data wait "
+            f"{result['uform_data_wait']:.1%}; prepare stage alone {uform['prepare_ms']:.1f} ms/step",
+            flush=True,
+        )
     if not args.skip_open_clip:
         result["open_clip_pairs_per_second"] = statistics.median(open_clip_rates(args))
         result["ratio"] = result["uform_pairs_per_second"] / result["open_clip_pairs_per_second"]

@@ -106,6 +106,10 @@ def test_pairs_bench_smoke(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "bench-pairs.json").read_text())
     assert result["uform_pairs_per_second"] > 0 and result["geometry"]["pairs"] == 4
     assert result["uform_items_dropped"] == 0
+    subprocess.run([sys.executable, str(BENCH / "pairs.py"), *tiny.split(), "--fed"], env=environment, check=True)
+    result = json.loads((tmp_path / "bench-pairs.json").read_text())  # the image-text step's data wait
+    assert result["uform_fed_ms"] > 0 and result["uform_prepare_ms"] > 0
+    assert result["uform_data_wait"] == pytest.approx(1 - result["uform_fed_ms"] / result["uform_step_ms"])
     # One row holds two of the four pairs' images: items are dropped, and the rate counts pairs trained only.
     cramped = tiny.replace("--rows 4", "--rows 1")
     subprocess.run([sys.executable, str(BENCH / "pairs.py"), *cramped.split()], env=environment, check=True)

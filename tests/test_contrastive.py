@@ -340,3 +340,65 @@ def test_derived_and_bad_shapes_are_refused() -> None:
         contrastive_term(*args, torch.zeros(2, 2), torch.zeros(2, 2), [], PairLossForm.Derived)
     with pytest.raises(ValueError, match="width"):
         contrastive_term(*args, torch.zeros(2, 2), torch.zeros(2, 2), [16], PairLossForm.Sigmoid)
+
+
+class _LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the most elements of any tensor an op makes while it is on (forward and backward alike)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _largest_in_a_world_term(form: PairLossForm, world: int, slots: int = 16, hidden: int = 32) -> int:
+    """One process's contrastive term in a world of `world` processes of `slots` slots each (issue 16, item 2):
+    the world's columns gathered, its own rows against them, forward and backward, as `Network.heads` scores it
+    (`world_pairs`, then `contrastive_term`); answers the largest tensor made."""
+    generator = torch.Generator().manual_seed(world)
+    rows = torch.randn(slots, hidden, generator=generator, requires_grad=True)
+    others = torch.randn(world * slots, hidden, generator=generator)
+    z = torch.zeros(slots, slots)
+    w = torch.zeros(slots, slots)
+    z[torch.arange(slots), torch.arange(slots).roll(1)] = 1.0  # one positive a row, in its own process's block
+    w[torch.arange(slots), torch.arange(slots).roll(1)] = 1.0
+    with _LargestTensor() as seen:
+        columns = torch.cat([others[: world // 2 * slots], rows, others[(world // 2 + 1) * slots :]])  # [W*S, D]
+        wide_z, wide_w = contrastive.world_pairs(z, w, world // 2, world, True, 0.5)
+        term = contrastive_term(
+            rows,
+            torch.ones(slots, dtype=torch.bool),
+            torch.zeros(slots, dtype=torch.int64),
+            torch.zeros(1, requires_grad=True),
+            torch.zeros(1, requires_grad=True),
+            wide_z,
+            wide_w,
+            [hidden // 2, hidden],
+            form,
+            columns=columns,
+            column_valid=torch.ones(world * slots, dtype=torch.bool),
+            positives=1 if form == PairLossForm.Ranked else None,
+        )
+        term.sum.backward()
+    assert rows.grad is not None and torch.isfinite(rows.grad).all()
+    return seen.largest
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_world_term_holds_local_by_world_cells_never_world_squared(form: PairLossForm) -> None:
+    """The term's memory grows with local slots x world slots: from 16 to 64 processes its largest tensor grows
+    4x (never 16x), and is the world's gathered columns [W * S, D] or a small multiple of one [S, W * S] score
+    matrix, far below a [W * S, W * S] one."""
+    slots, hidden = 16, 32
+    largest = {world: _largest_in_a_world_term(form, world, slots, hidden) for world in (16, 64)}
+    for world, elements in largest.items():
+        cells = slots * world * slots  # one [S, W * S] matrix
+        assert elements <= max(2 * cells, world * slots * hidden), (world, elements, cells)
+    assert largest[64] <= (64 * slots) ** 2 / 16
+    assert largest[64] <= 4.5 * largest[16]
