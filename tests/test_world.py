@@ -2,8 +2,9 @@
 
 One launch runs every world at once, each process running every case and writing reports
 (tests/world_cases.py): worlds of 2 (started by torchrun), 3 (a TCP store) and 4 (a FileStore) processes
-for the invariance cases; a world of 3 where one process builds another run and later dies; and, after
-it, a world of 2 that resumes the dead world's checkpoint under the same job name (over its stale files).
+for the invariance cases; a world of 4 where one process builds another run and later one dies; and, after
+it, the run restarted from the dead world's checkpoint: all four processes again under the same job name (over
+its stale files), and a world of 2 beside them.
 The tests compare the reports with one process stepping the whole global batch alone.
 """
 
@@ -93,13 +94,17 @@ def worlds(tmp_path_factory) -> dict[str, Any]:
             "invariance-3", hosts("invariance", reports, 3, "three", "--store", "tcp", "--timeout", "120"), logs
         ),
         "invariance-4": Launch("invariance-4", hosts("invariance", reports, 4, "four", "--timeout", "120"), logs),
-        "fault": Launch("fault", hosts("fault", reports, 3, "fault", "--timeout", "30"), logs),
+        "fault": Launch("fault", hosts("fault", reports, 4, "fault", "--timeout", "30"), logs),
         "nonfinite": Launch("nonfinite", hosts("nonfinite", reports, 2, "nonfinite", "--timeout", "120"), logs),
     }
     codes = {"fault": launches["fault"].wait(deadline)}
-    resume = Launch("resume", hosts("resume", reports, 2, "fault", "--timeout", "60"), logs)
-    codes["resume"] = resume.wait(deadline)
-    launches["resume"] = resume
+    restarts = {  # every process of the dead world again (its job, over its files), and a smaller world
+        "resume-4": Launch("resume-4", hosts("resume", reports, 4, "fault", "--timeout", "60"), logs),
+        "resume-2": Launch("resume-2", hosts("resume", reports, 2, "fault-smaller", "--timeout", "60"), logs),
+    }
+    for name, launch in restarts.items():
+        codes[name] = launch.wait(deadline)
+    launches.update(restarts)
     for name, launch in launches.items():
         if name not in codes:
             codes[name] = launch.wait(deadline)
@@ -198,13 +203,13 @@ def test_only_process_zero_writes(worlds, size: int) -> None:
 
 
 def test_another_run_is_refused_on_every_process(worlds) -> None:
-    for rank in range(3):
+    for rank in range(4):
         mismatch = report(worlds, f"fault-{rank}")["mismatch"]
         assert mismatch is not None and "process 2 builds another run" in mismatch and "seed" in mismatch
 
 
 def test_a_process_that_cannot_build_the_run_fails_every_process_at_once(worlds) -> None:
-    for rank in range(3):
+    for rank in range(4):
         r = report(worlds, f"fault-{rank}")
         assert r["failed_init"] is not None and r["failed_init_seconds"] < 10
         if rank == 2:  # its own error
@@ -214,29 +219,30 @@ def test_a_process_that_cannot_build_the_run_fails_every_process_at_once(worlds)
 
 
 def test_a_killed_process_fails_the_others_clearly_within_the_deadline(worlds) -> None:
-    for rank in (0, 2):
+    for rank in (0, 2, 3):
         r = report(worlds, f"fault-{rank}")
         assert r["error"] is not None and r["error"].startswith("MeshError: mesh: step 3 failed"), r["error"]
         assert "restart every process" in r["error"] and "resume" in r["error"]
         assert r["seconds"] < 30, "past the mesh's deadline"
         assert r["again"] == r["error"] and r["again_seconds"] < 1, "a broken world refuses at once"
-    assert worlds["codes"]["fault"] == [0, 9, 0]
+    assert worlds["codes"]["fault"] == [0, 9, 0, 0]
 
 
-def test_restarting_with_resume_continues_the_run_in_another_world(worlds) -> None:
-    """The dead world of three saved after step 2; two fresh processes under the same job (over the dead
-    world's files) resume it, and step 3 is the step one process alone takes after two."""
-    assert worlds["codes"]["resume"] == [0, 0], worlds["output"]["resume"]
+@pytest.mark.parametrize("size", [4, 2])
+def test_restarting_with_resume_continues_the_run_in_this_world_or_another(worlds, size: int) -> None:
+    """The dead world of four saved after step 2; four fresh processes under the same job (over the dead
+    world's files), and two under another, resume it, and step 3 is the step one process alone takes after two."""
+    assert worlds["codes"][f"resume-{size}"] == [0] * size, worlds["output"][f"resume-{size}"]
     executor = Executor.cpu()
     trainer = Trainer.init_vram(executor, wc.config(*wc.CASES[0][1:]))
     ours = wc.run_steps(trainer, list(range(wc.BAGS)), [1, 2, 3])[2:]
     arrays = wc.snapshot(trainer)
     trainer.close()
-    for rank in range(2):
-        r = report(worlds, f"resume-{rank}")
-        assert r["description"]["world_size"] == 2
+    for rank in range(size):
+        r = report(worlds, f"resume-{size}-{rank}")
+        assert r["description"]["world_size"] == size
         assert_stats_agree(r["stats"], ours)
-        with np.load(worlds["reports"] / f"resume-{rank}.npz") as theirs:
+        with np.load(worlds["reports"] / f"resume-{size}-{rank}.npz") as theirs:
             assert_arrays_agree(theirs, arrays)
 
 
@@ -378,7 +384,7 @@ def test_a_killed_process_fails_the_other_within_the_deadline_with_nccl(tmp_path
     assert alone.wait(deadline) == [0], alone.output()
     ours = json.loads((reports / "resume-alone.json").read_text())["stats"]
     for rank in range(2):
-        theirs = json.loads((reports / f"resume-{rank}.json").read_text())["stats"]
+        theirs = json.loads((reports / f"resume-2-{rank}.json").read_text())["stats"]
         assert [s["step"] for s in theirs] == [3] == [s["step"] for s in ours]
         a, b = theirs[0]["loss"], ours[0]["loss"]
         assert abs(a - b) <= wc.GPU_TOLERANCE * max(abs(b), 1e-3), (rank, a, b)

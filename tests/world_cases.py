@@ -226,7 +226,7 @@ def survive_a_dead_peer(
 
 
 def fault(args: argparse.Namespace, reports: Path) -> None:
-    """A world of three: a process that builds another run is refused on every process; then two steps, a
+    """A world of four: a process that builds another run is refused on every process; then two steps, a
     save, and process 1 dies before step 3, which the others must report clearly within the deadline."""
     mesh = mesh_of(args)
     rank = mesh.describe().ranks[0]
@@ -339,7 +339,7 @@ def resume(args: argparse.Namespace, reports: Path) -> None:
     arrays = snapshot(trainer)
     trainer.close()
     mesh.close()
-    _write(reports, f"resume-{rank}", {"stats": stats, "description": _describe(description)}, arrays)
+    _write(reports, f"resume-{size}-{rank}", {"stats": stats, "description": _describe(description)}, arrays)
 
 
 def image_bytes(seed: int) -> bytes:
