@@ -2,7 +2,7 @@
 GPU at the reference geometry of docs/design.md §1): bench/encode.py (its --file path too); bench/onnx_cpu.py; bench/maxsim.py, whose current MaxSim agrees with the previous one it
 keeps as the reference; bench/scaling.py through an executor of two CPU workers; bench/train_shards.py (uform.fit from tar shards against the library loop); bench/pairs.py (uform's side);
 bench/data_wait.py's video and audio steps; bench/profile_host.py --timeline; bench/attention.py's layouts and FLOP
-count; bench/kernel_trace.py's reading of a profiler trace; bench/loss_curve.py's windows; and bench/copy_rate.py."""
+count; bench/kernel_trace.py's reading of a profiler trace; bench/loss_curve.py's windows; bench/copy_rate.py; and bench/graphs.py's CPU path."""
 
 from __future__ import annotations
 
@@ -222,3 +222,12 @@ def test_copy_rate_bench_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     copies = {name: r for name, r in result.items() if isinstance(r, dict)}
     assert len(copies) == 8 and all(r["worst"] <= r["median"] <= r["best"] for r in copies.values())
     assert json.loads((tmp_path / "bench-copy-rate.json").read_text())["mib"] == 1
+
+
+def test_graphs_bench_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/graphs.py's CPU path steps the trainer's network outside its verbs (the graphs need CUDA)."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    tiny = "--cpu --depth 1 --hidden 128 --rows 2 --columns 256 --segments 4 --steps 2 --warmup 1"
+    result = load("graphs").main(tiny.split())
+    assert result["compiled"]["ms"] > 0 and "graphs" not in result
+    assert json.loads((tmp_path / "bench-graphs.json").read_text())["geometry"]["segments"] == 4

@@ -1,0 +1,138 @@
+"""Would CUDA graphs shorten uform's device step? (issue 12, goal 4)
+
+The reference text step's kernels take ~42 ms of a ~45 ms fed step on the H200 (BENCHMARKS.md, "Issue 12,
+seventh day": ~700 kernels a step, 1.46 ms of gaps between them). A CUDA graph replays a step's kernels without a
+launch each. This times the network of a `Trainer` (its weights, attention path, tile side and fused AdamW) on
+one prepared batch, outside the trainer's verbs, two ways:
+
+  compiled   `torch.compile(network.losses, dynamic=False)`, as the trainer compiles it: forward under bf16
+             autocast, `Network.total`, backward, the trainer's optimizer step, gradients cleared
+  graphs     the same compiled with mode="reduce-overhead": forward and backward replayed as CUDA graphs
+             (`torch.compiler.cudagraph_mark_step_begin()` before each step); CUDA only
+
+each over `--steps` steps after `--warmup` (wall clock, the device synchronised at both ends; the host's time to
+submit the steps beside it), and prints the difference. The inputs are the same device tensors every step
+(`model.inputs.to_device` once), so neither variant pays a copy. The trainer's own step also computes the
+non-finite flag and reads its stats back; this bench leaves both out of both variants. Writes bench-graphs.json
+under $OUT (or the current folder). Usage:
+  python bench/graphs.py [--steps 30 --warmup 10]      (geometry flags as bench/step.py)
+  python bench/graphs.py --cpu --depth 1 --hidden 128 --rows 2 --columns 256 --segments 4 --steps 2 --warmup 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import add_geometry, bench_config, pair_relations, topic_slices, write_json  # sibling scripts
+
+
+def timed(step: Callable[[], None], steps: int, warmup: int, cuda: bool) -> dict[str, float]:
+    """ms per step of `steps` calls after `warmup` (the device synchronised before and after), and the host's ms
+    per step to submit them."""
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    submitted = time.perf_counter()
+    if cuda:
+        torch.cuda.synchronize()
+    finished = time.perf_counter()
+    return {"ms": (finished - started) / steps * 1e3, "host_ms": (submitted - started) / steps * 1e3}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_geometry(parser)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--cpu", action="store_true", help="a smoke run on the CPU: eager, no graphs")
+    args = parser.parse_args(argv)
+
+    import uform as u
+    from uform.data.batch import prepare
+    from uform.data.blocks import block_tables
+    from uform.model.inputs import to_device
+
+    executor = u.Executor.cpu() if args.cpu else u.Executor.for_vram([0])
+    trainer = u.Trainer.init_vram(executor, bench_config(args))
+    result: dict[str, Any] = {
+        "geometry": {k: getattr(args, k) for k in ("depth", "hidden", "rows", "columns", "segments")},
+        "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+    }
+    try:
+        network, optimizer, device = trainer.network, trainer.optimizer, trainer.device
+        cuda = device.type == "cuda"
+        n = args.segments
+        contents = topic_slices(n, args.rows * args.columns // n - 1)  # prefix + content fill the rows
+        batch = prepare(
+            trainer.config,
+            [u.Modality.Text] * n,
+            contents,
+            bags=None,
+            groups=None,
+            sides=None,
+            relations=pair_relations(n),
+            step=1,
+        )
+        flex = trainer.attention == "flex"
+        block = trainer.replica.block
+        host = batch.host_tensors(cuda, tables=block_tables(batch.segments, block) if flex else None)
+        inputs = to_device(
+            host,
+            device,
+            network.rotary,
+            attention=trainer.attention,
+            dtype=torch.bfloat16 if cuda else torch.float32,
+            dynamic=False,
+            block=block,
+        )
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-5
+
+        def stepper(losses: Callable[..., Any], graphs: bool) -> Callable[[], None]:
+            def step() -> None:
+                if graphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                    terms, _ = losses(inputs, None, batch.positives, batch.late_positives)
+                network.total(terms)["loss"].backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            return step
+
+        network.train()
+        plain = torch.compile(network.losses, dynamic=False) if cuda else network.losses
+        result["compiled"] = timed(stepper(plain, False), args.steps, args.warmup, cuda)
+        label = "compiled" if cuda else "eager (CPU)"
+        print(f"{label}: {result['compiled']['ms']:.2f} ms/step (host {result['compiled']['host_ms']:.2f})")
+        if cuda:
+            torch._dynamo.reset()  # the graphs variant compiles the same function afresh
+            graphs = torch.compile(network.losses, dynamic=False, mode="reduce-overhead")
+            result["graphs"] = timed(stepper(graphs, True), args.steps, args.warmup, cuda)
+            saved = result["compiled"]["ms"] - result["graphs"]["ms"]
+            print(
+                f"graphs:   {result['graphs']['ms']:.2f} ms/step (host {result['graphs']['host_ms']:.2f}); {saved:+.2f} ms"
+            )
+            result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    finally:
+        trainer.close()
+        executor.close()
+    print(write_json("bench-graphs.json", result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
