@@ -3,17 +3,20 @@
 The reference text step's kernels take ~42 ms of a ~45 ms fed step on the H200 (BENCHMARKS.md, "Issue 12,
 seventh day": ~700 kernels a step, 1.46 ms of gaps between them). A CUDA graph replays a step's kernels without a
 launch each. This times the network of a `Trainer` (its weights, attention path, tile side and fused AdamW) on
-one prepared batch, outside the trainer's verbs, two ways:
+one prepared batch, outside the trainer's verbs, three ways, each over `--steps` steps after `--warmup` (wall
+clock, the device synchronised at both ends, with the host's time to submit the steps beside it):
 
   compiled   `torch.compile(network.losses, dynamic=False)`, as the trainer compiles it: forward under bf16
              autocast, `Network.total`, backward, the trainer's optimizer step, gradients cleared
+  cpp        the same with inductor's C++ wrapper (`cpp_wrapper`): the compiled code launches its kernels
+             from C++, not Python; CUDA only
   graphs     the same compiled with mode="reduce-overhead": forward and backward replayed as CUDA graphs
              (`torch.compiler.cudagraph_mark_step_begin()` before each step); CUDA only
 
-each over `--steps` steps after `--warmup` (wall clock, the device synchronised at both ends; the host's time to
-submit the steps beside it), and prints the difference. The inputs are the same device tensors every step
-(`model.inputs.to_device` once), so neither variant pays a copy. The trainer's own step also computes the
-non-finite flag and reads its stats back; this bench leaves both out of both variants. Writes bench-graphs.json
+A variant that fails (a mode this torch does not support here) is reported with its error, and the others still
+run. The inputs are the same device tensors every step (`model.inputs.to_device` once), so no variant pays a
+copy. The trainer's own step also computes the non-finite flag and reads its stats back; every variant here
+leaves both out. Writes bench-graphs.json
 under $OUT (or the current folder). Usage:
   python bench/graphs.py [--steps 30 --warmup 10]      (geometry flags as bench/step.py)
   python bench/graphs.py --cpu --depth 1 --hidden 128 --rows 2 --columns 256 --segments 4 --steps 2 --warmup 1
@@ -119,13 +122,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         label = "compiled" if cuda else "eager (CPU)"
         print(f"{label}: {result['compiled']['ms']:.2f} ms/step (host {result['compiled']['host_ms']:.2f})")
         if cuda:
-            torch._dynamo.reset()  # the graphs variant compiles the same function afresh
-            graphs = torch.compile(network.losses, dynamic=False, mode="reduce-overhead")
-            result["graphs"] = timed(stepper(graphs, True), args.steps, args.warmup, cuda)
-            saved = result["compiled"]["ms"] - result["graphs"]["ms"]
-            print(
-                f"graphs:   {result['graphs']['ms']:.2f} ms/step (host {result['graphs']['host_ms']:.2f}); {saved:+.2f} ms"
-            )
+            variants: dict[str, tuple[dict[str, Any], bool]] = {"cpp": ({"cpp_wrapper": True}, False)}
+            variants["graphs"] = ({}, True)
+            for name, (inductor, graphs) in variants.items():
+                torch._dynamo.reset()  # each variant compiles the same function afresh
+                try:
+                    with torch._inductor.config.patch(inductor):
+                        mode = "reduce-overhead" if graphs else None
+                        losses = torch.compile(network.losses, dynamic=False, mode=mode)
+                        result[name] = timed(stepper(losses, graphs), args.steps, args.warmup, cuda)
+                except Exception as error:  # reported: whether a mode works on this torch is what is asked
+                    result[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+                    print(f"{name}: failed: {result[name]['error'][:300]}")
+                    continue
+                saved = result["compiled"]["ms"] - result[name]["ms"]
+                print(f"{name}: {result[name]['ms']:.2f} ms/step (host {result[name]['host_ms']:.2f}); {saved:+.2f} ms")
             result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     finally:
         trainer.close()
