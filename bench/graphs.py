@@ -16,8 +16,7 @@ clock, the device synchronised at both ends, with the host's time to submit the 
 A variant that fails (a mode this torch does not support here) is reported with its error, and the others still
 run. The inputs are the same device tensors every step (`model.inputs.to_device` once), so no variant pays a
 copy. The trainer's own step also computes the non-finite flag and reads its stats back; every variant here
-leaves both out. Writes bench-graphs.json
-under $OUT (or the current folder). Usage:
+leaves both out. Writes bench-graphs.json under $OUT (or the current folder). Usage:
   python bench/graphs.py [--steps 30 --warmup 10]      (geometry flags as bench/step.py)
   python bench/graphs.py --cpu --depth 1 --hidden 128 --rows 2 --columns 256 --segments 4 --steps 2 --warmup 1
 """
