@@ -140,6 +140,34 @@ def bert_config(depth: int, hidden: int, vocab: int, positions: int) -> Any:
     )
 
 
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) of this process's live threads by name (`/proc/self/task/*/comm`; threads of
+    one name summed), Linux only ({} elsewhere). PyTorch's autograd runs a CUDA backward's launches on a thread
+    of its own ("pt_autograd_0"), which this tells apart from the thread that called `backward()`."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out: dict[str, float] = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as handle:
+                name = handle.read().strip()
+            with open(f"/proc/self/task/{task}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # the thread ended meanwhile
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+def thread_cpu_per_step(before: dict[str, float], after: dict[str, float], steps: int) -> dict[str, float]:
+    """ms of CPU a step of each thread name between two `thread_cpu_seconds` readings, largest first."""
+    spent = {name: (after[name] - before.get(name, 0.0)) / steps * 1e3 for name in after}
+    return dict(sorted(((k, v) for k, v in spent.items() if v > 0), key=lambda kv: -kv[1]))
+
+
 class Fed:
     """A replica's `Stage` that answers one prepared step for every step (the prepare stage taken away)."""
 

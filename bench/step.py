@@ -39,6 +39,8 @@ from common import (  # sibling modules, not a package
     bert_config,
     in_flight,
     pair_relations,
+    thread_cpu_per_step,
+    thread_cpu_seconds,
     topic_slices,
     write_json,
 )
@@ -91,10 +93,15 @@ def bench_uform(args: argparse.Namespace) -> dict:
         real = Fed.install(trainer, modalities, items, u.TrainerStepConfig(relations=relations))
         in_flight(run, range(args.warmup), args.in_flight)
         torch.cuda.synchronize()
+        cpu = thread_cpu_seconds()
         t0 = time.perf_counter()
         in_flight(run, range(args.warmup, args.warmup + args.steps), args.in_flight)
         torch.cuda.synchronize()
-        fed = {"fed_ms": (time.perf_counter() - t0) / args.steps * 1e3}
+        fed = {
+            "fed_ms": (time.perf_counter() - t0) / args.steps * 1e3,
+            # Whose CPU a fed step takes: the device thread's launches, autograd's thread's (the backward's).
+            "fed_thread_cpu_ms": thread_cpu_per_step(cpu, thread_cpu_seconds(), args.steps),
+        }
         trainer.replica.stage = real
     trainer.close()
     return {
@@ -178,6 +185,8 @@ def main() -> None:
         print(
             f"uform_joint fed (device stage alone): {fed:.2f} ms/step; data wait {1 - fed / results['uform_joint']['ms']:.1%}"
         )
+        busiest = list(results["uform_joint"]["fed_thread_cpu_ms"].items())[:6]
+        print("  CPU ms a fed step, by thread: " + ", ".join(f"{name} {ms:.1f}" for name, ms in busiest))
     print(
         f"uform model FLOPs utilisation: {100 * results['uform_joint']['mfu']:.1f}% of {args.peak_tflops:.0f} TFLOP/s"
     )

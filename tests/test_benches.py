@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -231,3 +232,15 @@ def test_graphs_bench_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     result = load("graphs").main(tiny.split())
     assert result["compiled"]["ms"] > 0 and "graphs" not in result
     assert json.loads((tmp_path / "bench-graphs.json").read_text())["geometry"]["segments"] == 4
+
+
+def test_thread_cpu_by_name_counts_a_busy_thread() -> None:
+    """bench/common.py's per-thread CPU (bench/step.py --fed prints whose CPU a fed step takes)."""
+    common = load("common")
+    before = common.thread_cpu_seconds()
+    started = time.process_time()
+    while time.process_time() - started < 0.2:  # this thread busy for 0.2 s of CPU
+        pass
+    spent = common.thread_cpu_per_step(before, common.thread_cpu_seconds(), 2)
+    assert spent and list(spent.values()) == sorted(spent.values(), reverse=True)
+    assert 50 <= sum(spent.values()) <= 200  # 200 ms over two "steps", within /proc's 10 ms ticks and others' CPU
