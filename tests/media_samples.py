@@ -177,12 +177,17 @@ def _add_audio_track(data: bytes, container: str, audio: tuple[np.ndarray, int])
     return out.getvalue()
 
 
-@functools.cache
 def video(container: str, frames: int = VIDEO_FRAMES, with_audio: bool = False) -> tuple[bytes, str]:
     """(a clip panning over a real photograph, the encoder that made it) in "mp4" or "webm"; skips the test
-    with the reason when PyAV's wheel carries no encoder for the container."""
+    with the reason when PyAV's wheel carries no encoder for the container. One encode per (container, frames),
+    however the arguments are spelled: the clip with audio carries the very packets of the silent one."""
+    return _video(container, frames, with_audio)
+
+
+@functools.cache
+def _video(container: str, frames: int, with_audio: bool) -> tuple[bytes, str]:
     if with_audio:
-        silent, codec = video(container, frames)
+        silent, codec = _video(container, frames, False)
         samples, rate = recording("boom.wav")
         rate_out = 48000 if container == "webm" else 44100
         return _add_audio_track(silent, container, (soxr.resample(samples, rate, rate_out), rate_out)), codec
