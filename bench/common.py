@@ -140,11 +140,19 @@ def bert_config(depth: int, hidden: int, vocab: int, positions: int) -> Any:
     )
 
 
+def stat_cpu_seconds(path: str) -> float:
+    """User + system CPU seconds from a Linux `/proc/<pid>/stat` or `/proc/<pid>/task/<tid>/stat` file (utime and
+    stime, the 14th and 15th fields, read after the parenthesised name, which may hold spaces). Raises OSError
+    where there is no such file (the process or thread ended; not Linux)."""
+    with open(path) as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def thread_cpu_seconds() -> dict[str, float]:
     """CPU seconds (user + system) of this process's live threads by name (`/proc/self/task/*/comm`; threads of
     one name summed), Linux only ({} elsewhere). PyTorch's autograd runs a CUDA backward's launches on a thread
     of its own ("pt_autograd_0"), which this tells apart from the thread that called `backward()`."""
-    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     out: dict[str, float] = {}
     try:
         tasks = os.listdir("/proc/self/task")
@@ -154,11 +162,10 @@ def thread_cpu_seconds() -> dict[str, float]:
         try:
             with open(f"/proc/self/task/{task}/comm") as handle:
                 name = handle.read().strip()
-            with open(f"/proc/self/task/{task}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
+            seconds = stat_cpu_seconds(f"/proc/self/task/{task}/stat")
         except (OSError, IndexError):  # the thread ended meanwhile
             continue
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+        out[name] = out.get(name, 0.0) + seconds
     return out
 
 

@@ -62,7 +62,15 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from common import Fed, add_geometry, bench_config, in_flight, topic_text, write_json  # sibling scripts, not a package
+from common import (  # sibling scripts, not a package
+    Fed,
+    add_geometry,
+    bench_config,
+    in_flight,
+    stat_cpu_seconds,
+    topic_text,
+    write_json,
+)
 from decode import PHOTOS, photo
 
 
@@ -186,8 +194,7 @@ def process_cpu(pids: list[int]) -> float:
     total = 0.0
     for pid in pids:
         with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            total += stat_cpu_seconds(f"/proc/{pid}/stat")
     return total
 
 

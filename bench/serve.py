@@ -42,7 +42,13 @@ import torch
 # Run as a script, the checkout's uform wins over an installed one; its sibling `common` is found when loaded too.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_geometry, random_checkpoint, topic_slices, write_json  # sibling modules, not a package
+from common import (  # sibling modules, not a package
+    add_geometry,
+    random_checkpoint,
+    stat_cpu_seconds,
+    topic_slices,
+    write_json,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -161,11 +167,9 @@ def health(url: str) -> dict[str, Any]:
 def cpu_seconds(pid: int) -> float:
     """User and system CPU seconds process `pid` has used (Linux's /proc; NaN elsewhere)."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
+        return stat_cpu_seconds(f"/proc/{pid}/stat")
     except OSError:
         return math.nan
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def _width(embedding: Any) -> int:
