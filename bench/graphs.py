@@ -121,8 +121,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         label = "compiled" if cuda else "eager (CPU)"
         print(f"{label}: {result['compiled']['ms']:.2f} ms/step (host {result['compiled']['host_ms']:.2f})")
         if cuda:
-            variants: dict[str, tuple[dict[str, Any], bool]] = {"cpp": ({"cpp_wrapper": True}, False)}
-            variants["graphs"] = ({}, True)
+            variants: dict[str, tuple[dict[str, Any], bool]] = {  # inductor's config, CUDA graphs
+                "cpp": ({"cpp_wrapper": True}, False),
+                "graphs": ({}, True),
+            }
             for name, (inductor, graphs) in variants.items():
                 torch._dynamo.reset()  # each variant compiles the same function afresh
                 try:

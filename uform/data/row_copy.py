@@ -91,8 +91,9 @@ def copy_rows(
     # Cut where the running total of rows crosses each 1/runs of the whole, at part boundaries.
     cuts = np.searchsorted(starts, [total * k // runs for k in range(1, runs)], side="left")
     bounds = [0, *sorted({int(c) for c in cuts if 0 < c < len(parts)}), len(parts)]
+    pool = _executor()
     jobs = [
-        _executor().submit(_copy_run, out, parts[a:b], sizes[a:b], int(starts[a]))
+        pool.submit(_copy_run, out, parts[a:b], sizes[a:b], int(starts[a]))
         for a, b in itertools.pairwise(bounds)
         if b > a
     ]
