@@ -17,8 +17,9 @@ pairs trained: the items its steps dropped for lack of room (read from the stats
 last step) are taken off as a pair each. With `--fed`, uform's steps run again with the prepare stage taken
 away (one prepared step answered for every step, as bench/data_wait.py's fed run): the image-text step's data
 wait is 1 - fed / pipeline step time, printed with the prepare stage's time for one step alone (issue 12, goal
-2). open_clip is imported only for its side (`--skip-open-clip` leaves it out; it is not a dependency of uform's: on the GPU machine carry
-open_clip_torch, ftfy and wcwidth as wheels). Writes bench-pairs.json under $OUT (or the current folder).
+2). open_clip is imported only for its side (`--skip-open-clip` leaves it out; it is not a dependency of
+uform's: on the GPU machine carry open_clip_torch, ftfy and wcwidth as wheels). Writes bench-pairs.json under
+$OUT (or the current folder).
 
   python bench/pairs.py                      # the GPU, both sides
   python bench/pairs.py --skip-open-clip --fed   # uform's data wait on the image-text step
