@@ -66,6 +66,26 @@ def useful_flops(segments: np.ndarray, heads: int, width: int) -> float:
     return 3.5 * forward
 
 
+_FORWARD_KEYS = ("fwd_BLOCK_M", "fwd_BLOCK_N", "fwd_num_warps", "fwd_num_stages")
+_BACKWARD_KEYS = ("bwd_BLOCK_M1", "bwd_BLOCK_N1", "bwd_BLOCK_M2", "bwd_BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
+
+
+def named_options(spec: str) -> tuple[str, dict[str, int]]:
+    """("flex fwd 64/64 w4 s3", kernel options) from "fwd:64/64/4/3"; "bwd:M1/N1/M2/N2/warps/stages" the same for
+    the backward; "fwd:...+bwd:..." both (a pass not named keeps its defaults)."""
+    labels, options = [], {}
+    for part in spec.split("+"):
+        kind, _, numbers = part.partition(":")
+        keys = {"fwd": _FORWARD_KEYS, "bwd": _BACKWARD_KEYS}.get(kind)
+        values = numbers.split("/")
+        if keys is None or len(values) != len(keys) or not all(v.isdigit() for v in values):
+            raise ValueError(f"--configs: {part!r} is not fwd:M/N/warps/stages or bwd:M1/N1/M2/N2/warps/stages")
+        *tiles, warps, stages = values
+        labels.append(f"{kind} {'/'.join(tiles)} w{warps} s{stages}")
+        options.update(zip(keys, map(int, values), strict=True))
+    return "flex " + " ".join(labels), options
+
+
 def timed(fn: Any, steps: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
@@ -146,6 +166,12 @@ def main() -> dict[str, Any]:
     parser.add_argument("--varlen", action="store_true", help="also FlashAttention 2's varlen kernels")
     parser.add_argument("--cudnn", action="store_true", help="also cuDNN's ragged kernels through varlen_attn")
     parser.add_argument("--backward-tiles", type=int, default=0, help="let the backward compile tiles of this side")
+    parser.add_argument(
+        "--configs",
+        default="",
+        help="more kernel options to time, comma-separated: fwd:M/N/warps/stages, bwd:M1/N1/M2/N2/warps/stages, or both "
+        "joined by +",
+    )
     args = parser.parse_args()
     if args.backward_tiles and not allow_backward_tiles(args.backward_tiles):
         print(f"--backward-tiles {args.backward_tiles}: this torch keeps inductor's heuristics elsewhere; not added")
@@ -184,6 +210,7 @@ def main() -> dict[str, Any]:
                     },
                 )
             )
+    configs += [named_options(spec) for spec in args.configs.split(",") if spec]
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": {}}
     if args.autotune:
         configs.append(("flex max-autotune", None))

@@ -25,8 +25,9 @@ needs a GPU that runs the device stage without the interpreter):
              slack (the `idle` row), that is how long a thread waits to take the interpreter back, so how long
              the device thread would wait to launch its next kernel. p50 / p99 in microseconds.
 
-  host       the prepare stage alone: `Replica.prepare` of `--host-steps` steps, two at a time (the trainer's
-             two host threads), nothing else running: the cleanest reading of the prepare stage's own pressure.
+  host       the prepare stage alone: `Replica.prepare` of `--host-steps` steps, `--in-flight` at a time (as
+             many as `uform.fit` keeps unfinished, all of them in the prepare stage when it is the one that holds the
+             run up), nothing else running: the stage's own period and the cleanest reading of its pressure.
              Read with the probe running; the JSON also holds a reading without it (`without_probe`), which
              on a small virtual machine bills more CPU to every thread's wake-up from an idle core.
 
@@ -262,16 +263,22 @@ def timed_steps(trainer: Any, modalities: list[Any], contents: list[bytes], rela
 
 
 def prepare_step(trainer: Any, checked: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """`Replica.prepare` of `args.host_steps` numbered steps, two at a time, after two untimed ones."""
-    with ThreadPoolExecutor(2, thread_name_prefix="bench-host") as pool:
-        list(pool.map(lambda step: trainer.replica.prepare(checked, step), range(20_000, 20_006)))
+    """`Replica.prepare` of `args.host_steps` numbered steps, `args.in_flight` at a time, after six untimed ones. Each
+    answer is dropped at once, as the trainer drops a step's host tensors after its copy (page-locked blocks go back
+    to the allocator's cache instead of a fresh allocation for every step held)."""
+
+    def prepare(step: int) -> None:
+        trainer.replica.prepare(checked, step)
+
+    with ThreadPoolExecutor(args.in_flight, thread_name_prefix="bench-host") as pool:
+        list(pool.map(prepare, range(20_000, 20_006)))
         first = 20_006
         pids = preparer_pids(trainer)
         with Pressure(args.host_steps, probe=False, pids=pids) as quiet:
-            list(pool.map(lambda step: trainer.replica.prepare(checked, step), range(first, first + args.host_steps)))
+            list(pool.map(prepare, range(first, first + args.host_steps)))
         first += args.host_steps
         with Pressure(args.host_steps, pids=pids) as probed:
-            list(pool.map(lambda step: trainer.replica.prepare(checked, step), range(first, first + args.host_steps)))
+            list(pool.map(prepare, range(first, first + args.host_steps)))
     return {**probed.result, "without_probe": quiet.result}
 
 

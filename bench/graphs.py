@@ -3,7 +3,7 @@
 The reference text step's kernels take ~42 ms of a ~45 ms fed step on the H200 (BENCHMARKS.md, "Issue 12,
 seventh day": ~700 kernels a step, 1.46 ms of gaps between them). A CUDA graph replays a step's kernels without a
 launch each. This times the network of a `Trainer` (its weights, attention path, tile side and fused AdamW) on
-one prepared batch, outside the trainer's verbs, three ways, each over `--steps` steps after `--warmup` (wall
+one prepared batch, outside the trainer's verbs, four ways, each over `--steps` steps after `--warmup` (wall
 clock, the device synchronised at both ends, with the host's time to submit the steps beside it):
 
   compiled   `torch.compile(network.losses, dynamic=False)`, as the trainer compiles it: forward under bf16
@@ -12,12 +12,17 @@ clock, the device synchronised at both ends, with the host's time to submit the 
              from C++, not Python; CUDA only
   graphs     the same compiled with mode="reduce-overhead": forward and backward replayed as CUDA graphs
              (`torch.compiler.cudagraph_mark_step_begin()` before each step); CUDA only
+  tuned      the same with inductor's coordinate-descent tuning of its own Triton kernels' launch parameters (the
+             norms, GELU, casts: the step's memory-bound tail); CUDA only
+
+`--variants` names which of the last three run (all by default).
 
 A variant that fails (a mode this torch does not support here) is reported with its error, and the others still
 run. The inputs are the same device tensors every step (`model.inputs.to_device` once), so no variant pays a
 copy. The trainer's own step also computes the non-finite flag and reads its stats back; every variant here
 leaves both out. Writes bench-graphs.json under $OUT (or the current folder). Usage:
   python bench/graphs.py [--steps 30 --warmup 10]      (geometry flags as bench/step.py)
+  python bench/graphs.py --variants tuned
   python bench/graphs.py --cpu --depth 1 --hidden 128 --rows 2 --columns 256 --segments 4 --steps 2 --warmup 1
 """
 
@@ -34,6 +39,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import add_geometry, bench_config, pair_relations, topic_slices, write_json  # sibling scripts
+
+VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {  # inductor's config, CUDA graphs
+    "cpp": ({"cpp_wrapper": True}, False),
+    "graphs": ({}, True),
+    "tuned": ({"coordinate_descent_tuning": True}, False),
+}
+"""The variants timed against `compiled` (CUDA only)."""
 
 
 def timed(step: Callable[[], None], steps: int, warmup: int, cuda: bool) -> dict[str, float]:
@@ -59,7 +71,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--cpu", action="store_true", help="a smoke run on the CPU: eager, no graphs")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)}; expected some of {', '.join(VARIANTS)}")
 
     import uform as u
     from uform.data.batch import prepare
@@ -121,11 +137,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         label = "compiled" if cuda else "eager (CPU)"
         print(f"{label}: {result['compiled']['ms']:.2f} ms/step (host {result['compiled']['host_ms']:.2f})")
         if cuda:
-            variants: dict[str, tuple[dict[str, Any], bool]] = {  # inductor's config, CUDA graphs
-                "cpp": ({"cpp_wrapper": True}, False),
-                "graphs": ({}, True),
-            }
-            for name, (inductor, graphs) in variants.items():
+            for name in args.variants.split(","):
+                inductor, graphs = VARIANTS[name]
                 torch._dynamo.reset()  # each variant compiles the same function afresh
                 try:
                     with torch._inductor.config.patch(inductor):

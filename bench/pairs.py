@@ -12,17 +12,20 @@ open_clip  `open_clip.model.CLIP` with two towers of the same depth and width (v
        which favours it). The same construction as ../shared/bench/anchor_openclip.py, written here again.
 
 Both time the step period over `--steps` steps after `--warmup` (uform: between two completions; open_clip: CUDA
-events around each step) and report the median pairs/s, then uform's ratio to open_clip. uform's rate counts
-pairs trained: the items its steps dropped for lack of room (read from the stats of the last warm-up step and the
-last step) are taken off as a pair each. With `--fed`, uform's steps run again with the prepare stage taken
-away (one prepared step answered for every step, as bench/data_wait.py's fed run): the image-text step's data
-wait is 1 - fed / pipeline step time, printed with the prepare stage's time for one step alone (issue 12, goal
-2). open_clip is imported only for its side (`--skip-open-clip` leaves it out; it is not a dependency of
-uform's: on the GPU machine carry open_clip_torch, ftfy and wcwidth as wheels). Writes bench-pairs.json under
-$OUT (or the current folder).
+events around each step) and report the median pairs/s, then uform's ratio to open_clip. uform's rate counts pairs
+trained: the items its steps dropped for lack of room (read from the stats of the last warm-up step and the last step)
+are taken off as a pair each. With `--fed`, uform's steps run again with the prepare stage taken away (one prepared
+step answered for every step, as bench/data_wait.py's fed run): the image-text step's data wait is 1 - fed / pipeline
+step time, printed with the prepare stage's own period (`--steps` steps as many at a time as `uform.fit` keeps in
+flight, all of them in the prepare stage when it holds the run up: bench/data_wait.py's `host` row), one step's
+latency through it, and the step's media decoded alone in this process's own decoder pool (issue 12, goal 2).
+open_clip is imported only for its side (`--skip-open-clip` leaves it out; it is not a dependency of uform's: on the
+GPU machine carry open_clip_torch, ftfy and wcwidth as wheels). Writes bench-pairs.json under $OUT (or the current
+folder).
 
   python bench/pairs.py                      # the GPU, both sides
   python bench/pairs.py --skip-open-clip --fed   # uform's data wait on the image-text step
+  python bench/pairs.py --prepare-only --steps 12  # its prepare stage alone, no steps (no compile)
   python bench/pairs.py --cpu --skip-open-clip --depth 1 --hidden 128 --pairs 4 --rows 4 --columns 640 --segments 8 --steps 3 --warmup 1
 """
 
@@ -35,6 +38,7 @@ import statistics
 import sys
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -90,18 +94,16 @@ def uform_rates(args: argparse.Namespace) -> dict[str, Any]:
                 finished = now
             return rates[args.warmup :]
 
+        replica = trainer.replica
+        checked = replica.check_step(modalities, contents(0), u.TrainerStepConfig(relations=relations), False)
+        if args.prepare_only:
+            answer.update(prepare_stage(replica, checked, depth, args.steps))
+            return answer
         counted = u.TrainerStepStats()
         answer["rates"] = drive(counted)
         answer["dropped"] = counted.dropped
         if args.fed:
-            replica = trainer.replica
-            checked = replica.check_step(modalities, contents(0), u.TrainerStepConfig(relations=relations), False)
-            alone = []
-            for k in range(4):  # one step at a time, after one untimed
-                started = time.perf_counter()
-                replica.prepare(checked, 10_000 + k)
-                alone.append(time.perf_counter() - started)
-            answer["prepare_ms"] = statistics.median(alone[1:]) * 1e3
+            answer.update(prepare_stage(replica, checked, depth, args.steps))
             # The device stage alone: every step answered at once with one prepared step (its items' pairs).
             real = Fed.install(trainer, modalities, contents(0), u.TrainerStepConfig(relations=relations))
             answer["fed_rates"] = drive(u.TrainerStepStats())
@@ -112,6 +114,40 @@ def uform_rates(args: argparse.Namespace) -> dict[str, Any]:
         trainer.close()
         executor.close()
     return answer
+
+
+def prepare_stage(replica: Any, checked: Any, depth: int, steps: int) -> dict[str, Any]:
+    """The image-text step's prepare stage with nothing else running: one step's latency through it, its media
+    decoded alone in this process's own pool (on every core), and its period with `depth` steps at a time (as many
+    as fit keeps in flight, all of them in the prepare stage when it holds the run up; bench/data_wait.py's `host`
+    row), which goal 2 holds to half the device step. Every answer is dropped at once, as the trainer drops a step's
+    host tensors after its copy, so page-locked blocks come back to the allocator's cache."""
+
+    def prepare(step: int) -> None:
+        replica.prepare(checked, step)
+
+    alone = []
+    for k in range(4):  # one step at a time, after one untimed
+        started = time.perf_counter()
+        prepare(10_000 + k)
+        alone.append(time.perf_counter() - started)
+    replica.decode(checked)  # starts this process's own decoder pool (the preparer processes' stay idle)
+    decoded = []
+    for _ in range(3):
+        started = time.perf_counter()
+        replica.decode(checked)
+        decoded.append(time.perf_counter() - started)
+    with ThreadPoolExecutor(depth, thread_name_prefix="bench-host") as pool:
+        list(pool.map(prepare, range(10_100, 10_100 + 2 * depth)))
+        started = time.perf_counter()
+        list(pool.map(prepare, range(10_200, 10_200 + steps)))
+        period = (time.perf_counter() - started) / steps
+    return {
+        "prepare_one_ms": statistics.median(alone[1:]) * 1e3,
+        "decode_one_ms": statistics.median(decoded) * 1e3,
+        "prepare_at_once": depth,
+        "prepare_ms": period * 1e3,
+    }
 
 
 def profile_steps(deferred: Any, steps: int, contents: Any, modalities: list, relations: Any) -> None:
@@ -186,6 +222,18 @@ def open_clip_rates(args: argparse.Namespace) -> list[float]:
     return rates
 
 
+def stage_result(uform: dict[str, Any], fed_ms: float | None) -> dict[str, Any]:
+    """The prepare stage's figures (`prepare_stage`) as bench-pairs.json holds them, printed."""
+    share = f" ({uform['prepare_ms'] / fed_ms:.0%} of the fed step)" if fed_ms else ""
+    print(
+        f"uform prepare stage alone: {uform['prepare_ms']:.1f} ms/step {uform['prepare_at_once']} at a time{share}; "
+        f"{uform['prepare_one_ms']:.1f} ms for one step, its media decoded alone on a pool of every core "
+        f"{uform['decode_one_ms']:.1f} ms",
+        flush=True,
+    )
+    return {f"uform_{key}": uform[key] for key in ("prepare_ms", "prepare_one_ms", "prepare_at_once", "decode_one_ms")}
+
+
 def main() -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_geometry(parser, segments=0)  # --segments 0: two per pair
@@ -197,6 +245,9 @@ def main() -> dict[str, Any]:
     parser.add_argument("--profile", type=int, default=0, help="then profile this many more uform steps")
     parser.add_argument(
         "--fed", action="store_true", help="then uform's device stage alone (the prepare stage fed): its data wait"
+    )
+    parser.add_argument(
+        "--prepare-only", action="store_true", help="uform's prepare stage alone (as --fed measures it), no steps"
     )
     args = parser.parse_args()
     args.segments = args.segments or 2 * args.pairs
@@ -210,6 +261,10 @@ def main() -> dict[str, Any]:
         "torch": torch.__version__,
     }
     uform = uform_rates(args)
+    if args.prepare_only:
+        result.update(stage_result(uform, None))
+        print(write_json("bench-pairs.json", result))
+        return result
     dropped = uform["dropped"]
     counted_steps = args.steps if args.warmup > 0 else args.steps + args.warmup
     # A dropped item leaves its pair untrained: counted as such, so the rate is of pairs trained at most.
@@ -226,12 +281,12 @@ def main() -> dict[str, Any]:
         fed_ms = args.pairs / statistics.median(uform["fed_rates"]) * 1e3
         result["uform_step_ms"], result["uform_fed_ms"] = step_ms, fed_ms
         result["uform_data_wait"] = 1 - fed_ms / step_ms
-        result["uform_prepare_ms"] = uform["prepare_ms"]
         print(
             f"uform step {step_ms:.2f} ms, fed (device stage alone) {fed_ms:.2f} ms: data wait "
-            f"{result['uform_data_wait']:.1%}; prepare stage alone {uform['prepare_ms']:.1f} ms/step",
+            f"{result['uform_data_wait']:.1%}",
             flush=True,
         )
+        result.update(stage_result(uform, fed_ms))
     if not args.skip_open_clip:
         result["open_clip_pairs_per_second"] = statistics.median(open_clip_rates(args))
         result["ratio"] = result["uform_pairs_per_second"] / result["open_clip_pairs_per_second"]

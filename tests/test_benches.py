@@ -109,8 +109,14 @@ def test_pairs_bench_smoke(tmp_path: Path) -> None:
     assert result["uform_items_dropped"] == 0
     subprocess.run([sys.executable, str(BENCH / "pairs.py"), *tiny.split(), "--fed"], env=environment, check=True)
     result = json.loads((tmp_path / "bench-pairs.json").read_text())  # the image-text step's data wait
-    assert result["uform_fed_ms"] > 0 and result["uform_prepare_ms"] > 0
+    assert result["uform_fed_ms"] > 0 and result["uform_prepare_ms"] > 0 and result["uform_prepare_one_ms"] > 0
+    assert result["uform_decode_one_ms"] > 0 and result["uform_prepare_at_once"] == 2  # fit's depth on the CPU
     assert result["uform_data_wait"] == pytest.approx(1 - result["uform_fed_ms"] / result["uform_step_ms"])
+    subprocess.run(
+        [sys.executable, str(BENCH / "pairs.py"), *tiny.split(), "--prepare-only"], env=environment, check=True
+    )
+    stage = json.loads((tmp_path / "bench-pairs.json").read_text())  # the same stage, no step taken
+    assert stage["uform_prepare_ms"] > 0 and "uform_pairs_per_second" not in stage
     # One row holds two of the four pairs' images: items are dropped, and the rate counts pairs trained only.
     cramped = tiny.replace("--rows 4", "--rows 1")
     subprocess.run([sys.executable, str(BENCH / "pairs.py"), *cramped.split()], env=environment, check=True)
@@ -134,6 +140,31 @@ def test_attention_bench_layouts_and_flops() -> None:
     assert padding == 4 * (1024 - 3 * (257 + 61))
     by_hand = sum(3.5 * 4 * n * n * 64 * 8 for n in counts.tolist())
     assert bench.useful_flops(pairs, 8, 64) == by_hand
+
+
+def test_attention_bench_reads_kernel_options_from_the_command_line() -> None:
+    bench = load("attention")
+    label, options = bench.named_options("bwd:32/64/64/32/4/2")
+    assert label == "flex bwd 32/64/64/32 w4 s2"
+    assert options == {
+        "bwd_BLOCK_M1": 32,
+        "bwd_BLOCK_N1": 64,
+        "bwd_BLOCK_M2": 64,
+        "bwd_BLOCK_N2": 32,
+        "bwd_num_warps": 4,
+        "bwd_num_stages": 2,
+    }
+    assert bench.named_options("fwd:64/64/4/3")[1] == {
+        "fwd_BLOCK_M": 64,
+        "fwd_BLOCK_N": 64,
+        "fwd_num_warps": 4,
+        "fwd_num_stages": 3,
+    }
+    label, both = bench.named_options("fwd:64/64/4/2+bwd:64/64/64/64/4/3")
+    assert label == "flex fwd 64/64 w4 s2 bwd 64/64/64/64 w4 s3" and len(both) == 10
+    for wrong in ("bwd:64/64/4/3", "fwd:64/64/4/2+", "fwd:64/x/4/3", "mid:64/64/4/3"):
+        with pytest.raises(ValueError, match="--configs"):
+            bench.named_options(wrong)
 
 
 def test_data_wait_bench_builds_video_and_audio_steps(tmp_path: Path) -> None:
@@ -232,6 +263,8 @@ def test_graphs_bench_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     result = load("graphs").main(tiny.split())
     assert result["compiled"]["ms"] > 0 and "graphs" not in result
     assert json.loads((tmp_path / "bench-graphs.json").read_text())["geometry"]["segments"] == 4
+    with pytest.raises(SystemExit):  # a variant it does not know is refused before anything is built
+        load("graphs").main([*tiny.split(), "--variants", "tuned,fast"])
 
 
 def test_thread_cpu_by_name_counts_a_busy_thread() -> None:
