@@ -10,7 +10,8 @@ Steps go through `Trainer.deferred` with two in flight, stats read back every st
 --launcher torchrun (the default) runs this script under `torch.distributed.run` twice, with one process
 and with --devices processes (one GPU each, `Mesh.from_env()`); --launcher executor runs
 `Executor.for_vram([0])` and then `Executor.for_vram([0, ..., N-1])` (a worker process per device) in this
-process. Prints tokens/s of both and the efficiency, tokens/s(N) / (N x tokens/s(1)); the bar is 0.90.
+process. Prints tokens/s of both and the efficiency, tokens/s(N) / (N x tokens/s(1)); the bar is 0.90. Under torchrun each
+figure holds process zero's peak GPU memory of its steps too (`peak_gib`).
 NCCL_NVLS_ENABLE stays 0 unless set (the library's default); --world-compile blocks (or UFORM_WORLD_COMPILE=blocks
 in the environment) compiles the world's step block by block (the gradient reduction overlaps backward) instead
 of as one graph (the default; `Trainer.init_vram(..., world_compile=...)`).
@@ -95,7 +96,11 @@ def child(args: argparse.Namespace) -> None:
     mesh = u.Mesh.from_env()
     d = mesh.describe()
     trainer = u.Trainer.init_vram(mesh.executor, bench_config(args, mesh=mesh), world_compile=args.world_compile)
+    if not args.cpu:
+        torch.cuda.reset_peak_memory_stats(trainer.device)
     result = measure(args, trainer, mesh.executor, 1, offset=d.ranks[0] * args.segments)
+    if not args.cpu:  # issue 16, item 2: a world's step must not grow with the world's items squared
+        result["peak_gib"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
     if args.profile:
         profile(args, trainer, mesh.executor, d.ranks[0], offset=d.ranks[0] * args.segments)
     result["tokens_per_s"] *= d.world_size

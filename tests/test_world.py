@@ -1,4 +1,5 @@
-"""Worlds of several processes on this machine (gloo on the CPU; NCCL when two GPUs exist).
+"""Worlds of several processes on this machine (gloo on the CPU; NCCL worlds of 2, 4 and 8 where that many GPUs
+exist).
 
 One launch runs every world at once, each process running every case and writing reports
 (tests/world_cases.py): worlds of 2 (started by torchrun), 3 (a TCP store) and 4 (a FileStore) processes
@@ -308,27 +309,46 @@ def test_every_world_exited_cleanly(worlds) -> None:
 # NCCL
 
 
+NCCL_WORLDS = (2, 4, 8)
+"""The NCCL worlds of the GPU tests: each runs where the machine has that many CUDA devices (issue 16: 4 and 8)."""
+
+
+def needs_gpus(size: int) -> Any:
+    """A world of `size` processes, a GPU each, under NCCL."""
+    enough = torch.cuda.is_available() and torch.cuda.device_count() >= size and torch.distributed.is_nccl_available()
+    return pytest.param(size, marks=pytest.mark.skipif(not enough, reason=f"needs {size} CUDA devices and NCCL"))
+
+
+def bags_for(size: int) -> str:
+    """The global batch's bags in a world of `size`: every process holds one at least."""
+    return str(max(wc.BAGS, size))
+
+
 @pytest.mark.cuda
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices for NCCL"
-)
-def test_world_size_invariance_on_two_gpus_with_nccl(tmp_path: Path) -> None:
-    """Two processes on two GPUs (torchrun, NCCL) against one GPU alone, for every case, within the bf16
-    autocast's noise."""
+@pytest.mark.parametrize("size", [needs_gpus(n) for n in NCCL_WORLDS])
+def test_world_size_invariance_on_gpus_with_nccl(tmp_path: Path, size: int) -> None:
+    """`size` processes on as many GPUs (torchrun, NCCL) against one GPU alone stepping the same global batch,
+    for every case, within the bf16 autocast's noise."""
     reports = tmp_path / "reports"
     reports.mkdir()
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={size}", SCRIPT]
     environment = dict(os.environ, PYTHONPATH=str(Path(SCRIPT).parent.parent))
+    bags = ("--bags", bags_for(size))
     subprocess.run(
-        [*command, "invariance", str(reports), "--torchrun", "--cuda"], check=True, env=environment, timeout=1200
+        [*torchrun, "invariance", str(reports), "--torchrun", "--cuda", *bags],
+        check=True,
+        env=environment,
+        timeout=1200,
     )
-    subprocess.run([sys.executable, SCRIPT, "alone", str(reports), "--cuda"], check=True, env=environment, timeout=1200)
+    subprocess.run(
+        [sys.executable, SCRIPT, "alone", str(reports), "--cuda", *bags], check=True, env=environment, timeout=1200
+    )
     alone = json.loads((reports / "alone.json").read_text())
     with np.load(reports / "alone.npz") as ours:
         reference_arrays = {k: ours[k] for k in ours.files}
-    for rank in range(2):
-        theirs = json.loads((reports / f"invariance-2-{rank}.json").read_text())
-        with np.load(reports / f"invariance-2-{rank}.npz") as arrays:
+    for rank in range(size):
+        theirs = json.loads((reports / f"invariance-{size}-{rank}.json").read_text())
+        with np.load(reports / f"invariance-{size}-{rank}.npz") as arrays:
             for case, stats in alone["cases"].items():
                 for a, b in zip(theirs["cases"][case], stats, strict=True):
                     assert abs(a["loss"] - b["loss"]) <= wc.GPU_TOLERANCE * max(abs(b["loss"]), 1e-3), (case, a, b)
@@ -340,15 +360,13 @@ def test_world_size_invariance_on_two_gpus_with_nccl(tmp_path: Path) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available(),
-    reason="needs two CUDA devices and NCCL",
-)
-def test_a_killed_process_fails_the_other_within_the_deadline_with_nccl(tmp_path: Path) -> None:
-    """Two processes on two GPUs (NCCL): process 1 dies after step 2's checkpoint; process 0's step 3 waits
-    on NCCL kernels that never finish, and must raise the same MeshError as gloo's within the deadline,
-    neither hanging nor ended by torch's watchdog (it lingers past torch's handling of the timeout, then
-    closes); then two fresh processes resume the checkpoint and step 3 is one GPU's step 3 from it."""
+@pytest.mark.parametrize("size", [needs_gpus(n) for n in NCCL_WORLDS])
+def test_a_killed_process_fails_the_others_within_the_deadline_with_nccl(tmp_path: Path, size: int) -> None:
+    """`size` processes on as many GPUs (NCCL): process 1 dies after step 2's checkpoint; every other process's
+    step 3 waits on NCCL kernels that never finish, and must raise the same MeshError as gloo's within the
+    deadline, neither hanging nor ended by torch's watchdog (each lingers past torch's handling of the timeout,
+    then closes); then `size` fresh processes resume the checkpoint, and half as many (at least two) as well, and
+    step 3 is one GPU's step 3 from it (issue 16, item 5: 8, then 8 and 4)."""
     reports = tmp_path / "reports"
     reports.mkdir()
     logs = tmp_path / "logs"
@@ -362,32 +380,38 @@ def test_a_killed_process_fails_the_other_within_the_deadline_with_nccl(tmp_path
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "nccl_trace_rank_"),
     }
     handling = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
-    cuda = ("--cuda", "--timeout", f"{NCCL_TIMEOUT:g}")
-    commands = hosts("kill", reports, 2, "nccl-kill", *cuda, "--linger", "30")
+    bags = ("--bags", bags_for(size))
+    cuda = ("--cuda", "--timeout", f"{NCCL_TIMEOUT:g}", *bags)
+    commands = hosts("kill", reports, size, "nccl-kill", *cuda, "--linger", "30")
     kill = Launch("kill", commands, logs, unset=handling, **torch_env)
     codes = kill.wait(deadline)
-    assert codes == [0, 9], f"exit codes {codes} (-6: ended by torch)\n{kill.output()}"
-    r = json.loads((reports / "kill-0.json").read_text())
-    assert r["description"]["backend"] == "nccl" and r["error_handling"] == "2"
-    error = r["error"]
-    assert error is not None and error.startswith("MeshError: mesh: step 3 failed on process 0 of 2"), error
-    assert "restart every process" in error and "resume" in error and "NCCL" in error, error
-    assert r["seconds"] < NCCL_TIMEOUT + NCCL_MARGIN, f"{r['seconds']:.1f} s: past the mesh's deadline"
-    assert r["again"] == error and r["again_seconds"] < 1, "a broken world refuses at once"
-    assert r["save"] is not None and "saves none" in r["save"], r["save"]
-    assert r["lingered"] == 30 and r["closed_seconds"] is not None, "the survivor could not close its mesh"
+    assert codes == [0, 9] + [0] * (size - 2), f"exit codes {codes} (-6: ended by torch)\n{kill.output()}"
+    for rank in [0, *range(2, size)]:
+        r = json.loads((reports / f"kill-{rank}.json").read_text())
+        assert r["description"]["backend"] == "nccl" and r["error_handling"] == "2"
+        error = r["error"]
+        assert error is not None and error.startswith(f"MeshError: mesh: step 3 failed on process {rank} of {size}"), (
+            error
+        )
+        assert "restart every process" in error and "resume" in error and "NCCL" in error, error
+        assert r["seconds"] < NCCL_TIMEOUT + NCCL_MARGIN, f"{r['seconds']:.1f} s: past the mesh's deadline"
+        assert r["again"] == error and r["again_seconds"] < 1, "a broken world refuses at once"
+        assert r["save"] is not None and "saves none" in r["save"], r["save"]
+        assert r["lingered"] == 30 and r["closed_seconds"] is not None, "a survivor could not close its mesh"
 
-    common = ["--checkpoint", "kill.safetensors", "--cuda"]
-    resume = Launch("resume", hosts("resume", reports, 2, "nccl-kill", *common, "--timeout", "300"), logs)
+    common = ["--checkpoint", "kill.safetensors", "--cuda", *bags]
     alone = Launch("resume-alone", [[sys.executable, SCRIPT, "resume_alone", str(reports), *common]], logs)
-    assert resume.wait(deadline) == [0, 0], resume.output()
     assert alone.wait(deadline) == [0], alone.output()
     ours = json.loads((reports / "resume-alone.json").read_text())["stats"]
-    for rank in range(2):
-        theirs = json.loads((reports / f"resume-2-{rank}.json").read_text())["stats"]
-        assert [s["step"] for s in theirs] == [3] == [s["step"] for s in ours]
-        a, b = theirs[0]["loss"], ours[0]["loss"]
-        assert abs(a - b) <= wc.GPU_TOLERANCE * max(abs(b), 1e-3), (rank, a, b)
+    for again in sorted({size, max(2, size // 2)}, reverse=True):
+        job = "nccl-kill" if again == size else f"nccl-resume-{again}"  # the same world over the dead one's files
+        resume = Launch(f"resume-{again}", hosts("resume", reports, again, job, *common, "--timeout", "300"), logs)
+        assert resume.wait(deadline) == [0] * again, resume.output()
+        for rank in range(again):
+            theirs = json.loads((reports / f"resume-{again}-{rank}.json").read_text())["stats"]
+            assert [s["step"] for s in theirs] == [3] == [s["step"] for s in ours]
+            a, b = theirs[0]["loss"], ours[0]["loss"]
+            assert abs(a - b) <= wc.GPU_TOLERANCE * max(abs(b), 1e-3), (again, rank, a, b)
 
 
 @pytest.mark.cuda

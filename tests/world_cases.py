@@ -66,12 +66,17 @@ GPU_TOLERANCE = 2e-2
 """On GPUs the step runs under bf16 autocast, whose noise moves with where an item is packed: relative."""
 
 
-def config(objective: Objective, form: PairLossForm, negatives: Negatives, **overrides: Any) -> TrainerInitVramConfig:
+def config(
+    objective: Objective, form: PairLossForm, negatives: Negatives, bags: int = BAGS, **overrides: Any
+) -> TrainerInitVramConfig:
+    """The run every process of a world builds (and one process alone, for the reference): room for the global
+    batch of `bags` bags on one device."""
+    room = -(-bags // BAGS)
     fields: dict[str, Any] = dict(
         depth=1,
         hidden=128,
         objective=objective,
-        batch=BatchShape(max_rows_per_device=6, max_segments_per_device=16, max_columns_per_row=64),
+        batch=BatchShape(max_rows_per_device=6 * room, max_segments_per_device=16 * room, max_columns_per_row=64),
         contrastive=Contrastive(
             pair_loss=form,
             negatives=negatives,
@@ -185,9 +190,9 @@ def invariance(args: argparse.Namespace, reports: Path) -> None:
     rank, size = description.ranks[0], description.world_size
     report: dict[str, Any] = {"description": _describe(description), "cases": {}}
     arrays: dict[str, np.ndarray] = {}
-    bags = share(rank, size)
+    bags = share(rank, size, args.bags)
     for name, objective, form, negatives in cases(args):
-        trainer = Trainer.init_vram(mesh.executor, config(objective, form, negatives, mesh=mesh))
+        trainer = Trainer.init_vram(mesh.executor, config(objective, form, negatives, args.bags, mesh=mesh))
         first = run_steps(trainer, bags, [1])
         arrays.update({f"{name}/{k}": v for k, v in snapshot(trainer).items()})  # step 1's gradients and update
         report["cases"][name] = first + run_steps(trainer, bags, [2])
@@ -259,10 +264,10 @@ def fault(args: argparse.Namespace, reports: Path) -> None:
 
 
 def kill(args: argparse.Namespace, reports: Path) -> None:
-    """A world of two (NCCL with --cuda): two steps and a save, then process 1 dies before step 3, which
-    process 0 must report as a MeshError within the deadline; every later step refuses at once, the aborted
-    world saves nothing, the process outlives torch's own handling of the timeout (--linger seconds) and its
-    trainer and mesh close."""
+    """A world of `--hosts` processes (NCCL with --cuda, a GPU each): two steps and a save, then process 1 dies
+    before step 3, which every other process must report as a MeshError within the deadline; every later step
+    refuses at once, the aborted world saves nothing, each survivor outlives torch's own handling of the timeout
+    (--linger seconds) and its trainer and mesh close."""
     mesh = mesh_of(args, Executor.for_vram([args.host]) if args.cuda else None)
     description = mesh.describe()
     rank, size = description.ranks[0], description.world_size
@@ -271,9 +276,9 @@ def kill(args: argparse.Namespace, reports: Path) -> None:
         "error_handling": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"),
     }
     trainer = Trainer.init_vram(
-        mesh.executor, config(Objective.Contrastive, PairLossForm.Sigmoid, Negatives.Ambient, mesh=mesh)
+        mesh.executor, config(Objective.Contrastive, PairLossForm.Sigmoid, Negatives.Ambient, args.bags, mesh=mesh)
     )
-    survive_a_dead_peer(trainer, share(rank, size), rank, reports, "kill", report)
+    survive_a_dead_peer(trainer, share(rank, size, args.bags), rank, reports, "kill", report)
     attempt(report, "save", lambda: trainer.save(reports / "after.safetensors"))
     _write(reports, f"kill-{rank}", report, {})
     time.sleep(args.linger)  # torch's watchdog handles the timed-out collective meanwhile; it must not end us
@@ -298,10 +303,10 @@ def resume_alone(args: argparse.Namespace, reports: Path) -> None:
     whole global batch."""
     executor = Executor.for_vram([0]) if args.cuda else Executor.cpu()
     resumed = config(
-        Objective.Contrastive, PairLossForm.Sigmoid, Negatives.Ambient, resume=str(reports / args.checkpoint)
+        Objective.Contrastive, PairLossForm.Sigmoid, Negatives.Ambient, args.bags, resume=str(reports / args.checkpoint)
     )
     trainer = Trainer.init_vram(executor, resumed)
-    stats = run_steps(trainer, list(range(BAGS)), [3])
+    stats = run_steps(trainer, list(range(args.bags)), [3])
     trainer.close()
     _write(reports, "resume-alone", {"stats": stats}, {})
 
@@ -312,10 +317,10 @@ def alone(args: argparse.Namespace, reports: Path) -> None:
     report: dict[str, Any] = {"cases": {}}
     arrays: dict[str, np.ndarray] = {}
     for name, objective, form, negatives in cases(args):
-        trainer = Trainer.init_vram(executor, config(objective, form, negatives))
-        first = run_steps(trainer, list(range(BAGS)), [1])
+        trainer = Trainer.init_vram(executor, config(objective, form, negatives, args.bags))
+        first = run_steps(trainer, list(range(args.bags)), [1])
         arrays.update({f"{name}/{k}": v for k, v in snapshot(trainer).items()})
-        report["cases"][name] = first + run_steps(trainer, list(range(BAGS)), [2])
+        report["cases"][name] = first + run_steps(trainer, list(range(args.bags)), [2])
         trainer.close()
     _write(reports, "alone", report, arrays)
 
@@ -331,11 +336,12 @@ def resume(args: argparse.Namespace, reports: Path) -> None:
             Objective.Contrastive,
             PairLossForm.Sigmoid,
             Negatives.Ambient,
+            args.bags,
             mesh=mesh,
             resume=str(reports / args.checkpoint),
         ),
     )
-    stats = run_steps(trainer, share(rank, size), [3])
+    stats = run_steps(trainer, share(rank, size, args.bags), [3])
     arrays = snapshot(trainer)
     trainer.close()
     mesh.close()
@@ -458,6 +464,7 @@ def main() -> None:
     parser.add_argument("--cuda", action="store_true", help="one CUDA device per process (NCCL)")
     parser.add_argument("--checkpoint", default="fault.safetensors", help="what resume resumes, in REPORTS")
     parser.add_argument("--linger", type=float, default=0.0, help="seconds the survivor of kill stays after")
+    parser.add_argument("--bags", type=int, default=BAGS, help="the global batch's bags (invariance, kill, resume)")
     args = parser.parse_args()
     try:
         SCENARIOS[args.scenario](args, args.reports)
