@@ -23,9 +23,15 @@ open_clip is imported only for its side (`--skip-open-clip` leaves it out; it is
 GPU machine carry open_clip_torch, ftfy and wcwidth as wheels). Writes bench-pairs.json under $OUT (or the current
 folder).
 
+With `--devices N` (N > 1) uform runs alone, on one device and then on N (`Executor.for_vram`, a worker process
+a GPU; `--cpu`: CPU workers), `--pairs` pairs a device, each image and its caption one bag (routed whole to one
+device; a device's step carries `--pairs` bags), and prints both rates and the weak scaling, pairs/s(N) / (N x
+pairs/s(1)): the image-text step at 8 GPUs, whose decoding shares one host's cores (issue 16, item 4).
+
   python bench/pairs.py                      # the GPU, both sides
   python bench/pairs.py --skip-open-clip --fed   # uform's data wait on the image-text step
   python bench/pairs.py --prepare-only --steps 12  # its prepare stage alone, no steps (no compile)
+  python bench/pairs.py --devices 8 --steps 20 --warmup 8  # uform on 1 and on 8 GPUs, --pairs each (issue 16)
   python bench/pairs.py --cpu --skip-open-clip --depth 1 --hidden 128 --pairs 4 --rows 4 --columns 640 --segments 8 --steps 3 --warmup 1
 """
 
@@ -47,24 +53,34 @@ from kernel_trace import load_events, report, summarize
 from train_shards import jpeg
 
 
-def uform_rates(args: argparse.Namespace) -> dict[str, Any]:
+def uform_rates(args: argparse.Namespace, devices: int = 1) -> dict[str, Any]:
     """pairs/s of each uform step (the period between two completions), the JPEGs decoded every step; with
-    `--fed`, the same of the device stage alone, and the prepare stage's own time."""
+    `--fed`, the same of the device stage alone, and the prepare stage's own time. Under `--devices` (the scaling
+    mode) the step holds `--pairs` pairs a device over `devices` devices, each pair a bag (routed whole to one
+    device), at one device as at several."""
     import uform as u
     from uform.fitting import steps_in_flight
 
-    config = bench_config(args, objective=u.Objective.Contrastive, batch={"image": u.ImageShape(patch_side=16)})
-    p = args.pairs
+    scaling = args.devices > 1
+    batch: dict[str, Any] = {"image": u.ImageShape(patch_side=16)}
+    if scaling:  # a device's step carries its `--pairs` bags, not the default 128
+        batch["max_bags_per_device"] = args.pairs
+    config = bench_config(args, objective=u.Objective.Contrastive, batch=batch)
+    p = args.pairs * devices
     images = [jpeg(i) for i in range(4 * p)]  # four steps' worth of distinct crops, cycled
     captions = topic_slices(4 * p, 60)
     modalities = [u.Modality.Image] * p + [u.Modality.Text] * p
     relations = u.Relations(attract=u.Edges(offsets=list(range(2 * p + 1)), ids=[*range(p, 2 * p), *range(p)]))
+    bags: list[int] = [*range(p), *range(p)] if scaling else []  # image i and caption i: bag i; []: each its own
 
     def contents(k: int) -> list[bytes]:  # step k's items: the k-th of the four steps' worth, cycled
         at = (k % 4) * p
         return [*images[at : at + p], *captions[at : at + p]]
 
-    executor = u.Executor.cpu() if args.cpu else u.Executor.for_vram([0])
+    if args.cpu:
+        executor = u.Executor.cpu(workers=devices) if devices > 1 else u.Executor.cpu()
+    else:
+        executor = u.Executor.for_vram(list(range(devices)))
     trainer = u.Trainer.init_vram(executor, config)
     answer: dict[str, Any] = {}
     try:
@@ -82,7 +98,7 @@ def uform_rates(args: argparse.Namespace) -> dict[str, Any]:
             for k in range(total + depth):
                 if k < total:
                     read = counted if k == total - 1 else u.TrainerStepStats() if k == args.warmup - 1 else None
-                    step_config = u.TrainerStepConfig(relations=relations, stats=read)
+                    step_config = u.TrainerStepConfig(relations=relations, bags=bags, stats=read)
                     in_flight.append(deferred.step(modalities, contents(k), step_config))
                     if len(in_flight) < depth:
                         continue
@@ -94,14 +110,16 @@ def uform_rates(args: argparse.Namespace) -> dict[str, Any]:
                 finished = now
             return rates[args.warmup :]
 
-        replica = trainer.replica
-        checked = replica.check_step(modalities, contents(0), u.TrainerStepConfig(relations=relations), False)
+        if args.prepare_only or args.fed:  # one device, in this process (checked by main)
+            replica = trainer.replica
+            checked = replica.check_step(modalities, contents(0), u.TrainerStepConfig(relations=relations), False)
         if args.prepare_only:
             answer.update(prepare_stage(replica, checked, depth, args.steps))
             return answer
         counted = u.TrainerStepStats()
         answer["rates"] = drive(counted)
         answer["dropped"] = counted.dropped
+        answer["pairs"] = p
         if args.fed:
             answer.update(prepare_stage(replica, checked, depth, args.steps))
             # The device stage alone: every step answered at once with one prepared step (its items' pairs).
@@ -222,6 +240,18 @@ def open_clip_rates(args: argparse.Namespace) -> list[float]:
     return rates
 
 
+def trained_rate(uform: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The median pairs/s of a run's steps, pairs trained only: an item dropped for lack of room (counted from the
+    stats of the last warm-up step to the last step's) leaves its pair untrained, so it is taken off as a pair."""
+    steps = args.steps if args.warmup > 0 else args.steps + args.warmup
+    trained = max(0.0, 1.0 - uform["dropped"] / (uform["pairs"] * steps))
+    return {
+        "pairs_per_second": statistics.median(uform["rates"]) * trained,
+        "dropped": uform["dropped"],
+        "steps": steps,
+    }
+
+
 def stage_result(uform: dict[str, Any], fed_ms: float | None) -> dict[str, Any]:
     """The prepare stage's figures (`prepare_stage`) as bench-pairs.json holds them, printed."""
     share = f" ({uform['prepare_ms'] / fed_ms:.0%} of the fed step)" if fed_ms else ""
@@ -249,8 +279,18 @@ def main() -> dict[str, Any]:
     parser.add_argument(
         "--prepare-only", action="store_true", help="uform's prepare stage alone (as --fed measures it), no steps"
     )
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="N > 1: uform alone on 1 and on N devices (--pairs a device, each pair a bag), and the efficiency",
+    )
     args = parser.parse_args()
     args.segments = args.segments or 2 * args.pairs
+    if args.devices < 1:
+        parser.error(f"--devices: must be at least 1, got {args.devices}")
+    if args.devices > 1 and (args.fed or args.prepare_only or args.profile):
+        parser.error("--devices: --fed, --prepare-only and --profile look into one device's pipeline; run them alone")
 
     import torch
 
@@ -260,20 +300,28 @@ def main() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
     }
+    if args.devices > 1:  # the image-text step's weak scaling (issue 16, item 4); open_clip is not run
+        one, many = trained_rate(uform_rates(args, 1), args), trained_rate(uform_rates(args, args.devices), args)
+        result["devices"] = args.devices
+        result["one"], result["many"] = one, many
+        result["efficiency"] = many["pairs_per_second"] / (args.devices * one["pairs_per_second"])
+        for label, figure in (("1 device ", one), (f"{args.devices} devices", many)):
+            print(f"uform, {label}: {figure['pairs_per_second']:,.0f} pairs/s ({figure['dropped']} items dropped)")
+        print(f"weak scaling: {result['efficiency']:.1%}", flush=True)
+        print(write_json("bench-pairs.json", result))
+        return result
     uform = uform_rates(args)
     if args.prepare_only:
         result.update(stage_result(uform, None))
         print(write_json("bench-pairs.json", result))
         return result
-    dropped = uform["dropped"]
-    counted_steps = args.steps if args.warmup > 0 else args.steps + args.warmup
-    # A dropped item leaves its pair untrained: counted as such, so the rate is of pairs trained at most.
-    trained = max(0.0, 1.0 - dropped / (args.pairs * counted_steps))
+    figure = trained_rate(uform, args)
+    dropped = figure["dropped"]
     result["uform_items_dropped"] = dropped
-    result["uform_pairs_per_second"] = statistics.median(uform["rates"]) * trained
+    result["uform_pairs_per_second"] = figure["pairs_per_second"]
     print(
         f"uform, from JPEG bytes:            {result['uform_pairs_per_second']:,.0f} pairs/s "
-        f"(pairs trained: {dropped} of {2 * args.pairs * counted_steps} items dropped for room)",
+        f"(pairs trained: {dropped} of {2 * uform['pairs'] * figure['steps']} items dropped for room)",
         flush=True,
     )
     if args.fed:

@@ -117,6 +117,14 @@ def test_pairs_bench_smoke(tmp_path: Path) -> None:
     )
     stage = json.loads((tmp_path / "bench-pairs.json").read_text())  # the same stage, no step taken
     assert stage["uform_prepare_ms"] > 0 and "uform_pairs_per_second" not in stage
+    scaled = [sys.executable, str(BENCH / "pairs.py"), *tiny.split(), "--devices", "2"]
+    subprocess.run(scaled, env=environment, check=True)  # two CPU workers, each pair routed whole to one
+    scaling = json.loads((tmp_path / "bench-pairs.json").read_text())
+    assert scaling["devices"] == 2 and scaling["one"]["dropped"] == scaling["many"]["dropped"] == 0
+    assert scaling["one"]["pairs_per_second"] > 0 and scaling["many"]["pairs_per_second"] > 0
+    assert scaling["efficiency"] > 0
+    refused = subprocess.run([*scaled, "--fed"], env=environment, capture_output=True, text=True)
+    assert refused.returncode == 2 and "one device's pipeline" in refused.stderr
     # One row holds two of the four pairs' images: items are dropped, and the rate counts pairs trained only.
     cramped = tiny.replace("--rows 4", "--rows 1")
     subprocess.run([sys.executable, str(BENCH / "pairs.py"), *cramped.split()], env=environment, check=True)
