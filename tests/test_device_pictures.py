@@ -279,3 +279,22 @@ def test_split_windows_decode_on_both_sides_at_once(checkpoint: Path, monkeypatc
     finally:
         model.close()
     assert seen and all(seen)
+
+
+def test_a_broken_image_in_the_host_part_of_a_split_window_raises_or_is_masked(checkpoint: Path) -> None:
+    """The host's part of a split window fails as the host path fails: a MediaError naming the item, or under
+    errors="mask" an invalid (NaN) row, never a vector that looks real; the device's part is answered as ever."""
+    modalities = [m for m, _ in ITEMS]
+    contents = [c for _, c in ITEMS]
+    contents[5] = contents[5][: len(contents[5]) // 2]  # a cut PNG: in the host's part (the first four go to the GPU)
+    model = load(checkpoint)
+    model.jpeg_decoder, model.jpeg_share = pillow_decoder([]), JpegShare()
+    try:
+        with pytest.raises(MediaError, match=r"contents\[5\]"):
+            model.encode(modalities, contents)
+        with pytest.warns(UserWarning, match="could not be"):
+            vectors, valid = model.encode(modalities, contents, errors="mask")
+        assert valid.tolist() == [i != 5 for i in range(len(ITEMS))]
+        assert bool(torch.isnan(vectors[5]).all()) and bool(torch.isfinite(vectors[valid]).all())
+    finally:
+        model.close()
