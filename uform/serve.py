@@ -720,7 +720,7 @@ class Model:
         if self.jpeg_decoder is not None:  # JPEGs the device decodes: planned from their headers here
             offered, fresh = self._jpeg_sides(job, fresh)
             # The host's part (split) decodes in its processes meanwhile, waited for on a helper thread.
-            beside = self._beside().submit(self._timed_host, job, fresh) if fresh else None
+            beside = self._beside().submit(self._timed_host, job, fresh, keys) if fresh else None
             started = time.perf_counter()
             try:
                 planned = self._device_units(job, offered)
@@ -741,7 +741,7 @@ class Model:
                     self.jpeg_share.learn("device", len(planned), seconds)
                     self.jpeg_share.learn("host", count, host_seconds)
         if fresh:
-            new_units, new_failed = self._host_decode(job, fresh)
+            new_units, new_failed = self._host_decode(job, fresh, keys)
             units.update(new_units)
             failed.extend(new_failed)
         return units, sorted(failed), pictures
@@ -763,16 +763,19 @@ class Model:
         return self._helper
 
     def _timed_host(
-        self, job: _Job, items: list[int]
+        self, job: _Job, items: list[int], keys: dict[int, tuple[Modality, bytes]]
     ) -> tuple[tuple[dict[int, Units], list[tuple[int, str]]], float, int]:
         """`_host_decode` of `items`, its seconds, and how many of them were images (what `jpeg_share` learns)."""
         started = time.perf_counter()
-        answer = self._host_decode(job, items)
+        answer = self._host_decode(job, items, keys)
         images = sum(1 for i in items if job.modalities[i] == Modality.Image)
         return answer, time.perf_counter() - started, images
 
-    def _host_decode(self, job: _Job, items: list[int]) -> tuple[dict[int, Units], list[tuple[int, str]]]:
-        """`items` decoded in the model's decoder processes (started on first need)."""
+    def _host_decode(
+        self, job: _Job, items: list[int], keys: dict[int, tuple[Modality, bytes]]
+    ) -> tuple[dict[int, Units], list[tuple[int, str]]]:
+        """`items` decoded in the model's decoder processes (started on first need); with `keep_decoded`, each
+        kept under its key in `keys` (`_decode`'s, by item)."""
         if self._decoders is None:
             self._decoders = DecodePool(self.media.workers, self.media.limits.timeout_seconds)
         max_units = self.columns - self._prefix
@@ -781,10 +784,8 @@ class Model:
         )
         if self.keep_decoded:  # kept for the evaluator's life: off the decoders' slabs, which they would hold
             new_units = {i: u.owned() for i, u in new_units.items()}
-            for i, u in new_units.items():
-                self._decoded[(job.modalities[i], bytes(job.contents[i]))] = u
-            for i, why in new_failed:
-                self._decoded[(job.modalities[i], bytes(job.contents[i]))] = why
+            self._decoded.update({keys[i]: u for i, u in new_units.items()})
+            self._decoded.update({keys[i]: why for i, why in new_failed})
         return new_units, new_failed
 
     def _picture_shape(self) -> dict[str, Any]:
