@@ -157,6 +157,18 @@ def test_a_picture_the_decoder_refuses_goes_to_the_host_path(checkpoint: Path) -
     assert sum(calls) > len(DEFERRED) and calls.count(1) >= 2
 
 
+def raises_then_masks(model: Any, modalities: list[str], contents: list[bytes], bad: int, match: str) -> Any:
+    """`encode` raises a MediaError matching `match` for item `bad`; under errors="mask" it warns and answers that
+    item invalid (NaN) and every other finite. Answers (vectors, valid) of the masked call."""
+    with pytest.raises(MediaError, match=match):
+        model.encode(modalities, contents)
+    with pytest.warns(UserWarning, match="could not be"):
+        vectors, valid = model.encode(modalities, contents, errors="mask")
+    assert valid.tolist() == [i != bad for i in range(len(contents))]
+    assert bool(torch.isnan(vectors[bad]).all()) and bool(torch.isfinite(vectors[valid]).all())
+    return vectors, valid
+
+
 def test_a_picture_both_refuse_raises_naming_it_or_is_masked(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bad = ITEMS[7][1]
     real = uform.device_pictures.image_units
@@ -172,12 +184,9 @@ def test_a_picture_both_refuse_raises_naming_it_or_is_masked(checkpoint: Path, m
     modalities = [m for m, _ in ITEMS]
     contents = [c for _, c in ITEMS]
     try:
-        with pytest.raises(MediaError, match=r"contents\[7\]: cannot decode the JPEG image: the stand-in"):
-            model.encode(modalities, contents)
-        with pytest.warns(UserWarning, match="could not be"):
-            vectors, valid = model.encode(modalities, contents, errors="mask")
-        assert valid.tolist() == [i != 7 for i in range(len(ITEMS))]
-        assert bool(torch.isnan(vectors[7]).all()) and bool(torch.isfinite(vectors[valid]).all())
+        vectors, valid = raises_then_masks(
+            model, modalities, contents, 7, r"contents\[7\]: cannot decode the JPEG image: the stand-in"
+        )
         assert model.notices.counts()["media"] == 1
         host = load(checkpoint)
         expected = host.encode(modalities[:7] + modalities[8:], contents[:7] + contents[8:])
@@ -290,11 +299,6 @@ def test_a_broken_image_in_the_host_part_of_a_split_window_raises_or_is_masked(c
     model = load(checkpoint)
     model.jpeg_decoder, model.jpeg_share = pillow_decoder([]), JpegShare()
     try:
-        with pytest.raises(MediaError, match=r"contents\[5\]"):
-            model.encode(modalities, contents)
-        with pytest.warns(UserWarning, match="could not be"):
-            vectors, valid = model.encode(modalities, contents, errors="mask")
-        assert valid.tolist() == [i != 5 for i in range(len(ITEMS))]
-        assert bool(torch.isnan(vectors[5]).all()) and bool(torch.isfinite(vectors[valid]).all())
+        raises_then_masks(model, modalities, contents, 5, r"contents\[5\]")
     finally:
         model.close()
