@@ -10,6 +10,9 @@ Times one layer's attention of q, k, v [R, H, C, K] bf16 under a document mask, 
               segments laid end to end, padding its own sequence per row (where this torch has it)
   cudnn       the same call routed to cuDNN's ragged attention (the backend torch's varlen_attn has but leaves
               switched off), as a reading of what cuDNN's fused kernels would give the same layout
+  dense <b>   segments of one length gathered into [N, H, L, K] and given to plain (unmasked) scaled dot-product
+              attention under SDPA backend <b> (cudnn, flash, efficient), one call per length, the output
+              scattered back; the gathers are timed with it ("kernels" rows: the SDPA calls alone)
 
 and two layouts of segments: "text" (256 segments of 256 in 64 x 1024, tile-aligned: every tile is whole) and
 "pairs" (segments of 257 and 61 positions alternating, first-fit into rows, as an image-caption step packs:
@@ -30,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from common import write_json  # sibling scripts, not a package
@@ -152,6 +156,97 @@ def varlen_runner(q: Any, k: Any, v: Any, segments: np.ndarray, cudnn: bool = Fa
     return chosen(run), chosen(forward)
 
 
+class _Gather(torch.autograd.Function):
+    """rows = x[index]; the backward gathers too (`inverse`: where each of x's rows went, len(index) where none did),
+    so neither direction scatters with atomics."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any, index: Any, inverse: Any) -> Any:
+        ctx.save_for_backward(inverse)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        (inverse,) = ctx.saved_tensors
+        padded = torch.cat([grad, grad.new_zeros((1, *grad.shape[1:]))])
+        out = padded.index_select(0, inverse)
+        if out.shape[0] < ctx.rows:  # x's own trailing rows that went nowhere (the zero row below)
+            out = torch.cat([out, out.new_zeros((ctx.rows - out.shape[0], *out.shape[1:]))])
+        return out, None, None
+
+
+def length_buckets(segments: np.ndarray, pad: int) -> list[np.ndarray]:
+    """Flat positions [N, L] of the segments of each length L (padding, id `pad`, left out), longest first."""
+    columns = segments.shape[1]
+    flat = segments.reshape(-1)
+    starts = np.flatnonzero(np.r_[True, (flat[1:] != flat[:-1]) | (np.arange(1, flat.size) % columns == 0)])
+    ends = np.r_[starts[1:], flat.size]
+    by_length: dict[int, list[int]] = {}
+    for start, end in zip(starts, ends, strict=True):
+        if flat[start] != pad:
+            by_length.setdefault(int(end - start), []).append(int(start))
+    return [
+        np.asarray(by_length[length])[:, None] + np.arange(length)[None, :]
+        for length in sorted(by_length, reverse=True)
+    ]
+
+
+def dense_runner(
+    q: Any, k: Any, v: Any, segments: np.ndarray, pad: int, backend: str, kernels_only: bool = False
+) -> Any:
+    """Forward and forward + backward of document-masked attention as dense SDPA over length buckets."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[backend]
+    rows, heads, columns, width = q.shape
+    buckets = length_buckets(segments, pad)
+    device = q.device
+    index = torch.from_numpy(np.concatenate([b.reshape(-1) for b in buckets])).to(device)  # [P]
+    kept = index.numel()
+    inverse = torch.full((rows * columns,), kept, dtype=torch.int64, device=device)
+    inverse[index] = torch.arange(kept, device=device)
+    shapes = [b.shape for b in buckets]
+    if kernels_only:  # the SDPA calls alone, on tensors already bucketed
+        parts = [
+            [torch.randn((n, length, heads, width), device=device, dtype=q.dtype).requires_grad_() for _ in range(3)]
+            for n, length in shapes
+        ]
+
+    def forward() -> Any:
+        with sdpa_kernel(chosen):
+            if kernels_only:
+                outs = [F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in p)) for p in parts]
+                return outs
+            flat = [t.transpose(1, 2).reshape(rows * columns, heads, width) for t in (q, k, v)]
+            gathered = [_Gather.apply(t, index, inverse) for t in flat]  # [P, H, K] each
+            outs, at = [], 0
+            for n, length in shapes:
+                q_b, k_b, v_b = (
+                    t[at : at + n * length].view(n, length, heads, width).transpose(1, 2) for t in gathered
+                )
+                outs.append(
+                    F.scaled_dot_product_attention(q_b, k_b, v_b).transpose(1, 2).reshape(n * length, heads, width)
+                )
+                at += n * length
+            out = _Gather.apply(torch.cat([*outs, outs[0].new_zeros((1, heads, width))]), inverse, index)
+            return out.view(rows, columns, heads, width).transpose(1, 2)  # [R, H, C, K]
+
+    def run() -> None:
+        out = forward()
+        if kernels_only:
+            torch.autograd.backward(out, [torch.ones_like(o) for o in out])
+        else:
+            out.backward(torch.ones_like(out))
+
+    return run, forward
+
+
 def main() -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=64)
@@ -165,6 +260,7 @@ def main() -> dict[str, Any]:
     parser.add_argument("--autotune", action="store_true", help="also inductor's max-autotune over flex's configs")
     parser.add_argument("--varlen", action="store_true", help="also FlashAttention 2's varlen kernels")
     parser.add_argument("--cudnn", action="store_true", help="also cuDNN's ragged kernels through varlen_attn")
+    parser.add_argument("--dense", default="", help="also dense SDPA over length buckets: backends, e.g. cudnn,flash")
     parser.add_argument("--backward-tiles", type=int, default=0, help="let the backward compile tiles of this side")
     parser.add_argument(
         "--configs",
@@ -254,15 +350,28 @@ def main() -> dict[str, Any]:
                 runners.append(("varlen (cuDNN)", varlen_runner(q, k, v, segments, cudnn=True)))
             except (ImportError, RuntimeError) as error:
                 print(f"cudnn: not available here ({error})")
+        pad = int(segments.max())
+        for backend in (b for b in args.dense.split(",") if b):
+            runners.append((f"dense {backend}", dense_runner(q, k, v, segments, pad, backend)))
+            runners.append((f"dense {backend} kernels", dense_runner(q, k, v, segments, pad, backend, True)))
+        real = torch.from_numpy(segments != pad).cuda()[:, :, None, None]  # padding's outputs are not compared
         reference = None
         for label, (run, forward) in runners:
             try:
                 with torch.no_grad():
-                    out = forward().float()
-                out = out.reshape(args.rows, args.columns, args.heads, width) if out.dim() == 3 else out.transpose(1, 2)
-                if reference is None:
-                    reference = out
-                error = float((out - reference).abs().max())
+                    out = forward()
+                if isinstance(out, list):  # "kernels" rows: nothing to compare
+                    error = float("nan")
+                else:
+                    out = out.float()
+                    out = (
+                        out.reshape(args.rows, args.columns, args.heads, width)
+                        if out.dim() == 3
+                        else out.transpose(1, 2)
+                    ) * real
+                    if reference is None:
+                        reference = out
+                    error = float((out - reference).abs().max())
                 ms = timed(run, args.steps, args.warmup)
                 forward_ms = timed(lambda f=forward: f(), args.steps, args.warmup)
             except Exception as failure:  # a config the kernel refuses is reported, not fatal

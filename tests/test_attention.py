@@ -18,6 +18,7 @@ import torch
 from uform.config import BatchShape, Masking, TrainerInitVramConfig, resolve
 from uform.config import Schedule as ScheduleConfig
 from uform.data.batch import prepare
+from uform.data.blocks import uniform_length
 from uform.enums import Modality, Objective
 from uform.model.attention import BLOCK, allow_backward_tiles, attend, block_tables, document_mask, flex_block
 from uform.model.inputs import to_device
@@ -398,10 +399,14 @@ def network_case(device: str):
     return network, batch.host_tensors(pin=False)
 
 
-def network_terms(network: Network, host: dict, kind: str, backward: bool, compiled: bool = False):
+def network_terms(
+    network: Network, host: dict, kind: str, backward: bool, compiled: bool = False, uniform: bool = False
+):
     network.zero_grad(set_to_none=True)
     device = next(network.parameters()).device
-    inputs = to_device(host, device, network.rotary, attention=kind, dtype=torch.float32, dynamic=False)
+    inputs = to_device(
+        host, device, network.rotary, attention=kind, dtype=torch.float32, dynamic=False, uniform=uniform
+    )
     losses = torch.compile(network.losses, dynamic=False) if compiled else network.losses
     terms, _ = losses(inputs)
     totals = network.total(terms)
@@ -446,3 +451,122 @@ def test_network_gradients_flex_equal_dense(device: str, compiled: bool) -> None
     assert set(flex_grads) == set(dense_grads) and len(dense_grads) == len(list(network.parameters()))
     for name, g in dense_grads.items():
         torch.testing.assert_close(flex_grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# --------------------------------------------------------------------------------------------------
+# The uniform path: rows of whole segments of one length, dense with no mask
+
+
+def uniform_ids(rows: int, columns: int, length: int) -> np.ndarray:
+    return np.repeat(np.arange(rows * columns // length), length).reshape(rows, columns)
+
+
+def test_uniform_length_finds_whole_equal_segments() -> None:
+    assert uniform_length(uniform_ids(4, 1024, 256), 16) == 256
+    assert uniform_length(uniform_ids(4, 1024, 1024), 4) == 1024
+    assert uniform_length(uniform_ids(3, 512, 128), 12 + 5) == 128  # spare slots are fine
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["padding", "short", "one id twice", "ragged", "not dividing", "id past the slots", "empty"],
+)
+def test_uniform_length_refuses_every_other_layout(case: str) -> None:
+    segments, slots = uniform_ids(4, 1024, 256), 16
+    if case == "padding":  # a last segment's place left empty: padding attends to its row's padding, not uniform
+        segments[3, 768:] = slots
+    elif case == "short":  # 64-position segments: below UNIFORM_LEAST
+        segments, slots = uniform_ids(4, 1024, 64), 64
+    elif case == "one id twice":  # a 512-position segment in a row of 256s
+        segments[1, 256:512] = segments[1, 0]
+    elif case == "ragged":  # the second row splits 300 + 212 + ...
+        segments[1, 256:300] = segments[1, 0]
+    elif case == "not dividing":
+        segments, slots = np.repeat(np.arange(8), 192)[:1000].reshape(1, 1000), 8
+    elif case == "id past the slots":
+        slots = 15
+    else:
+        segments = segments[:0]
+    assert uniform_length(segments, slots) == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attend_uniform_equals_dense(device: str) -> None:
+    """Outputs and every input's gradient of the uniform path against the dense reference, on q, k, v that are
+    transposed views of token-major leaves as the tower hands them (and 2 rows x 512 of 128-position segments)."""
+    generator = torch.Generator().manual_seed(5)
+    segments = torch.from_numpy(uniform_ids(2, 512, 128)).to(device)
+    leaves = [torch.randn(2, 512, 4, 16, generator=generator).to(device).requires_grad_() for _ in range(3)]
+    weight = torch.randn(2, 4, 512, 16, generator=generator).to(device)
+    found = []
+    for mask in (document_mask(segments, "dense"), document_mask(segments, "flex", uniform=128)):
+        for t in leaves:
+            t.grad = None
+        out = attend(*(t.transpose(1, 2) for t in leaves), mask)
+        (out * weight).sum().backward()
+        found.append([out.detach(), *(t.grad.clone() for t in leaves)])
+    assert document_mask(segments, "flex", uniform=128).kind == "uniform"
+    for a, b in zip(*found, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_a_uniform_claim_that_cannot_hold_is_refused() -> None:
+    segments = torch.from_numpy(uniform_ids(2, 512, 128))
+    for bad in (64, 200):
+        with pytest.raises(ValueError, match="uniform"):
+            document_mask(segments, "flex", uniform=bad)
+
+
+def uniform_network_case(device: str):
+    config = resolve(
+        TrainerInitVramConfig(
+            depth=2,
+            hidden=128,
+            batch=BatchShape(max_rows_per_device=2, max_segments_per_device=8, max_columns_per_row=256),
+            objective=Objective.Joint,
+            masking=Masking(token_mask_probability=0.3),
+            schedule=ScheduleConfig(steps=10),
+            seed=3,
+        )
+    )
+    rng = np.random.default_rng(4)
+    contents = [rng.integers(0, 256, size=127, dtype=np.uint8).tobytes() for _ in range(4)]  # 128 positions each
+    batch = prepare(
+        config, [Modality.Text] * len(contents), contents, bags=None, groups=None, sides=None, relations=None, step=1
+    )
+    network = Network(config)
+    network.initialize(config.seed)
+    network.to(device)
+    return network, batch.host_tensors(pin=False)
+
+
+UNIFORM_CASES = [
+    ("cpu", False),
+    pytest.param("cuda", True, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+]
+
+
+@pytest.mark.parametrize("device, compiled", UNIFORM_CASES)
+def test_network_takes_the_uniform_path_and_equals_dense(device: str, compiled: bool) -> None:
+    """Four 127-byte texts fill two rows of 256 with 128-position segments: the flex path's inputs carry the uniform
+    mask, and the loss terms and every parameter's gradient equal the dense path's (compiled, as the trainer, on
+    CUDA)."""
+    network, tensors = uniform_network_case(device)
+    place = torch.device(device)
+    inputs = to_device(
+        tensors, place, network.rotary, attention="flex", dtype=torch.float32, dynamic=False, uniform=True
+    )
+    assert (inputs.mask.kind, inputs.mask.length) == ("uniform", 128)
+    # Unasked (evaluation, serving), the flex path keeps its block mask (on the CPU it builds one only to be read by
+    # FlexAttention's eager reference, so the check is where the kernel runs).
+    if device == "cuda":
+        plain = to_device(tensors, place, network.rotary, attention="flex", dtype=torch.float32, dynamic=False)
+        assert plain.mask.kind == "flex"
+    dense, dense_grads = network_terms(network, tensors, "dense", backward=True)
+    uniform, uniform_grads = network_terms(network, tensors, "flex", backward=True, compiled=compiled, uniform=True)
+    assert float(dense["masked_text.count"]) > 0 and float(dense["contrastive.count"]) > 0
+    for name in ("loss", "masked_text_loss", "contrastive_loss"):
+        torch.testing.assert_close(uniform[name], dense[name], atol=1e-5, rtol=1e-5, msg=name)
+    assert set(uniform_grads) == set(dense_grads) and len(dense_grads) == len(list(network.parameters()))
+    for name, g in dense_grads.items():
+        torch.testing.assert_close(uniform_grads[name], g, atol=1e-5, rtol=1e-4, msg=name)

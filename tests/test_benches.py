@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from uform.model.attention import attend, document_mask
+
 torch.set_num_threads(2)
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -148,6 +150,30 @@ def test_attention_bench_layouts_and_flops() -> None:
     assert padding == 4 * (1024 - 3 * (257 + 61))
     by_hand = sum(3.5 * 4 * n * n * 64 * 8 for n in counts.tolist())
     assert bench.useful_flops(pairs, 8, 64) == by_hand
+
+
+def test_attention_bench_dense_buckets_equal_the_document_mask() -> None:
+    """bench/attention.py's `--dense` rows: segments gathered by length into plain SDPA (here its math backend on
+    the CPU) give the document-masked answer and gradients at every real position; padding is left out."""
+    bench = load("attention")
+    segments = bench.layout("pairs", 2, 1024)
+    pad = int(segments.max())
+    assert [b.shape for b in bench.length_buckets(segments, pad)] == [(6, 257), (6, 61)]
+    generator = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(2, 1024, 2, 16, generator=generator).requires_grad_() for _ in range(3)]
+    weight = torch.randn(2, 2, 1024, 16, generator=generator) * torch.from_numpy(segments != pad)[:, None, :, None]
+    found = []
+    for forward in (
+        bench.dense_runner(*(t.transpose(1, 2) for t in leaves), segments, pad, "math")[1],
+        lambda: attend(*(t.transpose(1, 2) for t in leaves), document_mask(torch.from_numpy(segments), "dense")),
+    ):
+        for t in leaves:
+            t.grad = None
+        out = forward()
+        (out * weight).sum().backward()
+        found.append([(out * (weight != 0)).detach(), *(t.grad.clone() for t in leaves)])
+    for a, b in zip(*found, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 def test_attention_bench_reads_kernel_options_from_the_command_line() -> None:

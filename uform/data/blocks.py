@@ -45,3 +45,33 @@ def block_tables(segments: np.ndarray, block: int = BLOCK) -> dict[str, np.ndarr
         out[f"{name}kv_num_blocks"] = chosen.sum(axis=2).astype(np.int32).reshape(rows, 1, tiles)  # [R, 1, Tq]
         out[f"{name}kv_indices"] = order.reshape(rows, 1, tiles, tiles)  # [R, 1, Tq, Tk]
     return out
+
+
+UNIFORM_LEAST = 128
+"""The shortest segment `uniform_length` answers: below it dense attention's per-segment tiles are mostly empty
+(cuDNN's kernels over 192 segments of 64 ran at 17 TFLOP/s, of 256 at 144; H200, BENCHMARKS.md "Issue 12, eleventh
+day")."""
+
+
+def uniform_length(segments: np.ndarray, slots: int) -> int:
+    """L where every row [R, C] is C / L whole segments of exactly L positions (ids in [0, slots), no padding, no
+    segment in two places), else 0; L < `UNIFORM_LEAST` answers 0 too.
+
+    Such a layout (fixed-length chunks packed edge to edge, as BERT-style pretraining packs text) is the document
+    mask of a batch of R C / L independent sequences: attention can run dense over [R C / L, H, L, K] views with
+    no mask at all (`model.attention`, kind "uniform")."""
+    rows, columns = segments.shape
+    if rows == 0 or columns == 0:
+        return 0
+    first = segments[0]
+    changes = np.flatnonzero(first[1:] != first[:-1])
+    length = int(changes[0]) + 1 if changes.size else columns
+    if length < UNIFORM_LEAST or columns % length:
+        return 0
+    groups = segments.reshape(-1, length)  # [R C / L, L]: one segment each, if uniform
+    heads = groups[:, 0]
+    if heads.min() < 0 or heads.max() >= slots or not (groups == heads[:, None]).all():
+        return 0
+    if np.unique(heads).size != heads.size:  # one id in two groups: a segment longer than L, or split
+        return 0
+    return length

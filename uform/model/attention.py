@@ -9,6 +9,10 @@ gradients):
   from the segment ids, so the kernel skips every (query block, key block) tile whose segments cannot
   meet. This is the CUDA path, under `torch.compile`.
 - `dense`: scaled dot-product attention with an explicit [R, 1, C, C] boolean mask; the CPU reference.
+- `uniform`: where every row is whole segments of one length L and no padding (`data.blocks.uniform_length`:
+  fixed-length chunks packed edge to edge), the mask is that of R C / L separate sequences, and plain unmasked
+  scaled dot-product attention runs over [R C / L, H, L, K] views of q, k, v; on CUDA cuDNN's fused kernels first.
+  The flex path takes it on such a step (`document_mask(..., uniform=L)`).
 
 Padding positions carry the segment id NO_SEGMENT and attend to the padding of their own row, so no
 query row is ever fully masked (no NaN) and padding never reaches a segment.
@@ -23,8 +27,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..data.blocks import BLOCK, block_tables
+from ..data.blocks import BLOCK, UNIFORM_LEAST, block_tables
 
 try:  # FlexAttention ships with torch >= 2.5
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -38,19 +43,25 @@ class DocumentMask:
     """Which keys each query may see, in the form its attention path reads."""
 
     kind: str
-    """"flex" or "dense"."""
+    """"flex", "dense" or "uniform"."""
     block: Any = None
     """The FlexAttention BlockMask (flex)."""
     dense: Tensor | None = None
     """[R, 1, C, C] bool (dense)."""
     options: dict[str, Any] | None = None
     """FlexAttention's kernel options (flex; `kernel_options`), chosen eagerly, outside the compiled step."""
+    length: int = 0
+    """The one segment length L of every row (uniform)."""
 
 
 def document_mask(
-    segments: Tensor, kind: str, tables: dict[str, Tensor] | None = None, block: int = BLOCK
+    segments: Tensor, kind: str, tables: dict[str, Tensor] | None = None, block: int = BLOCK, uniform: int = 0
 ) -> DocumentMask:
     """The mask of segment ids [R, C] for the `kind` attention path.
+
+    `uniform` > 0 says the caller found every row to be whole segments of that length (`data.blocks.uniform_length`,
+    on the host): the flex path then answers the "uniform" kind instead, which needs no tables. The claim is not
+    re-checked here (that would read the device); a length that does not divide C is refused (ValueError).
 
     For "flex", `tables` are `block_tables` of tile side `block` already on the device (made on the host,
     off the critical path); without them they are computed here. Tables whose tile count is not that of `block`
@@ -61,6 +72,13 @@ def document_mask(
         return DocumentMask(kind, dense=same)
     if kind != "flex":
         raise ValueError(f"attention: unknown path {kind!r}; expected 'flex' or 'dense'")
+    if uniform:
+        if uniform < UNIFORM_LEAST or segments.shape[1] % uniform:
+            raise ValueError(
+                f"document_mask: uniform={uniform} must be at least {UNIFORM_LEAST} and divide the {segments.shape[1]} "
+                "columns (data.blocks.uniform_length)"
+            )
+        return DocumentMask("uniform", length=uniform)
     if tables is None:
         tables = {
             k: torch.from_numpy(v).to(segments.device) for k, v in block_tables(segments.cpu().numpy(), block).items()
@@ -174,10 +192,31 @@ def allow_backward_tiles(side: int) -> bool:
         return True
 
 
+# cuDNN's fused attention first where the uniform path runs on CUDA: over 256 sequences of 256 (8 heads of 64, bf16,
+# H200) its forward + backward took 0.83 ms against FlashAttention 2's 0.96 and the memory-efficient kernel's 1.46
+# (BENCHMARKS.md, "Issue 12, eleventh day"); the others stay behind it for shapes or GPUs cuDNN refuses.
+_UNIFORM_BACKENDS = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
     """q, k, v [R, H, C, K] -> [R, H, C, K]."""
     if mask.kind == "flex":
         return flex_attention(q, k, v, block_mask=mask.block, kernel_options=mask.options)  # type: ignore[misc, return-value, arg-type]
+    if mask.kind == "uniform":
+        rows, heads, columns, width = q.shape
+        length = mask.length
+
+        def split(t: Tensor) -> Tensor:  # [R, H, C, K] -> [R C / L, H, L, K]; a view of the tower's token-major q/k/v
+            return t.transpose(1, 2).reshape(rows * (columns // length), length, heads, width).transpose(1, 2)
+
+        with sdpa_kernel(_UNIFORM_BACKENDS, set_priority=True):
+            out = F.scaled_dot_product_attention(split(q), split(k), split(v))  # [R C / L, H, L, K]
+        return out.transpose(1, 2).reshape(rows, columns, heads, width).transpose(1, 2)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense)
 
 

@@ -475,6 +475,9 @@ class Replica:
             dynamic=cuda,
             block=self.block,
             copy_stream=self._copy_stream,
+            # Training steps only: a second compiled graph for such steps is worth its compile there (BENCHMARKS.md,
+            # "Issue 12, eleventh day"); evaluation and serving keep one graph.
+            uniform=True,
         )
         rate = learning_rate(r.schedule, step)
         for group in self.optimizer.param_groups:
