@@ -26,9 +26,8 @@ is on the GPU machine; carry open_clip_torch, ftfy and wcwidth as wheels there.
 `--packing run` packs every batch into the run's own rows instead of the model's (`Model.packing`: wider rows
 under FlexAttention), for an A/B of the two.
 
-`--jpeg-device` and `--jpeg-split` (CUDA only) time the same JPEGs again through `load(jpeg="device")` (nvJPEG
-takes every plain JPEG) and `load(jpeg="split")` (each window shared between nvJPEG and the host's decoders,
-`uform.jpeg_share`; the row prints the two rates it last averaged).
+`--jpeg-device` (CUDA only) times the same JPEGs again through `load(jpeg="device")` (nvJPEG takes every plain
+JPEG).
 
 With `--phases`, one more call of each kind runs with serving's stages timed on the threads that run them (the
 decoding thread's `_decode`, the host thread's packing and GPU tiling, the caller's launches and waits).
@@ -37,7 +36,6 @@ Each figure is the best of `--repeats` timed calls after one warm-up call (which
 a table and writes bench-encode.json under $OUT (or the current folder).
 
   python bench/encode.py --device cuda --file --peers --jpeg-device
-  python bench/encode.py --device cuda --peers --texts 0 --images 4096 --jpeg-split --phases
   python bench/encode.py --device cpu --depth 2 --hidden 128 --rows 8 --columns 256 --segments 32 \\
       --texts 256 --images 32 --image-side 64 --file
 """
@@ -305,11 +303,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "--jpeg-device", action="store_true", help='also JPEGs decoded on the GPU (load(jpeg="device"), nvJPEG)'
     )
     parser.add_argument(
-        "--jpeg-split",
-        action="store_true",
-        help='also JPEGs shared between the GPU decoder and the host\'s (load(jpeg="split"))',
-    )
-    parser.add_argument(
         "--profile", action="store_true", help="one more call of each kind under torch.profiler (tables under --out)"
     )
     parser.add_argument(
@@ -368,34 +361,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     name = f"{kind}_file"
                     results[name] = {"items": count, "items_per_s": count / best, "warmup_s": warm, **options}
                     print(f"{name:<10} {count / best:>8,.1f} items/s  (uform encode -> Parquet)", flush=True)
-            gpu_modes = [m for m, asked in (("device", args.jpeg_device), ("split", args.jpeg_split)) if asked]
-            pictures = ["image"] * len(images)
-            for mode in gpu_modes if images else []:
-                name = f"image_{mode}"
-                on_device = build_model(args, folder, jpeg=mode)
+            if args.jpeg_device and images:
+                on_device = build_model(args, folder, jpeg="device")
                 on_device.packing = model.packing
                 try:
-                    warm, best = timed(lambda m=on_device: m.encode(pictures, images), args.repeats)
+                    modalities = ["image"] * len(images)
+                    warm, best = timed(lambda: on_device.encode(modalities, images), args.repeats)
                     if args.profile:
-                        trace = profiled(name, lambda m=on_device: m.encode(pictures, images), args.out)
+                        trace = profiled("image_device", lambda: on_device.encode(modalities, images), args.out)
                     if args.phases:
-                        stages = phases(on_device, pictures, images, name, args.out)
-                    share = on_device.jpeg_share.rates() if on_device.jpeg_share is not None else None
+                        stages = phases(on_device, modalities, images, "image_device", args.out)
                 finally:
                     on_device.close()
-                results[name] = {"items": len(images), "items_per_s": len(images) / best, "warmup_s": warm}
+                results["image_device"] = {"items": len(images), "items_per_s": len(images) / best, "warmup_s": warm}
                 if args.profile:
-                    results[name]["profile"] = trace
+                    results["image_device"]["profile"] = trace
                 if args.phases:
-                    results[name]["phases"] = stages
-                how = "JPEGs decoded on the GPU"
-                if share is not None:
-                    results[name]["rates"] = share
-                    how = (
-                        f"JPEGs shared: the GPU decoder {share['device']:,.0f} images/s, "
-                        f"the host's {share['host']:,.0f}, as last averaged"
-                    )
-                print(f"{name:<6} {len(images) / best:>6,.1f} items/s  ({how})", flush=True)
+                    results["image_device"]["phases"] = stages
+                print(
+                    f"{'image_device':<6} {len(images) / best:>6,.1f} items/s  (JPEGs decoded on the GPU)", flush=True
+                )
         finally:
             model.close()
     if images:
@@ -412,11 +397,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 results["image"]["items_per_s"] / results["peers"]["open_clip_vit"]["images_per_s"]
             )
             print(f"uform JPEG images/s / open_clip ViT images/s: {results['image_vs_vit']:.2f}")
-        for mode, how in (("device", "decoded on the GPU"), ("split", "shared with the GPU decoder")):
-            if f"image_{mode}" in results:
-                ratio = results[f"image_{mode}"]["items_per_s"] / results["peers"]["open_clip_vit"]["images_per_s"]
-                results[f"image_{mode}_vs_vit"] = ratio
-                print(f"uform JPEG images/s {how} / open_clip ViT: {ratio:.2f}")
+        if "image_device" in results:
+            results["image_device_vs_vit"] = (
+                results["image_device"]["items_per_s"] / results["peers"]["open_clip_vit"]["images_per_s"]
+            )
+            print(f"uform JPEG images/s decoded on the GPU / open_clip ViT: {results['image_device_vs_vit']:.2f}")
     write_json("bench-encode.json", results, args.out)
     sys.stdout.flush()
     return results

@@ -7,10 +7,10 @@
     uform plot RUN_DIR [--output FILE_OR_DIR]
     uform export CHECKPOINT OUT_DIR [--onnx]
     uform encode MODEL --input FILE --output FILE [--field NAME=ROLE ...] [--width N] [--dtype f32|f16|bf16|i8]
-                 [--batch N] [--cpu] [--quiet] [--jpeg host|device|split]
+                 [--batch N] [--cpu] [--quiet] [--jpeg host|device]
     uform serve MODEL [--host 127.0.0.1] [--port 8000] [--cpu] [--name NAME] [--max-inputs N] [--max-body-bytes N]
                 [--max-queue N] [--batch-wait-ms N] [--rows N] [--segments N] [--log-level LEVEL] [--access-log]
-                [--jpeg host|device|split]
+                [--jpeg host|device]
     uform version
 
 `uform train` exits 0 when done (or stopped by --stop-after), 2 on a refused run, and 128 + the signal (130 for
@@ -207,10 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--cpu", action="store_true", help="encode on the CPU even when a GPU is present")
     encode.add_argument(
         "--jpeg",
-        choices=("host", "device", "split"),
+        choices=("host", "device"),
         default="host",
-        help="where JPEGs decode: host (Pillow), device (the GPU's nvJPEG, through torchvision) or split (both at "
-        "once, shared by the rate each shows) (%(default)s)",
+        help="where JPEGs decode: host (Pillow) or device (the GPU's nvJPEG, through torchvision) (%(default)s)",
     )
     encode.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -252,11 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--access-log", action="store_true", help="log a line per request (at info)")
     serve.add_argument(
         "--jpeg",
-        choices=("host", "device", "split"),
+        choices=("host", "device"),
         default="host",
-        help="where JPEGs decode: host (Pillow, as training), device (the GPU's nvJPEG, through torchvision; "
-        "pixels within a few levels of the host's) or split (both at once, shared by the rate each shows) "
-        "(%(default)s)",
+        help="where JPEGs decode: host (Pillow, as training) or device (the GPU's nvJPEG, through torchvision; "
+        "pixels within a few levels of the host's) (%(default)s)",
     )
 
     commands.add_parser("version", help="print the library's version", description="Prints uform's version.")

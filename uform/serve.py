@@ -53,10 +53,7 @@ import math
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Generator, Sequence
-from concurrent import futures
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +69,6 @@ from .data.batch import MEDIA_KINDS, media_features
 from .data.items import is_tape, parse_contents, parse_modalities, parse_sides, tape_items
 from .data.windows import CallItems, Packing, call_batches, pack_batch, packing_rows
 from .enums import LateInteractionSide, Modality, Objective, Scalar
-from .jpeg_share import JpegShare
 from .media.decode import MediaPolicy, decode_items, warn_skipped
 from .media.limits import MediaError
 from .media.units import Units
@@ -131,10 +127,8 @@ def load(
     `compiled` compiles the forward with `torch.compile` and FlexAttention; None derives True on CUDA.
     `jpeg` is where JPEGs decode: "host" (the decoder processes, through Pillow, as training decodes them) or
     "device" (CUDA only, through torchvision's nvJPEG, for the JPEGs that need no more than decoding: baseline,
-    YCbCr, upright, fitting a row; the others still on the host; `uform.device_pictures`), or "split" (CUDA only:
-    each window's images shared between the two, both decoding at once, in proportion to the images a second
-    each showed before; `uform.jpeg_share`). An H200 decodes ~4x the JPEGs a second of 16 host decoders; its
-    pixels may differ from the host's by a few levels.
+    YCbCr, upright, fitting a row; the others still on the host; `uform.device_pictures`). An H200 decodes ~4x
+    the JPEGs a second of 16 host decoders; its pixels may differ from the host's by a few levels.
     `progress(done, total)` counts the tensors read, at most `progress_steps` (zero derives ten) times.
 
     Raises `CheckpointError` (a `ValueError`) naming the file when it is not a whole, intact uform trainer
@@ -183,19 +177,18 @@ def load(
         path=shown,
         step=step,
         jpeg_decoder=decode,
-        jpeg_share=JpegShare() if jpeg == "split" else None,
         _token=_PRIVATE,
     )
 
 
 def _jpeg_decoder(jpeg: Any, device: torch.device) -> device_pictures.Decoder | None:
     """The GPU JPEG decoder `load(jpeg=...)` asks for (None: the host's decoders)."""
-    if jpeg not in ("host", "device", "split"):
-        raise ValueError(f'jpeg: must be "host", "device" or "split", got {jpeg!r}')
+    if jpeg not in ("host", "device"):
+        raise ValueError(f'jpeg: must be "host" or "device", got {jpeg!r}')
     if jpeg == "host":
         return None
     if device.type != "cuda":
-        raise ValueError(f"jpeg: {jpeg!r} decodes on a CUDA device (nvJPEG); this model is on {device.type}")
+        raise ValueError(f'jpeg: "device" decodes on a CUDA device (nvJPEG); this model is on {device.type}')
     return device_pictures.nvjpeg(device)
 
 
@@ -272,7 +265,6 @@ class Model:
         trainer: Any = None,
         notices: Notices | None = None,
         jpeg_decoder: device_pictures.Decoder | None = None,
-        jpeg_share: JpegShare | None = None,
         _token: object = None,
     ) -> None:
         if _token is not _PRIVATE:
@@ -297,9 +289,6 @@ class Model:
         self.media = media
         self.jpeg_decoder = jpeg_decoder
         """The GPU decoder of the JPEGs it may take (`load(jpeg="device")`); None: every image on the host."""
-        self.jpeg_share = jpeg_share
-        """With `jpeg_decoder`: how each window's images are shared between it and the host's decoders, both
-        decoding at once (`load(jpeg="split")`, `uform.jpeg_share`); None: the GPU decoder takes every JPEG it can."""
         self.bf16 = bf16
         self.compiled = compiled
         self._late = config.late_interaction.weight > 0
@@ -323,7 +312,6 @@ class Model:
             self._states_fn = torch.compile(self._states_forward, dynamic=False)
         self._lock = threading.Lock()
         self._decoders: DecodePool | None = None
-        self._helper: ThreadPoolExecutor | None = None  # waits for the host's part of a split window
         self.keep_decoded = False
         """Whether the model keeps every media item's decoded units (or why it failed), by its bytes, for later
         calls on the same items: set by an evaluator that scores the same held-out items again and again."""
@@ -412,9 +400,6 @@ class Model:
             if self._decoders is not None:
                 self._decoders.close()
                 self._decoders = None
-            if self._helper is not None:
-                self._helper.shutdown(wait=True)
-                self._helper = None
 
     def __enter__(self) -> Model:
         return self
@@ -716,77 +701,28 @@ class Model:
         kept = {i: self._decoded[k] for i, k in keys.items() if k in self._decoded}
         fresh = [i for i in items if i not in kept]
         units: dict[int, Units] = {i: u for i, u in kept.items() if not isinstance(u, str)}
-        failed = [(i, u) for i, u in kept.items() if isinstance(u, str)]
         if self.jpeg_decoder is not None:  # JPEGs the device decodes: planned from their headers here
-            offered, fresh = self._jpeg_sides(job, fresh)
-            # The host's part (split) decodes in its processes meanwhile, waited for on a helper thread.
-            beside = self._beside().submit(self._timed_host, job, fresh, keys) if fresh else None
-            started = time.perf_counter()
-            try:
-                planned = self._device_units(job, offered)
-                units.update(planned)
-                # Decoded here, on the decoding thread, while the window before is packed and the device runs it.
-                sources = [plan.source for plan in planned.values() if plan.source is not None]
-                pictures = dict(zip(planned, device_pictures.decode_all(sources, self.jpeg_decoder), strict=True))
-            finally:
-                seconds = time.perf_counter() - started
-                if beside is not None:  # the host's part ends with its window, even where the device's raised
-                    futures.wait([beside])
-            fresh = [i for i in offered if i not in planned]  # not the device's to decode: the host's
-            if beside is not None:
-                (new_units, new_failed), host_seconds, count = beside.result()
-                units.update(new_units)
-                failed.extend(new_failed)
-                if self.jpeg_share is not None:
-                    self.jpeg_share.learn("device", len(planned), seconds)
-                    self.jpeg_share.learn("host", count, host_seconds)
+            planned = self._device_units(job, fresh)
+            units.update(planned)
+            fresh = [i for i in fresh if i not in planned]
+            # Decoded here, on the decoding thread, while the window before is packed and the device runs it.
+            sources = [plan.source for plan in planned.values() if plan.source is not None]
+            pictures = dict(zip(planned, device_pictures.decode_all(sources, self.jpeg_decoder), strict=True))
+        failed = [(i, u) for i, u in kept.items() if isinstance(u, str)]
         if fresh:
-            new_units, new_failed = self._host_decode(job, fresh, keys)
+            if self._decoders is None:
+                self._decoders = DecodePool(self.media.workers, self.media.limits.timeout_seconds)
+            max_units = self.columns - self._prefix
+            new_units, new_failed = decode_items(
+                self._decoders, self.media, self.config.batch, job.modalities, job.contents, fresh, max_units
+            )
+            if self.keep_decoded:  # kept for the evaluator's life: off the decoders' slabs, which they would hold
+                new_units = {i: u.owned() for i, u in new_units.items()}
+                self._decoded.update({keys[i]: u for i, u in new_units.items()})
+                self._decoded.update({keys[i]: why for i, why in new_failed})
             units.update(new_units)
             failed.extend(new_failed)
         return units, sorted(failed), pictures
-
-    def _jpeg_sides(self, job: _Job, items: list[int]) -> tuple[list[int], list[int]]:
-        """(offered to the device decoder, the host's) of a window's fresh media items: every image offered,
-        unless `jpeg_share` splits them (then the host's part, and every video and recording, go to the host)."""
-        if self.jpeg_share is None:
-            return items, []
-        images = [i for i in items if job.modalities[i] == Modality.Image]
-        offered, host = self.jpeg_share.split(images)
-        return offered, host + [i for i in items if job.modalities[i] != Modality.Image]
-
-    def _beside(self) -> ThreadPoolExecutor:
-        """The helper thread that waits for the host's part of a split window (made on first need; a call holds
-        `_lock` throughout, so one call's decoding thread at a time reaches here)."""
-        if self._helper is None:
-            self._helper = ThreadPoolExecutor(1, "uform-serve-split")
-        return self._helper
-
-    def _timed_host(
-        self, job: _Job, items: list[int], keys: dict[int, tuple[Modality, bytes]]
-    ) -> tuple[tuple[dict[int, Units], list[tuple[int, str]]], float, int]:
-        """`_host_decode` of `items`, its seconds, and how many of them were images (what `jpeg_share` learns)."""
-        started = time.perf_counter()
-        answer = self._host_decode(job, items, keys)
-        images = sum(1 for i in items if job.modalities[i] == Modality.Image)
-        return answer, time.perf_counter() - started, images
-
-    def _host_decode(
-        self, job: _Job, items: list[int], keys: dict[int, tuple[Modality, bytes]]
-    ) -> tuple[dict[int, Units], list[tuple[int, str]]]:
-        """`items` decoded in the model's decoder processes (started on first need); with `keep_decoded`, each
-        kept under its key in `keys` (`_decode`'s, by item)."""
-        if self._decoders is None:
-            self._decoders = DecodePool(self.media.workers, self.media.limits.timeout_seconds)
-        max_units = self.columns - self._prefix
-        new_units, new_failed = decode_items(
-            self._decoders, self.media, self.config.batch, job.modalities, job.contents, items, max_units
-        )
-        if self.keep_decoded:  # kept for the evaluator's life: off the decoders' slabs, which they would hold
-            new_units = {i: u.owned() for i, u in new_units.items()}
-            self._decoded.update({keys[i]: u for i, u in new_units.items()})
-            self._decoded.update({keys[i]: why for i, why in new_failed})
-        return new_units, new_failed
 
     def _picture_shape(self) -> dict[str, Any]:
         """What a picture decodes to at serving (the run's image slice, a row's room, the limits), as
