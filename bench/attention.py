@@ -14,6 +14,10 @@ Times one layer's attention of q, k, v [R, H, C, K] bf16 under a document mask, 
               attention under SDPA backend <b> (cudnn, flash, efficient), one call per length, the output
               scattered back; the gathers are timed with it ("kernels" rows: the SDPA calls alone)
 
+With `--sdpa`, instead: plain scaled dot-product attention alone over [N, H, L, K] at the `--sdpa-shapes` (N x L),
+under each SDPA backend (cudnn, flash, efficient), unmasked and with a random key-padding mask, forward and forward +
+backward (the figures behind `data.blocks.UNIFORM_LEAST` and the uniform path's backend order).
+
 and two layouts of segments: "text" (256 segments of 256 in 64 x 1024, tile-aligned: every tile is whole) and
 "pairs" (segments of 257 and 61 positions alternating, first-fit into rows, as an image-caption step packs:
 most tiles straddle two segments). Useful FLOPs count only same-segment (query, key) pairs: forward 4 L^2 K H
@@ -221,7 +225,10 @@ def dense_runner(
     def forward() -> Any:
         with sdpa_kernel(chosen):
             if kernels_only:
-                outs = [F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in p)) for p in parts]
+                outs = [
+                    F.scaled_dot_product_attention(a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2))
+                    for a, b, c in parts
+                ]
                 return outs
             flat = [t.transpose(1, 2).reshape(rows * columns, heads, width) for t in (q, k, v)]
             gathered = [_Gather.apply(t, index, inverse) for t in flat]  # [P, H, K] each
@@ -247,6 +254,59 @@ def dense_runner(
     return run, forward
 
 
+def sdpa_table(shapes: str, heads: int, width: int, steps: int, warmup: int) -> dict[str, Any]:
+    """`--sdpa`: each backend alone at each N x L, unmasked and with a key-padding mask (keys past a random length in
+    [L / 2, L] hidden), forward and forward + backward; useful FLOPs count every (query, key) pair."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
+    rows: dict[str, Any] = {}
+    for shape in shapes.split(","):
+        n, length = (int(x) for x in shape.split("x"))
+        leaves = [
+            torch.randn((n, length, heads, width), device="cuda", dtype=torch.bfloat16).requires_grad_()
+            for _ in range(3)
+        ]
+        q, k, v = (t.transpose(1, 2) for t in leaves)  # [N, H, L, K] views of token-major leaves, as the tower's
+        flops = 4.0 * length * length * width * heads * n
+        keep = (
+            torch.arange(length, device="cuda")[None, :]
+            < torch.randint(length // 2, length + 1, (n,), device="cuda")[:, None]
+        )
+        for name, backend in backends.items():
+            for mask in (None, keep[:, None, None, :].expand(n, 1, length, length)):
+                label = f"{n}x{length} {name}{' masked' if mask is not None else ''}"
+
+                def forward(backend: Any = backend, mask: Any = mask, qkv: tuple = (q, k, v)) -> Any:
+                    with sdpa_kernel(backend):
+                        return F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=mask)
+
+                def run(forward: Any = forward) -> None:
+                    out = forward()
+                    out.backward(torch.ones_like(out))
+
+                try:
+                    forward_ms = timed(forward, steps, warmup)
+                    ms = timed(run, steps, warmup)
+                except RuntimeError as failure:  # a backend that refuses the shape or the mask
+                    print(f"{label:32s} refused: {str(failure).splitlines()[0][:100]}", flush=True)
+                    continue
+                finally:
+                    for t in leaves:
+                        t.grad = None
+                rows[label] = {"forward_ms": forward_ms, "ms": ms, "tflops": 3.5 * flops / (ms / 1e3) / 1e12}
+                print(
+                    f"{label:32s} fwd {forward_ms:7.3f} ms ({flops / forward_ms / 1e9:5.0f} TFLOP/s)  fwd+bwd {ms:7.3f} ms"
+                    f" ({rows[label]['tflops']:5.0f} TFLOP/s)",
+                    flush=True,
+                )
+    return rows
+
+
 def main() -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=64)
@@ -260,6 +320,8 @@ def main() -> dict[str, Any]:
     parser.add_argument("--autotune", action="store_true", help="also inductor's max-autotune over flex's configs")
     parser.add_argument("--varlen", action="store_true", help="also FlashAttention 2's varlen kernels")
     parser.add_argument("--cudnn", action="store_true", help="also cuDNN's ragged kernels through varlen_attn")
+    parser.add_argument("--sdpa", action="store_true", help="only SDPA's backends alone at --sdpa-shapes")
+    parser.add_argument("--sdpa-shapes", default="256x256,192x257,192x61,192x64,64x1024", help="N x L, comma-separated")
     parser.add_argument("--dense", default="", help="also dense SDPA over length buckets: backends, e.g. cudnn,flash")
     parser.add_argument("--backward-tiles", type=int, default=0, help="let the backward compile tiles of this side")
     parser.add_argument(
@@ -308,6 +370,10 @@ def main() -> dict[str, Any]:
             )
     configs += [named_options(spec) for spec in args.configs.split(",") if spec]
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": {}}
+    if args.sdpa:
+        results["rows"] = sdpa_table(args.sdpa_shapes, args.heads, width, args.steps, args.warmup)
+        print(write_json("bench-attention.json", results))
+        return results
     if args.autotune:
         configs.append(("flex max-autotune", None))
     for name in ("text", "pairs") if args.layout == "both" else (args.layout,):

@@ -48,9 +48,9 @@ def block_tables(segments: np.ndarray, block: int = BLOCK) -> dict[str, np.ndarr
 
 
 UNIFORM_LEAST = 128
-"""The shortest segment `uniform_length` answers: below it dense attention's per-segment tiles are mostly empty
-(cuDNN's kernels over 192 segments of 64 ran at 17 TFLOP/s, of 256 at 144; H200, BENCHMARKS.md "Issue 12, eleventh
-day")."""
+"""The shortest segment `uniform_length` answers: short sequences leave dense attention's kernels mostly idle (H200,
+`bench/attention.py --sdpa`, forward + backward: cuDNN's over 192 sequences of 64 at 17 TFLOP/s, over 256 of 256 at
+144; BENCHMARKS.md "Issue 12, eleventh day"), where FlexAttention packs several segments into one tile."""
 
 
 def uniform_length(segments: np.ndarray, slots: int) -> int:
