@@ -374,7 +374,9 @@ def test_attend_compiled_flex_equals_dense_cuda(columns: int, padding: str, bloc
 # A whole Network under both paths
 
 
-def network_case(device: str):
+def network_case(device: str, lengths: tuple[int, ...] = (150, 40, 63, 200, 9), seed: int = 3):
+    """A small network and one Joint step of random texts of `lengths` bytes. The default lengths make segments
+    straddle tile boundaries and one row end in padding."""
     config = resolve(
         TrainerInitVramConfig(
             depth=2,
@@ -386,13 +388,12 @@ def network_case(device: str):
             seed=3,
         )
     )
-    rng = np.random.default_rng(3)
-    # Lengths chosen so that segments straddle tile boundaries and one row ends in padding.
-    contents = [rng.integers(0, 256, size=n, dtype=np.uint8).tobytes() for n in (150, 40, 63, 200, 9)]
+    rng = np.random.default_rng(seed)
+    contents = [rng.integers(0, 256, size=n, dtype=np.uint8).tobytes() for n in lengths]
     batch = prepare(
         config, [Modality.Text] * len(contents), contents, bags=None, groups=None, sides=None, relations=None, step=1
     )
-    assert batch.dropped == 0 and (batch.segments == 8).any()
+    assert batch.dropped == 0
     network = Network(config)
     network.initialize(config.seed)
     network.to(device)
@@ -421,6 +422,7 @@ def network_terms(
 @pytest.mark.parametrize("device", DEVICES)
 def test_network_losses_flex_equal_dense(device: str) -> None:
     network, tensors = network_case(device)
+    assert (tensors["segments"] == 8).any()  # a row ends in padding
     with torch.no_grad():
         dense, _ = network_terms(network, tensors, "dense", backward=False)
         flex, _ = network_terms(network, tensors, "flex", backward=False)
@@ -517,29 +519,6 @@ def test_a_uniform_claim_that_cannot_hold_is_refused() -> None:
             document_mask(segments, "flex", uniform=bad)
 
 
-def uniform_network_case(device: str):
-    config = resolve(
-        TrainerInitVramConfig(
-            depth=2,
-            hidden=128,
-            batch=BatchShape(max_rows_per_device=2, max_segments_per_device=8, max_columns_per_row=256),
-            objective=Objective.Joint,
-            masking=Masking(token_mask_probability=0.3),
-            schedule=ScheduleConfig(steps=10),
-            seed=3,
-        )
-    )
-    rng = np.random.default_rng(4)
-    contents = [rng.integers(0, 256, size=127, dtype=np.uint8).tobytes() for _ in range(4)]  # 128 positions each
-    batch = prepare(
-        config, [Modality.Text] * len(contents), contents, bags=None, groups=None, sides=None, relations=None, step=1
-    )
-    network = Network(config)
-    network.initialize(config.seed)
-    network.to(device)
-    return network, batch.host_tensors(pin=False)
-
-
 UNIFORM_CASES = [
     ("cpu", False),
     pytest.param("cuda", True, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
@@ -551,7 +530,7 @@ def test_network_takes_the_uniform_path_and_equals_dense(device: str, compiled: 
     """Four 127-byte texts fill two rows of 256 with 128-position segments: the flex path's inputs carry the uniform
     mask, and the loss terms and every parameter's gradient equal the dense path's (compiled, as the trainer, on
     CUDA)."""
-    network, tensors = uniform_network_case(device)
+    network, tensors = network_case(device, (127,) * 4, seed=4)  # 128 positions each
     place = torch.device(device)
     inputs = to_device(
         tensors, place, network.rotary, attention="flex", dtype=torch.float32, dynamic=False, uniform=True
