@@ -124,6 +124,26 @@ def flex_runner(
     return run, lambda: compiled(q, k, v, block_mask=mask.block, kernel_options=options)
 
 
+def sequence_starts(segments: np.ndarray) -> np.ndarray:
+    """Flat positions where a sequence starts in segment ids [R, C]: wherever the id changes or a row starts (each
+    row's padding is its own sequence)."""
+    columns = segments.shape[1]
+    flat = segments.reshape(-1)
+    return np.flatnonzero(np.r_[True, (flat[1:] != flat[:-1]) | (np.arange(1, flat.size) % columns == 0)])
+
+
+def sdpa_backend(name: str) -> Any:
+    """SDPA's backend of that name: cudnn, flash, efficient or math."""
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[name]
+
+
 def varlen_runner(q: Any, k: Any, v: Any, segments: np.ndarray, cudnn: bool = False) -> Any:
     from torch.nn.attention import varlen
     from torch.nn.attention.varlen import varlen_attn
@@ -131,10 +151,7 @@ def varlen_runner(q: Any, k: Any, v: Any, segments: np.ndarray, cudnn: bool = Fa
     switch = varlen._should_use_cudnn  # torch's own choice between its two backends (FlashAttention 2 as shipped)
 
     rows, columns = segments.shape
-    flat = segments.reshape(-1)
-    # A sequence starts wherever the id changes or a row starts (each row's padding is its own sequence).
-    starts = np.flatnonzero(np.r_[True, (flat[1:] != flat[:-1]) | (np.arange(1, flat.size) % columns == 0)])
-    cu = torch.tensor(np.r_[starts, flat.size], dtype=torch.int32, device="cuda")
+    cu = torch.tensor(np.r_[sequence_starts(segments), segments.size], dtype=torch.int32, device="cuda")
     longest = int(np.diff(cu.cpu().numpy()).max())
 
     def packed(t: Any) -> Any:  # [R, H, C, K] -> [R*C, H, K]
@@ -182,9 +199,8 @@ class _Gather(torch.autograd.Function):
 
 def length_buckets(segments: np.ndarray, pad: int) -> list[np.ndarray]:
     """Flat positions [N, L] of the segments of each length L (padding, id `pad`, left out), longest first."""
-    columns = segments.shape[1]
     flat = segments.reshape(-1)
-    starts = np.flatnonzero(np.r_[True, (flat[1:] != flat[:-1]) | (np.arange(1, flat.size) % columns == 0)])
+    starts = sequence_starts(segments)
     ends = np.r_[starts[1:], flat.size]
     by_length: dict[int, list[int]] = {}
     for start, end in zip(starts, ends, strict=True):
@@ -200,14 +216,9 @@ def dense_runner(
     q: Any, k: Any, v: Any, segments: np.ndarray, pad: int, backend: str, kernels_only: bool = False
 ) -> Any:
     """Forward and forward + backward of document-masked attention as dense SDPA over length buckets."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
-    chosen = {
-        "cudnn": SDPBackend.CUDNN_ATTENTION,
-        "flash": SDPBackend.FLASH_ATTENTION,
-        "efficient": SDPBackend.EFFICIENT_ATTENTION,
-        "math": SDPBackend.MATH,
-    }[backend]
+    chosen = sdpa_backend(backend)
     rows, heads, columns, width = q.shape
     buckets = length_buckets(segments, pad)
     device = q.device
@@ -257,13 +268,9 @@ def dense_runner(
 def sdpa_table(shapes: str, heads: int, width: int, steps: int, warmup: int) -> dict[str, Any]:
     """`--sdpa`: each backend alone at each N x L, unmasked and with a key-padding mask (keys past a random length in
     [L / 2, L] hidden), forward and forward + backward; useful FLOPs count every (query, key) pair."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
-    backends = {
-        "cudnn": SDPBackend.CUDNN_ATTENTION,
-        "flash": SDPBackend.FLASH_ATTENTION,
-        "efficient": SDPBackend.EFFICIENT_ATTENTION,
-    }
+    backends = {name: sdpa_backend(name) for name in ("cudnn", "flash", "efficient")}
     rows: dict[str, Any] = {}
     for shape in shapes.split(","):
         n, length = (int(x) for x in shape.split("x"))

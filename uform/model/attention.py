@@ -194,7 +194,7 @@ def allow_backward_tiles(side: int) -> bool:
 
 # cuDNN's fused attention first where the uniform path runs on CUDA. H200, the reference text step (256 segments of
 # 256, 8 heads of 64, bf16; `bench/profile_step.py --fed`, BENCHMARKS.md "Issue 12, eleventh day"): its kernels took
-# 6.96 ms a step against FlexAttention's 8.21, the step's kernels 42.14 against 42.58 ms; alone, over 256 sequences
+# 6.97 ms a step against FlexAttention's 8.22, the step's kernels 42.14 against 42.58 ms; alone, over 256 sequences
 # of 256, its forward + backward 0.83 ms against FlashAttention 2's 0.96 and the memory-efficient kernel's 1.46
 # (`bench/attention.py --sdpa`). The others stay behind it for shapes or GPUs cuDNN refuses.
 _UNIFORM_BACKENDS = [
