@@ -12,7 +12,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-_DECODING = ("numpy", "pillow", "av", "soundfile", "soxr")
+_DECODING = ("numpy", "pillow", "simplejpeg", "av", "soundfile", "soxr")
 _TOOLS = ("pytest", "scikit-image", "pygame")
 
 

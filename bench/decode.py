@@ -37,6 +37,8 @@ import time
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from common import add_geometry, bench_config, topic_text, write_json  # a sibling module of the bench scripts
 
 os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")  # pygame greets on import otherwise
@@ -156,6 +158,8 @@ def decode_rates(args: argparse.Namespace) -> list[dict[str, Any]]:
     counts = sorted({1, args.workers or decode_parallelism()})
     rows = []
     for kind, label, geometry, samples, count in kinds:
+        if count == 0:  # `--items 0` / `--clips 0` leave that modality out
+            continue
         jobs = [((kind, samples[i % len(samples)], geometry, args.max_units, limits), {}) for i in range(count)]
         units = len(decode_item(*jobs[0][0]))
         inline_count = min(count, 64)
@@ -252,7 +256,7 @@ def host_prepare_seconds(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--workers", type=int, default=0, help="decoder processes for the N-worker runs; 0: one per core"
@@ -274,7 +278,7 @@ def main() -> None:
     parser.add_argument(
         "--host-processes", type=int, default=0, help="where Replica.prepare runs (0: in process, decode timed apart)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     report: dict[str, Any] = {
         "machine": {"cores": len(os.sched_getaffinity(0)), "cpu": platform.processor() or platform.machine()},
@@ -286,6 +290,7 @@ def main() -> None:
         report["prepare"] = host_prepare_seconds(args)
     path = write_json("bench-decode.json", report)
     print(f"\nwrote {path}")
+    return report
 
 
 if __name__ == "__main__":

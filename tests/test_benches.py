@@ -2,7 +2,7 @@
 GPU at the reference geometry of docs/design.md §1): bench/encode.py (its --file path too); bench/onnx_cpu.py; bench/maxsim.py, whose current MaxSim agrees with the previous one it
 keeps as the reference; bench/scaling.py through an executor of two CPU workers; bench/train_shards.py (uform.fit from tar shards against the library loop); bench/pairs.py (uform's side);
 bench/data_wait.py's video and audio steps; bench/profile_host.py --timeline; bench/attention.py's layouts and FLOP
-count; bench/kernel_trace.py's reading of a profiler trace; bench/loss_curve.py's windows; bench/copy_rate.py; and bench/graphs.py's CPU path."""
+count; bench/kernel_trace.py's reading of a profiler trace; bench/loss_curve.py's windows; bench/copy_rate.py; bench/decode.py's JPEG rates; and bench/graphs.py's CPU path."""
 
 from __future__ import annotations
 
@@ -280,6 +280,15 @@ def test_loss_curve_bench_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert len(results["curve"]) == 2 and results["finite"] and all(np.isfinite(results["curve"]))
     assert results["curve"][0] > results["curve"][1]  # twelve steps of a fresh tower lower the loss (6 were noise)
     assert json.loads((tmp_path / "bench-loss-curve.json").read_text())["curve"] == results["curve"]
+
+
+def test_decode_bench_leaves_out_a_modality_of_no_items(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/decode.py's decode rates, JPEGs alone (`--clips 0 --recordings 0`), on one decoder process."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    tiny = "--items 4 --clips 0 --recordings 0 --workers 1 --skip-prepare"
+    (row,) = load("decode").main(tiny.split())["decode"]
+    assert row["modality"] == "image" and row["items"] == 4 and row["units"] == 256 and row["inline"] > 0
+    assert json.loads((tmp_path / "bench-decode.json").read_text())["decode"][0]["modality"] == "image"
 
 
 def test_copy_rate_bench_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

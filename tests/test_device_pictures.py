@@ -26,7 +26,7 @@ import uform.device_pictures
 from uform import BatchShape, ImageShape, Objective, Schedule, TrainerInitVramConfig
 from uform.cli import main
 from uform.config import resolve
-from uform.media.jpeg_plan import device_size
+from uform.media.jpeg_plan import plain_size
 from uform.media.limits import MediaError, MediaLimits
 from uform.serve import load
 
@@ -49,10 +49,10 @@ def with_orientation(data: bytes, orientation: int) -> bytes:
 
 
 def test_the_plan_takes_plain_jpegs_only() -> None:
-    assert device_size(jpeg((64, 48)), **PLAN) == (64, 48)
-    assert device_size(jpeg((50, 37)), **PLAN) == (50, 37)  # not whole patches: padded as the host pads
-    assert device_size(with_orientation(jpeg((64, 48)), 1), **PLAN) == (64, 48)
-    assert device_size(jpeg((64, 48), subsampling=0), **PLAN) == (64, 48)  # 4:4:4 as well as 4:2:0
+    assert plain_size(jpeg((64, 48)), **PLAN) == (64, 48)
+    assert plain_size(jpeg((50, 37)), **PLAN) == (50, 37)  # not whole patches: padded as the host pads
+    assert plain_size(with_orientation(jpeg((64, 48)), 1), **PLAN) == (64, 48)
+    assert plain_size(jpeg((64, 48), subsampling=0), **PLAN) == (64, 48)  # 4:4:4 as well as 4:2:0
     refused = {
         "progressive": jpeg((64, 48), progressive=True),
         "rotated": with_orientation(jpeg((64, 48)), 6),
@@ -64,10 +64,10 @@ def test_the_plan_takes_plain_jpegs_only() -> None:
         "cut": jpeg((64, 48))[:300],
     }
     for why, data in refused.items():
-        assert device_size(data, **PLAN) is None, why
-    assert device_size(jpeg((64, 48)), **{**PLAN, "channels": 3}) == (64, 48)
-    assert device_size(jpeg((64, 48)), **{**PLAN, "channels": 1}) is None  # grey from colour is libjpeg's
-    assert device_size(jpeg((64, 48)), **{**PLAN, "limits": MediaLimits(max_pixels=1000)}) is None
+        assert plain_size(data, **PLAN) is None, why
+    assert plain_size(jpeg((64, 48)), **{**PLAN, "channels": 3}) == (64, 48)
+    assert plain_size(jpeg((64, 48)), **{**PLAN, "channels": 1}) is None  # grey from colour is Pillow's
+    assert plain_size(jpeg((64, 48)), **{**PLAN, "limits": MediaLimits(max_pixels=1000)}) is None
 
 
 def pillow_decoder(calls: list[int], refuse: bytes | None = None) -> Any:

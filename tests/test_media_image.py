@@ -36,8 +36,10 @@ from media_samples import (
 )
 from PIL import Image
 
+import uform.media.image
 from uform.media import MediaError, MediaLimits, image_units, jpeg
 from uform.media.grid import fit_size, grid_of
+from uform.media.jpeg_plan import plain_size
 
 
 def decode(data: bytes, patch_side: int = 16, channels: int = 4, max_units: int = 100_000, **limits: Any):
@@ -370,6 +372,77 @@ def test_truncation_checks_stay_on() -> None:
     data = skimage_file("rocket.jpg")
     with pytest.raises(MediaError, match="truncated"):
         decode(data[: len(data) - 200])
+
+
+def pillows_path(data: bytes, monkeypatch: pytest.MonkeyPatch, **options: Any) -> Any:
+    """The units of `data` as Pillow's path alone decodes them (no image is plain)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(uform.media.image, "_plain_jpeg", lambda *_: None)
+        return decode(data, **options)
+
+
+def same_units(a: Any, b: Any) -> bool:
+    return a.grid == b.grid and np.array_equal(a.values, b.values) and np.array_equal(a.positions, b.positions)
+
+
+PLAIN_SIZES = [(256, 256), (250, 237), (17, 9), (1, 1), (640, 48), (48, 640)]
+
+
+@pytest.mark.parametrize("channels", [3, 4])
+@pytest.mark.parametrize("subsampling", [0, 1, 2], ids=["4:4:4", "4:2:2", "4:2:0"])
+def test_plain_jpegs_decode_bitwise_as_pillows_path(
+    subsampling: int, channels: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # simplejpeg and Pillow both run libjpeg-turbo's accurate integer DCT and fancy upsampling: the same pixels.
+    cases = [skimage_file("rocket.jpg"), skimage_file("retina.jpg"), pygame_file("alien1.jpg")]  # camera-made
+    for size in PLAIN_SIZES:
+        for quality, optimize in ((95, False), (40, True)):
+            image = photo("astronaut.png").convert("RGB").resize(size, Image.Resampling.BOX)
+            cases.append(encode_image(image, "JPEG", quality=quality, optimize=optimize, subsampling=subsampling))
+    for data in cases:
+        options = {"channels": channels, "max_units": 8192}
+        assert plain_size(data, patch_side=16, channels=channels, max_units=8192, limits=MediaLimits()) is not None
+        taken = uform.media.image._plain_jpeg(data, 16, channels, 8192, MediaLimits())
+        assert taken is not None and taken.shape[2] == channels  # the fast path answered, not Pillow's
+        assert same_units(decode(data, **options), pillows_path(data, monkeypatch, **options))
+
+
+def test_jpegs_that_are_not_plain_never_reach_simplejpeg(monkeypatch: pytest.MonkeyPatch) -> None:
+    image = photo("astronaut.png").convert("RGB").resize((64, 48), Image.Resampling.BOX)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    others = {
+        "progressive": (encode_image(image, "JPEG", progressive=True), 4),
+        "rotated": (encode_image(image, "JPEG", exif=exif.tobytes()), 4),
+        "grey": (encode_image(image.convert("L"), "JPEG"), 4),
+        "cmyk": (encode_image(image.convert("CMYK"), "JPEG"), 4),
+        "grey from colour": (encode_image(image, "JPEG"), 1),
+        "downscaled to fit a row": (encode_image(image, "JPEG"), 4),
+    }
+
+    def refuse(*_: Any, **__: Any) -> None:
+        raise AssertionError("simplejpeg was asked to decode a JPEG that is not plain")
+
+    expected = {why: decode(data, channels=c, max_units=4) for why, (data, c) in others.items()}
+    monkeypatch.setattr(uform.media.image.simplejpeg, "decode_jpeg", refuse)
+    for why, (data, channels) in others.items():
+        assert same_units(decode(data, channels=channels, max_units=4), expected[why]), why
+
+
+def test_a_jpeg_libjpeg_warns_about_is_judged_by_pillows_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A scan a few bytes short of its blocks, closed by its end marker: more than the consistency check's bound,
+    # so the header walk passes it, and libjpeg warns ("premature end of data segment") and decodes. simplejpeg's
+    # strict mode refuses it, so Pillow's path answers for it, as it did before the fast path existed.
+    clean = encode_image(photo("astronaut.png").convert("RGB").resize((64, 48)), "JPEG", quality=90)
+    warned = clean[:-40] + b"\xff\xd9"
+    assert plain_size(warned, patch_side=16, channels=4, max_units=4096, limits=MediaLimits()) == (64, 48)
+    with pytest.raises(ValueError, match="premature end"):
+        uform.media.image.simplejpeg.decode_jpeg(warned, colorspace="RGB", strict=True)
+    assert uform.media.image._plain_jpeg(warned, 16, 4, 4096, MediaLimits()) is None
+    assert same_units(decode(warned), pillows_path(warned, monkeypatch))
+    # A plain JPEG cut before its end marker is refused as Pillow's path refuses it.
+    with pytest.raises(MediaError, match="truncated"):
+        decode(clean[: len(clean) - 40])
 
 
 def test_default_pixel_limit_refuses_a_flat_8000_square_png() -> None:

@@ -3,7 +3,7 @@
 Shape legend: U units of the batch's image modality (patches), F values per unit (p² · C), h units the host
 filled (other images' and the inert padding), G pictures of one size, H x W pixels, p patch side, C channels.
 
-The host plans (`media.jpeg_plan.device_size`, from the headers) and packs as ever, but leaves the rows of a
+The host plans (`media.jpeg_plan.plain_size`, from the headers) and packs as ever, but leaves the rows of a
 deferred picture's patches unwritten (`Units.source`); `decode_all` decodes a window's pictures on the device
 (nvJPEG through torchvision's `decode_jpeg`, batched, as DALI and torchvision's GPU decoding do it) on serving's
 decoding thread, ahead of packing; `split` takes the deferred rows out of what crosses to the device, and `fill`
@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .media.grid import grid_of, positions
 from .media.image import image_units
-from .media.jpeg_plan import device_size
+from .media.jpeg_plan import plain_size
 from .media.limits import MediaError, MediaLimits
 from .media.units import Units
 
@@ -49,8 +49,8 @@ class Deferred:
 
 def device_units(data: bytes, *, patch_side: int, channels: int, max_units: int, limits: MediaLimits) -> Units | None:
     """The units of a JPEG the device decodes (a placeholder of the right shape, with its positions), or None
-    when the host decoders must take it (`media.jpeg_plan.device_size`)."""
-    size = device_size(data, patch_side=patch_side, channels=channels, max_units=max_units, limits=limits)
+    when the host decoders must take it (`media.jpeg_plan.plain_size`)."""
+    size = plain_size(data, patch_side=patch_side, channels=channels, max_units=max_units, limits=limits)
     if size is None:
         return None
     rows, columns = grid_of(*size, patch_side)

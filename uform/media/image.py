@@ -1,4 +1,10 @@
-"""Images (JPEG, PNG, WebP through Pillow) into patches at native resolution, downscaled only to fit a row."""
+"""Images (JPEG, PNG, WebP) into patches at native resolution, downscaled only to fit a row.
+
+Pillow decodes every image but plain JPEGs (`jpeg_plan.plain_size`: most of what a training set holds), which
+simplejpeg decodes straight into an RGB array: the same libjpeg-turbo decode Pillow's path makes of them, bitwise
+(tests/test_media_image.py holds it to that), at less than half the cost, since Pillow loads a JPEG into its own
+four-byte pixels in chunks and `np.asarray` copies it out again (BENCHMARKS.md, "Issue 12, twelfth day").
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,12 @@ import warnings
 from typing import Any
 
 import numpy as np
+import simplejpeg
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .grid import check_arguments, fit_size, grid_of, positions, tile
 from .jpeg import check_jpeg
+from .jpeg_plan import plain_size
 from .limits import MediaError, MediaLimits, describe
 from .sniff import as_bytes, expect
 from .units import Units
@@ -52,14 +60,16 @@ def image_units(
         raise ValueError(f"channels must be 1, 3 or 4, got {channels!r}")
     data = as_bytes(data)
     container = expect("image", data, limits)
-    try:
-        pixels = _decode(data, container, patch_side, channels, max_units, limits)
-    except MediaError:
-        raise
-    except UnidentifiedImageError as error:
-        raise MediaError(f"not a valid {_NAME[container]} file") from error
-    except Exception as error:  # Pillow answers hostile bytes with many exception types: name them all here.
-        raise MediaError(f"cannot decode the {_NAME[container]} image: {describe(error)}") from error
+    pixels = _plain_jpeg(data, patch_side, channels, max_units, limits) if container == "jpeg" else None
+    if pixels is None:
+        try:
+            pixels = _decode(data, container, patch_side, channels, max_units, limits)
+        except MediaError:
+            raise
+        except UnidentifiedImageError as error:
+            raise MediaError(f"not a valid {_NAME[container]} file") from error
+        except Exception as error:  # Pillow answers hostile bytes with many exception types: name them all here.
+            raise MediaError(f"cannot decode the {_NAME[container]} image: {describe(error)}") from error
     rows, columns = grid_of(pixels.shape[1], pixels.shape[0], patch_side)
     return Units(
         values=tile(pixels, patch_side),
@@ -67,6 +77,20 @@ def image_units(
         grid=(1, rows, columns),
         truncated=False,
     )
+
+
+def _plain_jpeg(data: bytes, patch_side: int, channels: int, max_units: int, limits: MediaLimits) -> np.ndarray | None:
+    """[H, W, channels] pixels of a plain JPEG, decoded by simplejpeg (RGBA: libjpeg-turbo's opaque alpha, as
+    Pillow's `convert("RGBA")` gives), or None for Pillow's path: a JPEG that is not plain, or one whose decode
+    libjpeg warns about (`strict`), which Pillow's path then decodes or refuses as it always has."""
+    size = plain_size(data, patch_side=patch_side, channels=channels, max_units=max_units, limits=limits)
+    if size is None:
+        return None
+    try:
+        pixels = simplejpeg.decode_jpeg(data, colorspace="RGBA" if channels == 4 else "RGB", strict=True)
+    except ValueError:
+        return None
+    return pixels if pixels.shape == (size[1], size[0], channels) else None
 
 
 def _decode(

@@ -1,13 +1,13 @@
-"""Which JPEGs a GPU decoder may decode in the host decoders' stead, read from their headers alone.
+"""Which JPEGs are plain, read from their headers alone: those whose units are a bare decode to RGB, tiled.
 
-Serving can decode JPEGs on the GPU (nvJPEG through torchvision, `uform.device_pictures`), where 16 host cores
-top out at ~7,600 images/s of 256² and one H200 decodes ~33,000 (bench/encode.py, BENCHMARKS.md). That path
-gives what the host path gives only where the host path would do nothing but decode: a baseline, 8-bit,
-three-component YCbCr JPEG, upright (no EXIF orientation, or orientation 1), whose patch grid fits a row at its
-native size (no downscaling, whose Lanczos filter the GPU path does not have), within the limits, and
-consistent (`jpeg.check_jpeg`). Anything else (progressive, grey, CMYK, Adobe RGB, rotated, too large, broken)
-stays on the host path, which decodes it or refuses it with its own error. This module reads bytes only: no
-decoder, no torch.
+Pillow's path (`media.image`) orients, converts, downscales and composites; for most JPEGs it does none of that,
+and a bare libjpeg-turbo decode gives the same pixels at less than half the cost: simplejpeg on the host
+(`media.image`), nvJPEG on the GPU (`uform.device_pictures`, serving's `jpeg="device"`). A plain JPEG is a
+baseline, 8-bit, three-component YCbCr JPEG, upright (no EXIF orientation, or orientation 1), whose patch grid
+fits a row at its native size (no downscaling, whose Lanczos filter a bare decode does not have), within the
+limits, and consistent (`jpeg.check_jpeg`). Anything else (progressive, grey, CMYK, Adobe RGB, rotated, too
+large, broken) takes Pillow's path, which decodes it or refuses it with its own error. This module reads bytes
+only: no decoder, no torch.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ _RGB_IDS = (ord("R"), ord("G"), ord("B"))  # libjpeg reads components named R, G
 _ORIENTATION = 0x0112
 
 
-def device_size(
+def plain_size(
     data: bytes, *, patch_side: int, channels: int, max_units: int, limits: MediaLimits
 ) -> tuple[int, int] | None:
-    """(width, height) of a JPEG that a GPU decoder may decode to the host path's very units (see the module's
-    docstring), or None when the host path must take it. Never raises for bad bytes: those are the host's."""
-    if channels not in (3, 4):  # grey from colour is libjpeg's own conversion
+    """(width, height) of a plain JPEG (see the module's docstring), whose bare decode gives Pillow's path's very
+    units, or None when Pillow's path must take it. Never raises for bad bytes: those are Pillow's path's."""
+    if channels not in (3, 4):  # grey from colour is Pillow's own conversion, not libjpeg's
         return None
     try:
         if expect("image", data, limits) != "jpeg":
