@@ -39,7 +39,7 @@ from PIL import Image
 import uform.media.image
 from uform.media import MediaError, MediaLimits, image_units, jpeg
 from uform.media.grid import fit_size, grid_of
-from uform.media.jpeg_plan import plain_size
+from uform.media.jpeg_plan import plain_frame, plain_size
 
 
 def decode(data: bytes, patch_side: int = 16, channels: int = 4, max_units: int = 100_000, **limits: Any):
@@ -396,15 +396,35 @@ def test_plain_jpegs_decode_bitwise_as_pillows_path(
     # simplejpeg and Pillow both run libjpeg-turbo's accurate integer DCT and fancy upsampling: the same pixels.
     cases = [skimage_file("rocket.jpg"), skimage_file("retina.jpg"), pygame_file("alien1.jpg")]  # camera-made
     for size in PLAIN_SIZES:
-        for quality, optimize in ((95, False), (40, True)):
+        for quality, optimize, progressive in ((95, False, False), (40, True, False), (90, False, True)):
             image = photo("astronaut.png").convert("RGB").resize(size, Image.Resampling.BOX)
-            cases.append(encode_image(image, "JPEG", quality=quality, optimize=optimize, subsampling=subsampling))
+            options = {"quality": quality, "optimize": optimize, "progressive": progressive}
+            cases.append(encode_image(image, "JPEG", subsampling=subsampling, **options))
     for data in cases:
         options = {"channels": channels, "max_units": 8192}
-        assert plain_size(data, patch_side=16, channels=channels, max_units=8192, limits=MediaLimits()) is not None
+        assert plain_frame(data, channels=channels, limits=MediaLimits()) is not None
         taken = uform.media.image._plain_jpeg(data, 16, channels, 8192, MediaLimits())
         assert taken is not None and taken.shape[2] == channels  # the fast path answered, not Pillow's
         assert same_units(decode(data, **options), pillows_path(data, monkeypatch, **options))
+
+
+@pytest.mark.parametrize("channels", [3, 4])
+@pytest.mark.parametrize("progressive", [False, True])
+def test_plain_jpegs_shrunk_to_fit_a_row_decode_bitwise_as_pillows_path(
+    progressive: bool, channels: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Decoded at the scale Pillow's draft picks (1, 2, 4, 8 each reached), then Pillow's Lanczos filter.
+    for size in ((640, 480), (601, 333), (333, 601)):
+        image = photo("astronaut.png").convert("RGB").resize(size, Image.Resampling.BOX)
+        data = encode_image(image, "JPEG", quality=90, progressive=progressive)
+        scales = set()
+        for max_units in (1000, 500, 300, 64, 16, 3):
+            scales.add(uform.media.image._draft_scale(size, fit_size(*size, 16, max_units)))
+            taken = uform.media.image._plain_jpeg(data, 16, channels, max_units, MediaLimits())
+            assert taken is not None and taken.shape[2] == channels
+            options = {"channels": channels, "max_units": max_units}
+            assert same_units(decode(data, **options), pillows_path(data, monkeypatch, **options)), (size, max_units)
+        assert scales == {1, 2, 4, 8}
 
 
 def test_jpegs_that_are_not_plain_never_reach_simplejpeg(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -412,12 +432,11 @@ def test_jpegs_that_are_not_plain_never_reach_simplejpeg(monkeypatch: pytest.Mon
     exif = Image.Exif()
     exif[0x0112] = 6
     others = {
-        "progressive": (encode_image(image, "JPEG", progressive=True), 4),
         "rotated": (encode_image(image, "JPEG", exif=exif.tobytes()), 4),
         "grey": (encode_image(image.convert("L"), "JPEG"), 4),
         "cmyk": (encode_image(image.convert("CMYK"), "JPEG"), 4),
         "grey from colour": (encode_image(image, "JPEG"), 1),
-        "downscaled to fit a row": (encode_image(image, "JPEG"), 4),
+        "a PNG": (encode_image(image, "PNG"), 4),
     }
 
     def refuse(*_: Any, **__: Any) -> None:

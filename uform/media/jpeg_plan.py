@@ -1,13 +1,14 @@
 """Which JPEGs are plain, read from their headers alone: those whose units are a bare decode to RGB, tiled.
 
-Pillow's path (`media.image`) orients, converts, downscales and composites; for most JPEGs it does none of that,
-and a bare libjpeg-turbo decode gives the same pixels at less than half the cost: simplejpeg on the host
-(`media.image`), nvJPEG on the GPU (`uform.device_pictures`, serving's `jpeg="device"`). A plain JPEG is a
-baseline, 8-bit, three-component YCbCr JPEG, upright (no EXIF orientation, or orientation 1), whose patch grid
-fits a row at its native size (no downscaling, whose Lanczos filter a bare decode does not have), within the
-limits, and consistent (`jpeg.check_jpeg`). Anything else (progressive, grey, CMYK, Adobe RGB, rotated, too
-large, broken) takes Pillow's path, which decodes it or refuses it with its own error. This module reads bytes
-only: no decoder, no torch.
+Pillow's path (`media.image`) orients, converts, downscales and composites; for most JPEGs it does none of that
+but the downscaling, and a bare libjpeg-turbo decode gives the same pixels at less than half the cost. A plain
+JPEG (`plain_frame`) is an 8-bit, three-component YCbCr JPEG, Huffman-coded (sequential or progressive),
+upright (no EXIF orientation, or orientation 1), within the limits, and consistent (`jpeg.check_jpeg`); the host
+decodes it through simplejpeg (`media.image`), at libjpeg's reduced scale and then through Pillow's own Lanczos
+filter where it must be downscaled to fit a row, as Pillow's path does. A GPU decoder (nvJPEG, serving's
+`jpeg="device"`, `uform.device_pictures`) takes the narrower class `plain_size` names: sequential frames whose
+patch grid fits a row at their native size. Anything else (grey, CMYK, Adobe RGB, rotated, broken) takes Pillow's
+path, which decodes it or refuses it with its own error. This module reads bytes only: no decoder, no torch.
 """
 
 from __future__ import annotations
@@ -19,29 +20,25 @@ from .jpeg import EOI, SOF_HUFFMAN, SOF_OTHER, SOS, STANDALONE, check_jpeg
 from .limits import MediaError, MediaLimits
 from .sniff import expect
 
-# Huffman, sequential (extended sequential allows 8-bit too); every other frame is progressive, lossless or arithmetic.
-_BASELINE = {marker for marker, mode in SOF_HUFFMAN.items() if mode == "sequential"}
-_OTHER_FRAMES = (SOF_HUFFMAN.keys() - _BASELINE) | SOF_OTHER
+# Huffman-coded frames are sequential (extended sequential allows 8-bit too) or progressive; the others (SOF_OTHER)
+# are lossless or arithmetic-coded.
+_PROGRESSIVE = {marker for marker, mode in SOF_HUFFMAN.items() if mode == "progressive"}
 _APP1, _APP14 = 0xE1, 0xEE
 _RGB_IDS = (ord("R"), ord("G"), ord("B"))  # libjpeg reads components named R, G, B as RGB, not YCbCr
 _ORIENTATION = 0x0112
 
 
-def plain_size(
-    data: bytes, *, patch_side: int, channels: int, max_units: int, limits: MediaLimits
-) -> tuple[int, int] | None:
-    """(width, height) of a plain JPEG (see the module's docstring), whose bare decode gives Pillow's path's very
-    units, or None when Pillow's path must take it. Never raises for bad bytes: those are Pillow's path's."""
+def plain_frame(data: bytes, *, channels: int, limits: MediaLimits) -> tuple[int, int, bool] | None:
+    """(width, height, progressive) of a plain JPEG (see the module's docstring), whose bare decode gives the
+    pixels Pillow's path decodes, or None when Pillow's path must take it. Never raises for bad bytes: those are
+    Pillow's path's."""
     if channels not in (3, 4):  # grey from colour is Pillow's own conversion, not libjpeg's
         return None
     try:
         if expect("image", data, limits) != "jpeg":
             return None
-        frame = _baseline_size(data)
-        if frame is None:
-            return None
-        width, height = frame
-        if width * height > limits.max_pixels or fit_size(width, height, patch_side, max_units) != (width, height):
+        frame = _frame(data)
+        if frame is None or frame[0] * frame[1] > limits.max_pixels:
             return None
         check_jpeg(data)
     except MediaError:
@@ -49,10 +46,23 @@ def plain_size(
     return frame
 
 
-def _baseline_size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) of a baseline three-component YCbCr frame read upright, walking the markers up to the
-    first scan; None for any other frame, an Adobe or EXIF segment that changes how it reads, or bad markers."""
-    size: tuple[int, int] | None = None
+def plain_size(
+    data: bytes, *, patch_side: int, channels: int, max_units: int, limits: MediaLimits
+) -> tuple[int, int] | None:
+    """(width, height) of a plain, sequential JPEG whose patch grid fits `max_units` at its native size: what a
+    GPU decoder may decode to Pillow's path's very units; None when the host must take it."""
+    frame = plain_frame(data, channels=channels, limits=limits)
+    if frame is None or frame[2]:
+        return None
+    width, height, _ = frame
+    return (width, height) if fit_size(width, height, patch_side, max_units) == (width, height) else None
+
+
+def _frame(data: bytes) -> tuple[int, int, bool] | None:
+    """(width, height, progressive) of a Huffman-coded, three-component YCbCr frame read upright, walking the
+    markers up to the first scan; None for any other frame, an Adobe or EXIF segment that changes how it reads,
+    or bad markers."""
+    size: tuple[int, int, bool] | None = None
     at = 2
     while at + 4 <= len(data):
         if data[at] != 0xFF:
@@ -70,13 +80,13 @@ def _baseline_size(data: bytes) -> tuple[int, int] | None:
         segment = data[at + 4 : at + 2 + length]
         if length < 2 or len(segment) != length - 2:
             return None
-        if marker in _OTHER_FRAMES or marker == _APP14:  # progressive, lossless, arithmetic; Adobe colour transforms
+        if marker in SOF_OTHER or marker == _APP14:  # lossless, arithmetic; Adobe colour transforms
             return None
         if marker == _APP1 and segment.startswith(b"Exif\x00\x00") and _orientation(segment[6:]) != 1:
             return None
         if marker == _APP1 and not segment.startswith(b"Exif") and b"Orientation" in segment:
             return None  # Pillow reads an XMP packet's tiff:Orientation where EXIF has none
-        if marker in _BASELINE:
+        if marker in SOF_HUFFMAN:
             if size is not None or len(segment) < 15 or segment[0] != 8 or segment[5] != 3:
                 return None
             if tuple(segment[6 + 3 * k] for k in range(3)) == _RGB_IDS:
@@ -84,7 +94,7 @@ def _baseline_size(data: bytes) -> tuple[int, int] | None:
             height, width = int.from_bytes(segment[1:3], "big"), int.from_bytes(segment[3:5], "big")
             if width == 0 or height == 0:
                 return None
-            size = (width, height)
+            size = (width, height, marker in _PROGRESSIVE)
         at += 2 + length
     return None
 
