@@ -17,6 +17,9 @@ Two measurements:
                 the device stage on its own thread, so the data wait of a step is whatever of this time the
                 device stage does not cover.
 
+With `--jpeg-variants`, only `media.image_units` in this process over 256² sequential and progressive JPEGs and
+1024 x 768 ones shrunk to fit a row (run it in two trees to compare their decoders).
+
 Prints a table and writes bench-decode.json under $OUT (or the current folder). Usage:
   python bench/decode.py [--workers N] [--items 256] [--clips 48] [--recordings 48]
                          [--executor cpu|cuda] [--rows 64 --columns 1024 --segments 256 --images 128
@@ -183,6 +186,38 @@ def decode_rates(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def jpeg_variants(args: argparse.Namespace) -> dict[str, float]:
+    """ms an image of `media.image_units` in this process (best of `--repeats` passes, the variants interleaved)
+    for JPEGs of the kinds a training set holds: 256² sequential and progressive (native size), and 1024 x 768
+    shrunk to fit 1023 and 255 units (Lanczos after libjpeg's reduced-scale decode). Run it in two trees to
+    compare their decoders side by side."""
+    from uform.media import image_units
+
+    def encoded(image: Any, **options: Any) -> bytes:
+        buffer = io.BytesIO()
+        image.save(buffer, format="JPEG", quality=90, **options)
+        return buffer.getvalue()
+
+    small = [square(name, 256) for name in PHOTOS]
+    large = [square(name, 1024).crop((0, 128, 1024, 896)) for name in PHOTOS[:3]]
+    variants = {
+        "256² sequential": ([encoded(image) for image in small], 1023),
+        "256² progressive": ([encoded(image, progressive=True) for image in small], 1023),
+        "1024x768 to 1023 units": ([encoded(image) for image in large], 1023),
+        "1024x768 to 255 units": ([encoded(image) for image in large], 255),
+    }
+    best = dict.fromkeys(variants, float("inf"))
+    for _ in range(args.repeats):
+        for name, (samples, max_units) in variants.items():
+            started = time.perf_counter()
+            for data in samples * 4:
+                image_units(data, patch_side=16, channels=4, max_units=max_units)
+            best[name] = min(best[name], (time.perf_counter() - started) * 1e3 / (4 * len(samples)))
+    for name, ms in best.items():
+        print(f"{name:24s} {ms:8.3f} ms an image (image_units, in process, best of {args.repeats})")
+    return best
+
+
 def print_decode_row(row: dict[str, Any], counts: list[int]) -> None:
     if not hasattr(print_decode_row, "header"):
         columns = "".join(f" {f'{w} worker' + ('s' if w > 1 else ''):>20}" for w in counts)
@@ -269,6 +304,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-units", type=int, default=1023, help="units one item may fill (a row's columns - 1)")
     parser.add_argument("--skip-decode", action="store_true", help="only the prepare measurement")
     parser.add_argument("--skip-prepare", action="store_true", help="only the decode measurement")
+    parser.add_argument(
+        "--jpeg-variants", action="store_true", help="only image_units over JPEG kinds in this process (no pool)"
+    )
+    parser.add_argument("--repeats", type=int, default=7, help="passes of --jpeg-variants, the best kept")
     parser.add_argument("--executor", choices=("cpu", "cuda"), default="cpu")
     add_geometry(parser, depth=2, hidden=128)
     parser.add_argument("--images", type=int, default=128)
@@ -284,6 +323,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": {"cores": len(os.sched_getaffinity(0)), "cpu": platform.processor() or platform.machine()},
         "python": sys.version.split()[0],
     }
+    if args.jpeg_variants:
+        report["jpeg_variants"] = jpeg_variants(args)
+        args.skip_decode = args.skip_prepare = True
     if not args.skip_decode:
         report["decode"] = decode_rates(args)
     if not args.skip_prepare:

@@ -289,6 +289,8 @@ def test_decode_bench_leaves_out_a_modality_of_no_items(tmp_path: Path, monkeypa
     (row,) = load("decode").main(tiny.split())["decode"]
     assert row["modality"] == "image" and row["items"] == 4 and row["units"] == 256 and row["inline"] > 0
     assert json.loads((tmp_path / "bench-decode.json").read_text())["decode"][0]["modality"] == "image"
+    variants = load("decode").main(["--jpeg-variants", "--repeats", "1"])["jpeg_variants"]
+    assert len(variants) == 4 and all(ms > 0 for ms in variants.values())
 
 
 def test_copy_rate_bench_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -408,44 +408,28 @@ def test_plain_jpegs_decode_bitwise_as_pillows_path(
         assert same_units(decode(data, **options), pillows_path(data, monkeypatch, **options))
 
 
-@pytest.mark.parametrize("channels", [3, 4])
-@pytest.mark.parametrize("progressive", [False, True])
-def test_plain_jpegs_shrunk_to_fit_a_row_decode_bitwise_as_pillows_path(
-    progressive: bool, channels: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Decoded at the scale Pillow's draft picks (1, 2, 4, 8 each reached), then Pillow's Lanczos filter.
-    for size in ((640, 480), (601, 333), (333, 601)):
-        image = photo("astronaut.png").convert("RGB").resize(size, Image.Resampling.BOX)
-        data = encode_image(image, "JPEG", quality=90, progressive=progressive)
-        scales = set()
-        for max_units in (1000, 500, 300, 64, 16, 3):
-            scales.add(uform.media.image._draft_scale(size, fit_size(*size, 16, max_units)))
-            taken = uform.media.image._plain_jpeg(data, 16, channels, max_units, MediaLimits())
-            assert taken is not None and taken.shape[2] == channels
-            options = {"channels": channels, "max_units": max_units}
-            assert same_units(decode(data, **options), pillows_path(data, monkeypatch, **options)), (size, max_units)
-        assert scales == {1, 2, 4, 8}
-
-
 def test_jpegs_that_are_not_plain_never_reach_simplejpeg(monkeypatch: pytest.MonkeyPatch) -> None:
     image = photo("astronaut.png").convert("RGB").resize((64, 48), Image.Resampling.BOX)
     exif = Image.Exif()
     exif[0x0112] = 6
-    others = {
-        "rotated": (encode_image(image, "JPEG", exif=exif.tobytes()), 4),
-        "grey": (encode_image(image.convert("L"), "JPEG"), 4),
-        "cmyk": (encode_image(image.convert("CMYK"), "JPEG"), 4),
-        "grey from colour": (encode_image(image, "JPEG"), 1),
-        "a PNG": (encode_image(image, "PNG"), 4),
+    others = {  # (bytes, channels, max_units): each not plain for one reason only
+        "rotated": (encode_image(image, "JPEG", exif=exif.tobytes()), 4, 4096),
+        "grey": (encode_image(image.convert("L"), "JPEG"), 4, 4096),
+        "cmyk": (encode_image(image.convert("CMYK"), "JPEG"), 4, 4096),
+        "grey from colour": (encode_image(image, "JPEG"), 1, 4096),
+        "a PNG": (encode_image(image, "PNG"), 4, 4096),
+        "shrunk to fit a row": (encode_image(image, "JPEG"), 4, 4),
+        "progressive, shrunk to fit a row": (encode_image(image, "JPEG", progressive=True), 4, 4),
     }
+    assert uform.media.image._plain_jpeg(encode_image(image, "JPEG"), 16, 4, 4096, MediaLimits()) is not None
 
     def refuse(*_: Any, **__: Any) -> None:
         raise AssertionError("simplejpeg was asked to decode a JPEG that is not plain")
 
-    expected = {why: decode(data, channels=c, max_units=4) for why, (data, c) in others.items()}
+    expected = {why: decode(data, channels=c, max_units=m) for why, (data, c, m) in others.items()}
     monkeypatch.setattr(uform.media.image.simplejpeg, "decode_jpeg", refuse)
-    for why, (data, channels) in others.items():
-        assert same_units(decode(data, channels=channels, max_units=4), expected[why]), why
+    for why, (data, channels, max_units) in others.items():
+        assert same_units(decode(data, channels=channels, max_units=max_units), expected[why]), why
 
 
 def test_a_jpeg_libjpeg_warns_about_is_judged_by_pillows_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -80,33 +80,22 @@ def image_units(
 
 
 def _plain_jpeg(data: bytes, patch_side: int, channels: int, max_units: int, limits: MediaLimits) -> np.ndarray | None:
-    """[H, W, channels] pixels of a plain JPEG, decoded by simplejpeg (RGBA: libjpeg-turbo's opaque alpha, as
-    Pillow's `convert("RGBA")` gives), or None for Pillow's path: a JPEG that is not plain, or one whose decode
-    libjpeg warns about (`strict`), which Pillow's path then decodes or refuses as it always has. One too large
-    for a row is decoded at `_draft_scale` and resized as `_decode` resizes it."""
+    """[H, W, channels] pixels of a plain JPEG that fits a row at its native size, decoded by simplejpeg (RGBA:
+    libjpeg-turbo's opaque alpha, as Pillow's `convert("RGBA")` gives), or None for Pillow's path: a JPEG that is
+    not plain or must shrink (where Pillow's Lanczos resize costs the time, and decoding it here saved nothing:
+    `python bench/decode.py --jpeg-variants`), or one whose decode libjpeg warns about (`strict`), which Pillow's
+    path then decodes or refuses as it always has."""
     frame = plain_frame(data, channels=channels, limits=limits)
     if frame is None:
         return None
     width, height, _ = frame
-    if Image.MAX_IMAGE_PIXELS and width * height > 2 * Image.MAX_IMAGE_PIXELS:
-        return None  # Pillow's path refuses it as a decompression bomb, whatever the limits allow
-    target = fit_size(width, height, patch_side, max_units)
-    scale = 1 if target == (width, height) else _draft_scale((width, height), target)
-    drafted = (-(-width // scale), -(-height // scale))  # libjpeg's size at 1 / scale, as Pillow's draft gives it
-    size = fit_size(*drafted, patch_side, max_units)  # of the drafted picture, as `_decode` fits it
-    colours = "RGB" if size != drafted or channels == 3 else "RGBA"
+    if fit_size(width, height, patch_side, max_units) != (width, height):
+        return None
     try:
-        pixels = simplejpeg.decode_jpeg(
-            data, colorspace=colours, strict=True, min_width=drafted[0], min_height=drafted[1]
-        )
+        pixels = simplejpeg.decode_jpeg(data, colorspace="RGBA" if channels == 4 else "RGB", strict=True)
     except ValueError:
         return None
-    if pixels.shape[:2] != (drafted[1], drafted[0]):
-        return None
-    if size == drafted:
-        return pixels
-    shrunk = Image.fromarray(pixels, "RGB").resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
-    return _to_channels(shrunk, channels)
+    return pixels if pixels.shape == (height, width, channels) else None
 
 
 def _decode(
@@ -153,13 +142,6 @@ def _draft(image: Image.Image, patch_side: int, max_units: int) -> None:
     target = fit_size(*upright, patch_side, max_units)
     if target != upright:
         image.draft(image.mode, (target[1], target[0]) if swap else target)
-
-
-def _draft_scale(size: tuple[int, int], target: tuple[int, int]) -> int:
-    """The scale (8, 4, 2 or 1) Pillow's JPEG `draft` picks for `target`: the largest that leaves both sides at
-    least the target's (JpegImagePlugin.draft)."""
-    fits = min(size[0] // target[0], size[1] // target[1])
-    return next(scale for scale in (8, 4, 2, 1) if fits >= scale)
 
 
 def _upright(image: Image.Image) -> Image.Image:
