@@ -7,6 +7,7 @@ Pins: every container (JPEG, PNG, WebP) decodes; grids, padding and positions fo
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
@@ -406,6 +407,28 @@ def test_plain_jpegs_decode_bitwise_as_pillows_path(
         taken = uform.media.image._plain_jpeg(data, 16, channels, 8192, MediaLimits())
         assert taken is not None and taken.shape[2] == channels  # the fast path answered, not Pillow's
         assert same_units(decode(data, **options), pillows_path(data, monkeypatch, **options))
+
+
+def test_damaged_plain_jpegs_decode_as_pillows_path_or_go_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Bytes of the scans overwritten at random: where simplejpeg decodes without a warning, its pixels are still
+    # Pillow's path's; everything else is Pillow's path's to decode or refuse (only MediaError escapes).
+    rng = np.random.default_rng(2)
+    image = photo("astronaut.png").convert("RGB").resize((64, 48), Image.Resampling.BOX)
+    sources = [encode_image(image, "JPEG", quality=90), encode_image(image, "JPEG", quality=70, progressive=True)]
+    answered = 0
+    for trial in range(300):
+        data = bytearray(sources[trial % 2])
+        scan = data.index(b"\xff\xda")
+        for at in rng.integers(scan + 2, len(data), size=int(rng.integers(1, 4))):
+            data[int(at)] = int(rng.integers(0, 256))
+        taken = uform.media.image._plain_jpeg(bytes(data), 16, 4, 4096, MediaLimits())
+        if taken is None:
+            with contextlib.suppress(MediaError):
+                decode(bytes(data))
+            continue
+        answered += 1
+        assert same_units(decode(bytes(data)), pillows_path(bytes(data), monkeypatch))
+    assert answered > 50  # the damage left many files decodable: the comparison ran
 
 
 def test_jpegs_that_are_not_plain_never_reach_simplejpeg(monkeypatch: pytest.MonkeyPatch) -> None:
