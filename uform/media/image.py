@@ -1,9 +1,11 @@
 """Images (JPEG, PNG, WebP) into patches at native resolution, downscaled only to fit a row.
 
-Pillow decodes every image but plain JPEGs (`jpeg_plan.plain_size`: most of what a training set holds), which
-simplejpeg decodes straight into an RGB array: the same libjpeg-turbo decode Pillow's path makes of them, bitwise
-(tests/test_media_image.py holds it to that), at less than half the cost, since Pillow loads a JPEG into its own
-four-byte pixels in chunks and `np.asarray` copies it out again (BENCHMARKS.md, "Issue 12, twelfth day").
+Pillow decodes every image but plain JPEGs that fit a row at their native size (`jpeg_plan.plain_frame`: most of
+what a training set holds), which simplejpeg decodes straight into an RGB array: the same libjpeg-turbo decode
+Pillow's path makes of them, bitwise (tests/test_media_image.py holds it to that), at about half the cost, since
+Pillow loads a JPEG in chunks into its own four-byte pixels, copies them twice more on the way and `np.asarray`
+copies them out (BENCHMARKS.md, "Issue 12, twelfth day"). A JPEG that must shrink stays on Pillow's path, whose
+Lanczos resize is most of its cost.
 """
 
 from __future__ import annotations

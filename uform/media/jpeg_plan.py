@@ -1,14 +1,13 @@
 """Which JPEGs are plain, read from their headers alone: those whose units are a bare decode to RGB, tiled.
 
-Pillow's path (`media.image`) orients, converts, downscales and composites; for most JPEGs it does none of that
-but the downscaling, and a bare libjpeg-turbo decode gives the same pixels at less than half the cost. A plain
-JPEG (`plain_frame`) is an 8-bit, three-component YCbCr JPEG, Huffman-coded (sequential or progressive),
-upright (no EXIF orientation, or orientation 1), within the limits, and consistent (`jpeg.check_jpeg`); the host
-decodes it through simplejpeg (`media.image`), at libjpeg's reduced scale and then through Pillow's own Lanczos
-filter where it must be downscaled to fit a row, as Pillow's path does. A GPU decoder (nvJPEG, serving's
-`jpeg="device"`, `uform.device_pictures`) takes the narrower class `plain_size` names: sequential frames whose
-patch grid fits a row at their native size. Anything else (grey, CMYK, Adobe RGB, rotated, broken) takes Pillow's
-path, which decodes it or refuses it with its own error. This module reads bytes only: no decoder, no torch.
+Pillow's path (`media.image`) orients, converts, downscales and composites; for most JPEGs it does none of that,
+and a bare libjpeg-turbo decode gives the same pixels at about half the cost. A plain JPEG (`plain_frame`) is an
+8-bit, three-component YCbCr JPEG, Huffman-coded (sequential or progressive), upright (no EXIF orientation, or
+orientation 1), within the limits, and consistent (`jpeg.check_jpeg`); the host decodes one that fits a row at
+its native size through simplejpeg (`media.image`). A GPU decoder (nvJPEG, serving's `jpeg="device"`,
+`uform.device_pictures`) takes the narrower class `plain_size` names: sequential frames that fit a row at their
+native size. Anything else (grey, CMYK, Adobe RGB, rotated, to be downscaled, broken) takes Pillow's path, which
+decodes it or refuses it with its own error. This module reads bytes only: no decoder, no torch.
 """
 
 from __future__ import annotations
