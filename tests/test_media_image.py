@@ -2,7 +2,9 @@
 
 Pins: every container (JPEG, PNG, WebP) decodes; grids, padding and positions for known sizes; channels
 1/3/4; 16-bit, palette, grey, CMYK and EXIF-rotated images; downscaling keeps the aspect ratio, fits
-`max_units` and never upscales; broken, hostile and wrong-format bytes raise `MediaError` and nothing else.
+`max_units` and never upscales; broken, hostile and wrong-format bytes raise `MediaError` and nothing else;
+plain JPEGs (simplejpeg's path) decode bitwise as Pillow's path does, every other image and any JPEG libjpeg warns
+about goes to Pillow's path.
 """
 
 from __future__ import annotations
