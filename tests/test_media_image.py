@@ -42,7 +42,7 @@ from PIL import Image
 import uform.media.image
 from uform.media import MediaError, MediaLimits, image_units, jpeg
 from uform.media.grid import fit_size, grid_of
-from uform.media.jpeg_plan import plain_frame, plain_size
+from uform.media.jpeg_plan import plain_size
 
 
 def decode(data: bytes, patch_side: int = 16, channels: int = 4, max_units: int = 100_000, **limits: Any):
@@ -405,7 +405,8 @@ def test_plain_jpegs_decode_bitwise_as_pillows_path(
             cases.append(encode_image(image, "JPEG", subsampling=subsampling, **options))
     for data in cases:
         options = {"channels": channels, "max_units": 8192}
-        assert plain_frame(data, channels=channels, limits=MediaLimits()) is not None
+        plan = {"patch_side": 16, "channels": channels, "max_units": 8192, "limits": MediaLimits()}
+        assert plain_size(data, **plan, progressive=True) is not None
         taken = uform.media.image._plain_jpeg(data, 16, channels, 8192, MediaLimits())
         assert taken is not None and taken.shape[2] == channels  # the fast path answered, not Pillow's
         assert same_units(decode(data, **options), pillows_path(data, monkeypatch, **options))

@@ -1,6 +1,6 @@
 """Images (JPEG, PNG, WebP) into patches at native resolution, downscaled only to fit a row.
 
-Pillow decodes every image but plain JPEGs that fit a row at their native size (`jpeg_plan.plain_frame`: most of
+Pillow decodes every image but plain JPEGs that fit a row at their native size (`jpeg_plan.plain_size`: most of
 what a training set holds), which simplejpeg decodes straight into an RGB array: the same libjpeg-turbo decode
 Pillow's path makes of them, bitwise (tests/test_media_image.py holds it to that), at about half the cost, since
 Pillow loads a JPEG in chunks into its own four-byte pixels, copies them twice more on the way and `np.asarray`
@@ -20,7 +20,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .grid import check_arguments, fit_size, grid_of, positions, tile
 from .jpeg import check_jpeg
-from .jpeg_plan import plain_frame
+from .jpeg_plan import plain_size
 from .limits import MediaError, MediaLimits, describe
 from .sniff import as_bytes, expect
 from .units import Units
@@ -87,12 +87,12 @@ def _plain_jpeg(data: bytes, patch_side: int, channels: int, max_units: int, lim
     not plain or must shrink (where Pillow's Lanczos resize costs the time, and decoding it here saved nothing:
     `python bench/decode.py --jpeg-variants`), or one whose decode libjpeg warns about (`strict`), which Pillow's
     path then decodes or refuses as it always has."""
-    frame = plain_frame(data, channels=channels, limits=limits)
-    if frame is None:
+    size = plain_size(
+        data, patch_side=patch_side, channels=channels, max_units=max_units, limits=limits, progressive=True
+    )
+    if size is None:
         return None
-    width, height, _ = frame
-    if fit_size(width, height, patch_side, max_units) != (width, height):
-        return None
+    width, height = size
     try:
         pixels = simplejpeg.decode_jpeg(data, colorspace="RGBA" if channels == 4 else "RGB", strict=True)
     except ValueError:

@@ -1,13 +1,13 @@
 """Which JPEGs are plain, read from their headers alone: those whose units are a bare decode to RGB, tiled.
 
 Pillow's path (`media.image`) orients, converts, downscales and composites; for most JPEGs it does none of that,
-and a bare libjpeg-turbo decode gives the same pixels at about half the cost. A plain JPEG (`plain_frame`) is an
+and a bare libjpeg-turbo decode gives the same pixels at about half the cost. A plain JPEG (`plain_size`) is an
 8-bit, three-component YCbCr JPEG, Huffman-coded (sequential or progressive), upright (no EXIF orientation, or
 orientation 1), within the limits, and consistent (`jpeg.check_jpeg`); the host decodes one that fits a row at
-its native size through simplejpeg (`media.image`). A GPU decoder (nvJPEG, serving's `jpeg="device"`,
-`uform.device_pictures`) takes the narrower class `plain_size` names: sequential frames that fit a row at their
-native size. Anything else (grey, CMYK, Adobe RGB, rotated, to be downscaled, broken) takes Pillow's path, which
-decodes it or refuses it with its own error. This module reads bytes only: no decoder, no torch.
+its native size through simplejpeg (`media.image`); a GPU decoder (nvJPEG, serving's `jpeg="device"`,
+`uform.device_pictures`) takes the sequential ones only (`plain_size`'s default). Anything else (grey, CMYK, Adobe
+RGB, rotated, to be downscaled, broken) takes Pillow's path, which decodes it or refuses it with its own error.
+This module reads bytes only: no decoder, no torch.
 """
 
 from __future__ import annotations
@@ -27,34 +27,28 @@ _RGB_IDS = (ord("R"), ord("G"), ord("B"))  # libjpeg reads components named R, G
 _ORIENTATION = 0x0112
 
 
-def plain_frame(data: bytes, *, channels: int, limits: MediaLimits) -> tuple[int, int, bool] | None:
-    """(width, height, progressive) of a plain JPEG (see the module's docstring), whose bare decode gives the
-    pixels Pillow's path decodes, or None when Pillow's path must take it. Never raises for bad bytes: those are
-    Pillow's path's."""
+def plain_size(
+    data: bytes, *, patch_side: int, channels: int, max_units: int, limits: MediaLimits, progressive: bool = False
+) -> tuple[int, int] | None:
+    """(width, height) of a plain JPEG (see the module's docstring) whose patch grid fits `max_units` at its native
+    size, so that a bare decode gives Pillow's path's very units; a progressive frame counts only with
+    `progressive` (the host's simplejpeg takes it, the GPU decoder's plan does not). None when Pillow's path must
+    take it. Never raises for bad bytes: those are Pillow's path's."""
     if channels not in (3, 4):  # grey from colour is Pillow's own conversion, not libjpeg's
         return None
     try:
         if expect("image", data, limits) != "jpeg":
             return None
         frame = _frame(data)
-        if frame is None or frame[0] * frame[1] > limits.max_pixels:
+        if frame is None or (frame[2] and not progressive):
+            return None
+        width, height, _ = frame
+        if width * height > limits.max_pixels or fit_size(width, height, patch_side, max_units) != (width, height):
             return None
         check_jpeg(data)
     except MediaError:
         return None
-    return frame
-
-
-def plain_size(
-    data: bytes, *, patch_side: int, channels: int, max_units: int, limits: MediaLimits
-) -> tuple[int, int] | None:
-    """(width, height) of a plain, sequential JPEG whose patch grid fits `max_units` at its native size: what a
-    GPU decoder may decode to Pillow's path's very units; None when the host must take it."""
-    frame = plain_frame(data, channels=channels, limits=limits)
-    if frame is None or frame[2]:
-        return None
-    width, height, _ = frame
-    return (width, height) if fit_size(width, height, patch_side, max_units) == (width, height) else None
+    return width, height
 
 
 def _frame(data: bytes) -> tuple[int, int, bool] | None:
