@@ -3,7 +3,9 @@ ready tensors (issue 12, goal 1).
 
 uform  one tower of `--depth` x `--hidden` (default 12 x 512) over `--pairs` 256 x 256 JPEGs (patch 16: 256
        patches and a prefix each) and as many ~60-byte captions a step, objective contrastive (sigmoid), every
-       image attracting its caption; `--rows` x `--columns` with `--segments` (default 64 x 1024, 2 x pairs).
+       image attracting its caption; `--rows` x `--columns` with `--segments` (default: rows of 2048 columns, as
+       many as the step's 318 positions a pair fill, 30 for 192 pairs; 2 x pairs segments). Rows of 1024 hold only
+       three 257-position images each, so 64 x 1024 rows left 7% of a 192-pair step's positions padding.
        The JPEGs are decoded by the trainer's own decoders every step (distinct crops, cycled), packed and
        corrupted on the host, steps submitted through `Trainer.deferred` as many in flight as `uform.fit` keeps.
 open_clip  `open_clip.model.CLIP` with two towers of the same depth and width (vision 256 px / patch 16, text
@@ -51,6 +53,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from common import Fed, add_geometry, bench_config, topic_slices, write_json  # sibling scripts, not a package
 from kernel_trace import load_events, report, summarize
 from train_shards import jpeg
+
+PAIR_POSITIONS = 257 + 61
+"""A pair's positions in uform's rows: a 256 x 256 image at patch 16 (256 patches and a prefix) and a ~60-byte
+caption with its prefix."""
 
 
 def uform_rates(args: argparse.Namespace, devices: int = 1) -> dict[str, Any]:
@@ -266,7 +272,7 @@ def stage_result(uform: dict[str, Any], fed_ms: float | None) -> dict[str, Any]:
 
 def main() -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_geometry(parser, segments=0)  # --segments 0: two per pair
+    add_geometry(parser, rows=0, columns=2048, segments=0)  # --rows 0: sized to the step; --segments 0: two per pair
     parser.add_argument("--pairs", type=int, default=192)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
@@ -287,6 +293,7 @@ def main() -> dict[str, Any]:
     )
     args = parser.parse_args()
     args.segments = args.segments or 2 * args.pairs
+    args.rows = args.rows or -(-args.pairs * PAIR_POSITIONS // args.columns)
     if args.devices < 1:
         parser.error(f"--devices: must be at least 1, got {args.devices}")
     if args.devices > 1 and (args.fed or args.prepare_only or args.profile):

@@ -115,10 +115,13 @@ def test_pairs_bench_smoke(tmp_path: Path) -> None:
     assert result["uform_decode_one_ms"] > 0 and result["uform_prepare_at_once"] == 2  # fit's depth on the CPU
     assert result["uform_data_wait"] == pytest.approx(1 - result["uform_fed_ms"] / result["uform_step_ms"])
     subprocess.run(
-        [sys.executable, str(BENCH / "pairs.py"), *tiny.split(), "--prepare-only"], env=environment, check=True
+        [sys.executable, str(BENCH / "pairs.py"), *tiny.split(), "--prepare-only", "--rows", "0"],
+        env=environment,
+        check=True,
     )
     stage = json.loads((tmp_path / "bench-pairs.json").read_text())  # the same stage, no step taken
     assert stage["uform_prepare_ms"] > 0 and "uform_pairs_per_second" not in stage
+    assert stage["geometry"]["rows"] == 2  # --rows 0: as many as 4 pairs of 318 positions fill at 640 columns
     scaled = [sys.executable, str(BENCH / "pairs.py"), *tiny.split(), "--devices", "2"]
     subprocess.run(scaled, env=environment, check=True)  # two CPU workers, each pair routed whole to one
     scaling = json.loads((tmp_path / "bench-pairs.json").read_text())
