@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import write_fresh_checkpoint
 
 import uform as u
@@ -15,6 +16,7 @@ from uform.data.batch import prepare
 from uform.model.attention import block_tables
 from uform.model.inputs import to_device
 from uform.model.network import Network
+from uform.model.tower import up_gelu
 
 pytestmark = [
     pytest.mark.cuda,
@@ -90,6 +92,29 @@ def test_flex_equals_dense_on_cuda() -> None:
     assert flex_grads.keys() == dense_grads.keys()
     for name in flex_grads:
         torch.testing.assert_close(flex_grads[name], dense_grads[name], rtol=2e-3, atol=2e-4, msg=name)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_gelu_in_the_epilogue_matches_the_separate_kernel(compiled: bool) -> None:
+    """`tower.up_gelu` without gradients under bf16 autocast (serving) runs GELU in cuBLASLt's epilogue: the same
+    tanh form as the separate kernel with one rounding fewer, so within bf16's rounding of it, yet not bitwise
+    equal (which shows the epilogue ran). With gradients it is the separate kernel's, bitwise."""
+    torch.manual_seed(0)
+    up = torch.nn.Linear(128, 512, bias=False).cuda()
+    h = torch.randn(4, 96, 128, device="cuda")
+    fused = torch.compile(up_gelu, dynamic=False) if compiled else up_gelu
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.no_grad():
+            got = fused(up, h)
+            separate = F.gelu(up(h), approximate="tanh")
+            reference = F.gelu(h.double() @ up.weight.double().t(), approximate="tanh")  # float64, no rounding
+        trained = up_gelu(up, h)
+    assert got.dtype == separate.dtype == torch.bfloat16 and got.shape == (4, 96, 512)
+    torch.testing.assert_close(got.float(), separate.float(), atol=1e-2, rtol=1.6e-2)
+    assert not torch.equal(got, separate)
+    # One rounding of the product fewer: never further from the float64 reference than the separate kernel overall.
+    assert (got.double() - reference).abs().mean() <= (separate.double() - reference).abs().mean()
+    assert torch.equal(trained.detach(), separate)
 
 
 def test_inputs_copied_on_a_side_stream_are_read_after_they_land() -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 from uform.model.attention import document_mask
 from uform.model.embed import AxialRotary
-from uform.model.tower import Tower
+from uform.model.tower import Tower, up_gelu
 
 
 def inputs(rows: int = 2, columns: int = 48, hidden: int = 128):
@@ -53,3 +54,17 @@ def test_norms_keep_float32_exactly_as_torch_does() -> None:
     reference = torch.nn.RMSNorm(128, eps=1e-6)
     reference.load_state_dict(tower.norm.state_dict())
     assert torch.equal(tower.norm(x), reference(x))
+
+
+def test_serving_on_the_cpu_keeps_the_separate_tanh_gelu() -> None:
+    """`up_gelu` takes cuBLASLt's GELU epilogue only on CUDA (tests/test_cuda.py): on the CPU,
+    `torch._addmm_activation` applies the exact (erf) GELU, not the tanh form the tower trains with, so serving
+    there must stay on the separate kernel, bitwise, with and without autocast."""
+    torch.manual_seed(0)
+    up = torch.nn.Linear(128, 512, bias=False)
+    h = torch.randn(2, 24, 128)
+    with torch.no_grad():
+        assert torch.equal(up_gelu(up, h), F.gelu(up(h), approximate="tanh"))
+        assert not torch.equal(up_gelu(up, h), F.gelu(up(h)))  # the two forms differ on these values
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(up_gelu(up, h), F.gelu(up(h), approximate="tanh"))

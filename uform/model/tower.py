@@ -27,6 +27,30 @@ class RMSNorm(nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
 
+def up_gelu(up: nn.Linear, h: Tensor) -> Tensor:
+    """GELU (tanh form) of `up`(h): [..., D] -> [..., 4D].
+
+    Without gradients on CUDA under autocast (serving, held-out evaluation) the GELU runs in the matrix product's
+    epilogue: `torch._addmm_activation` is cuBLASLt's GEMM + bias + GELU, whose GELU is the tanh form (PyTorch's
+    own decomposition of that op on CUDA says so), applied to the float32 accumulator before the one rounding to
+    the autocast dtype. Inductor calls it as an extern kernel, so the 4D-wide activations are written once instead
+    of written, read and written again by a separate kernel (H200 text serving: 2.1 of 15.4 ms a batch).
+    Training keeps the separate kernel: the op has no backward, and the backward needs the pre-activations. On the
+    CPU the op's GELU is the exact (erf) form, so the CPU keeps the separate kernel too.
+    """
+    device = h.device.type
+    epilogue = getattr(torch, "_addmm_activation", None)  # a private op: should a release drop it, serving goes on
+    if epilogue is None or device != "cuda" or torch.is_grad_enabled() or not torch.is_autocast_enabled(device):
+        return F.gelu(up(h), approximate="tanh")
+    dtype = torch.get_autocast_dtype(device)
+    flat = h.reshape(-1, h.shape[-1]).to(dtype)  # [N, D]
+    weight = up.weight.to(dtype)  # [4D, D]
+    # The epilogue's bias; the blocks' projections have none, and adding zero leaves every value as it was.
+    bias = up.bias.to(dtype) if up.bias is not None else weight.new_zeros(weight.shape[0])  # [4D]
+    out = epilogue(bias, flat, weight.t(), use_gelu=True)  # [N, 4D]
+    return out.view(*h.shape[:-1], weight.shape[0])
+
+
 class Block(nn.Module):
     """x + attention(norm(x)), then x + MLP(norm(x)); no biases, RMSNorm, GELU MLP of width 4D."""
 
@@ -51,7 +75,7 @@ class Block(nn.Module):
         a = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)  # [R, H, C, K]
         a = a.transpose(1, 2).reshape(rows, columns, hidden)  # [R, C, D]
         x = x + self.out(a)
-        return x + self.down(F.gelu(self.up(self.mlp_norm(x)), approximate="tanh"))
+        return x + self.down(up_gelu(self.up, self.mlp_norm(x)))
 
 
 class Tower(nn.Module):
