@@ -20,7 +20,13 @@ Two measurements:
 With `--jpeg-variants`, only `media.image_units` in this process over 256² sequential and progressive JPEGs and
 1024 x 768 ones shrunk to fit a row (run it in two trees to compare their decoders).
 
+With `--core-scaling 1,8,16`, only this host's cores: for each count N, N forked processes each call
+`decode_item` on the 256² JPEGs (patch 16, channels 3, as serving's bench) in a loop for `--seconds`, all started
+together, with nothing between them (no pool, no shared memory, no parent reading answers): the most JPEGs a
+second that N decoders could give on this host, against which the decoder pool's rate reads.
+
 Prints a table and writes bench-decode.json under $OUT (or the current folder). Usage:
+  python bench/decode.py --core-scaling 1,2,4,8,16 [--seconds 3]
   python bench/decode.py [--workers N] [--items 256] [--clips 48] [--recordings 48]
                          [--executor cpu|cuda] [--rows 64 --columns 1024 --segments 256 --images 128
                           --texts 128 --steps 10]
@@ -291,6 +297,54 @@ def host_prepare_seconds(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+_LOOP: dict[str, Any] = {}  # what a forked `--core-scaling` process decodes, set before the fork
+
+
+def _decode_loop(start: float, answers: Any) -> None:
+    """Puts the JPEGs decoded from `start` (a time.time() all processes share) for `_LOOP["seconds"]`."""
+    from uform.media.decode import decode_item
+
+    samples, geometry, limits, seconds = _LOOP["samples"], _LOOP["geometry"], _LOOP["limits"], _LOOP["seconds"]
+    time.sleep(max(0.0, start - time.time()))
+    done, end = 0, start + seconds
+    while time.time() < end:
+        decode_item("image", samples[done % len(samples)], geometry, 1023, limits)
+        done += 1
+    answers.put(done)
+
+
+def core_scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import multiprocessing
+
+    from uform.media.limits import MediaLimits
+
+    counts = [int(n) for n in args.core_scaling.split(",")]
+    if not counts or min(counts) < 1:
+        raise SystemExit("--core-scaling: give process counts of at least 1, comma-separated")
+    _LOOP.update(
+        samples=jpegs(256),
+        geometry={"patch_side": 16, "channels": 3},
+        limits=MediaLimits(),
+        seconds=args.seconds,
+    )
+    context = multiprocessing.get_context("fork")  # forked: the loop and its samples need no pickling
+    rows = []
+    print(f"{'processes':>9}  {'JPEGs/s':>9}  {'per process':>11}  {'against one':>11}")
+    for n in counts:
+        answers = context.Queue()
+        start = time.time() + 0.5
+        processes = [context.Process(target=_decode_loop, args=(start, answers)) for _ in range(n)]
+        for process in processes:
+            process.start()
+        done = [answers.get(timeout=60 + args.seconds) for _ in processes]
+        for process in processes:
+            process.join()
+        rate = sum(done) / args.seconds
+        rows.append({"processes": n, "images_s": rate, "per_process": rate / n})
+        print(f"{n:>9}  {rate:>9,.0f}  {rate / n:>11,.0f}  {rate / n / rows[0]['per_process']:>10.0%}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -308,6 +362,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--jpeg-variants", action="store_true", help="only image_units over JPEG kinds in this process (no pool)"
     )
     parser.add_argument("--repeats", type=int, default=7, help="passes of --jpeg-variants, the best kept")
+    parser.add_argument("--core-scaling", default="", help="only N forked decoders' JPEGs/s, for each N listed")
+    parser.add_argument("--seconds", type=float, default=3.0, help="--core-scaling: seconds each count decodes")
     parser.add_argument("--executor", choices=("cpu", "cuda"), default="cpu")
     add_geometry(parser, depth=2, hidden=128)
     parser.add_argument("--images", type=int, default=128)
@@ -325,6 +381,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if args.jpeg_variants:
         report["jpeg_variants"] = jpeg_variants(args)
+        args.skip_decode = args.skip_prepare = True
+    if args.core_scaling:
+        report["core_scaling"] = core_scaling(args)
         args.skip_decode = args.skip_prepare = True
     if not args.skip_decode:
         report["decode"] = decode_rates(args)
