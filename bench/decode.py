@@ -23,7 +23,9 @@ With `--jpeg-variants`, only `media.image_units` in this process over 256² sequ
 With `--core-scaling 1,8,16`, only this host's cores: for each count N, N forked processes each call
 `decode_item` on the 256² JPEGs (patch 16, channels 3, as serving's bench) in a loop for `--seconds`, all started
 together, with nothing between them (no pool, no shared memory, no parent reading answers): the most JPEGs a
-second that N decoders could give on this host, against which the decoder pool's rate reads.
+second that N decoders could give on this host; beside it, a `DecodePool` of N decoding the same JPEGs through
+`decode_items` (chunks a job, as serving and the trainer decode) for as long, so the pool's own cost reads off
+the same run.
 
 Prints a table and writes bench-decode.json under $OUT (or the current folder). Usage:
   python bench/decode.py --core-scaling 1,2,4,8,16 [--seconds 3]
@@ -329,7 +331,7 @@ def core_scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
     )
     context = multiprocessing.get_context("fork")  # forked: the loop and its samples need no pickling
     rows = []
-    print(f"{'processes':>9}  {'JPEGs/s':>9}  {'per process':>11}  {'against one':>11}")
+    print(f"{'processes':>9}  {'JPEGs/s':>9}  {'per process':>11}  {'against one':>11}  {'pool, JPEGs/s':>12}")
     for n in counts:
         answers = context.Queue()
         start = time.time() + 0.5
@@ -340,9 +342,32 @@ def core_scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
         for process in processes:
             process.join()
         rate = sum(done) / args.seconds
-        rows.append({"processes": n, "images_s": rate, "per_process": rate / n})
-        print(f"{n:>9}  {rate:>9,.0f}  {rate / n:>11,.0f}  {rate / n / rows[0]['per_process']:>10.0%}", flush=True)
+        pooled = _pool_rate(n, args.seconds)
+        rows.append({"processes": n, "images_s": rate, "per_process": rate / n, "pool_images_s": pooled})
+        first = rows[0]["per_process"]
+        print(f"{n:>9}  {rate:>9,.0f}  {rate / n:>11,.0f}  {rate / n / first:>10.0%}  {pooled:>12,.0f}", flush=True)
     return rows
+
+
+def _pool_rate(workers: int, seconds: float) -> float:
+    """JPEGs/s of a `DecodePool` of `workers` through `decode_items` (chunks of images a decoder job, as serving
+    and the trainer decode them), the same samples over and over for about `seconds`, after one warm-up pass."""
+    from uform.config import BatchShape, ImageShape
+    from uform.media.decode import MediaPolicy, decode_items
+    from uform.runtime.decoders import DecodePool
+
+    shape = BatchShape(image=ImageShape(**_LOOP["geometry"]))
+    contents = [_LOOP["samples"][i % len(_LOOP["samples"])] for i in range(64 * workers)]
+    items = list(range(len(contents)))
+    with DecodePool(workers) as pool:
+        policy = MediaPolicy(workers=workers)
+        decode_items(pool, policy, shape, ["image"] * len(contents), contents, items, 1023)
+        done, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            units, _ = decode_items(pool, policy, shape, ["image"] * len(contents), contents, items, 1023)
+            del units  # views of the decoders' slabs, freed for the next pass
+            done += len(contents)
+        return done / (time.perf_counter() - started)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

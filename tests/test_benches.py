@@ -295,7 +295,7 @@ def test_decode_bench_leaves_out_a_modality_of_no_items(tmp_path: Path, monkeypa
     variants = load("decode").main(["--jpeg-variants", "--repeats", "1"])["jpeg_variants"]
     assert len(variants) == 4 and all(ms > 0 for ms in variants.values())
     rows = load("decode").main(["--core-scaling", "1,2", "--seconds", "0.3"])["core_scaling"]
-    assert [r["processes"] for r in rows] == [1, 2] and all(r["images_s"] > 0 for r in rows)
+    assert [r["processes"] for r in rows] == [1, 2] and all(r["images_s"] > 0 and r["pool_images_s"] > 0 for r in rows)
     assert rows[1]["per_process"] == pytest.approx(rows[1]["images_s"] / 2)
 
 
