@@ -387,7 +387,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--jpeg-variants", action="store_true", help="only image_units over JPEG kinds in this process (no pool)"
     )
     parser.add_argument("--repeats", type=int, default=7, help="passes of --jpeg-variants, the best kept")
-    parser.add_argument("--core-scaling", default="", help="only N forked decoders' JPEGs/s, for each N listed")
+    parser.add_argument(
+        "--core-scaling", default="", help="only N forked decoders' JPEGs/s and a pool of N's, for each N listed"
+    )
     parser.add_argument("--seconds", type=float, default=3.0, help="--core-scaling: seconds each count decodes")
     parser.add_argument("--executor", choices=("cpu", "cuda"), default="cpu")
     add_geometry(parser, depth=2, hidden=128)
