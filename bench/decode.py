@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from common import add_geometry, bench_config, topic_text, write_json  # a sibling module of the bench scripts
+from common import add_geometry, bench_config, decode_in_pool, topic_text, write_json  # a sibling module
 
 os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")  # pygame greets on import otherwise
 
@@ -352,20 +352,14 @@ def core_scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _pool_rate(workers: int, seconds: float) -> float:
     """JPEGs/s of a `DecodePool` of `workers` through `decode_items` (chunks of images a decoder job, as serving
     and the trainer decode them), the same samples over and over for about `seconds`, after one warm-up pass."""
-    from uform.config import BatchShape, ImageShape
-    from uform.media.decode import MediaPolicy, decode_items
     from uform.runtime.decoders import DecodePool
 
-    shape = BatchShape(image=ImageShape(**_LOOP["geometry"]))
     contents = [_LOOP["samples"][i % len(_LOOP["samples"])] for i in range(64 * workers)]
-    items = list(range(len(contents)))
     with DecodePool(workers) as pool:
-        policy = MediaPolicy(workers=workers)
-        decode_items(pool, policy, shape, ["image"] * len(contents), contents, items, 1023)
+        decode_in_pool(pool, contents, _LOOP["geometry"])
         done, started = 0, time.perf_counter()
         while time.perf_counter() - started < seconds:
-            units, _ = decode_items(pool, policy, shape, ["image"] * len(contents), contents, items, 1023)
-            del units  # views of the decoders' slabs, freed for the next pass
+            decode_in_pool(pool, contents, _LOOP["geometry"])
             done += len(contents)
         return done / (time.perf_counter() - started)
 

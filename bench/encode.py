@@ -61,6 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (
     add_geometry,
     bert_config,
+    decode_in_pool,
     random_checkpoint,
     topic_slices,
     write_json,
@@ -155,24 +156,15 @@ def decode_rates(args: argparse.Namespace, images: list[bytes]) -> dict[str, Any
     """The media stage's own ceiling: the JPEGs through `media.decode.decode_items` (chunks of images a decoder
     job, as serving and the trainer decode them) on a pool of each size of `--pool-workers` (the first 0:
     `--workers`), and `decode_item` in this process (one core's rate)."""
-    import uform as u
-    from uform.media.decode import MediaPolicy, decode_item, decode_items
+    from uform.media.decode import decode_item
     from uform.media.limits import MediaLimits
     from uform.runtime.decoders import DecodePool
 
     geometry = {"patch_side": args.patch_side, "channels": 4}
-    shape = u.BatchShape(image=u.ImageShape(**geometry))
-    everything = list(range(len(images)))
     out: dict[str, Any] = {"items": len(images), "pools": []}
     for workers in [int(w) for w in str(args.pool_workers).split(",")]:
         with DecodePool(workers or args.workers) as pool:
-            policy = MediaPolicy(workers=pool.workers)
-
-            def decode(pool: DecodePool = pool, policy: MediaPolicy = policy) -> None:
-                units, _ = decode_items(pool, policy, shape, ["image"] * len(images), images, everything, 1023)
-                del units  # views of the decoders' slabs, freed for the next call
-
-            _, best = timed(decode, args.repeats)
+            _, best = timed(lambda pool=pool: decode_in_pool(pool, images, geometry), args.repeats)
             out["pools"].append({"workers": pool.workers, "items_per_s": len(images) / best})
         print(f"{'decode':<6} {len(images) / best:>12,.1f} items/s  ({pool.workers} decoder processes)", flush=True)
     alone = images[: min(len(images), 256)]
