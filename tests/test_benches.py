@@ -2,7 +2,7 @@
 GPU at the reference geometry of docs/design.md §1): bench/encode.py (its --file path too); bench/onnx_cpu.py; bench/maxsim.py, whose current MaxSim agrees with the previous one it
 keeps as the reference; bench/scaling.py through an executor of two CPU workers; bench/train_shards.py (uform.fit from tar shards against the library loop); bench/pairs.py (uform's side);
 bench/data_wait.py's video and audio steps; bench/profile_host.py --timeline; bench/attention.py's layouts and FLOP
-count; bench/kernel_trace.py's reading of a profiler trace; bench/loss_curve.py's windows; bench/copy_rate.py; bench/decode.py's JPEG rates; and bench/graphs.py's CPU path."""
+count; bench/kernel_trace.py's reading of a profiler trace; bench/loss_curve.py's windows; bench/copy_rate.py; bench/decode.py's JPEG rates; bench/graphs.py's CPU path; and bench/mlp.py's CPU rows."""
 
 from __future__ import annotations
 
@@ -316,6 +316,19 @@ def test_graphs_bench_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert json.loads((tmp_path / "bench-graphs.json").read_text())["geometry"]["segments"] == 4
     with pytest.raises(SystemExit):  # a variant it does not know is refused before anything is built
         load("graphs").main([*tiny.split(), "--variants", "tuned,fast"])
+
+
+def test_mlp_bench_smoke(tmp_path: Path) -> None:
+    """bench/mlp.py on the CPU: both rows run the separate kernels (the epilogues are CUDA's), each within bf16's
+    rounding of the float64 reference, and say that cuBLASLt did not run."""
+    result = load("mlp").main(
+        ["--device", "cpu", "--positions", "64", "--hidden", "64", "--repeats", "2", "--out", str(tmp_path)]
+    )
+    for path in ("separate", "fused"):
+        assert result[path]["ms"] > 0 and len(result[path]["errors"]["mean"]) == 4
+        assert max(result[path]["errors"]["mean"]) < 2e-2
+    assert result["fused"]["cublaslt"] is False
+    assert json.loads((tmp_path / "bench-mlp.json").read_text())["args"]["hidden"] == 64
 
 
 def test_thread_cpu_by_name_counts_a_busy_thread() -> None:

@@ -13,10 +13,12 @@ from conftest import write_fresh_checkpoint
 import uform as u
 from uform.config import resolve
 from uform.data.batch import prepare
+from uform.model import cublaslt
 from uform.model.attention import block_tables
 from uform.model.inputs import to_device
+from uform.model.mlp import mlp, up_gelu
 from uform.model.network import Network
-from uform.model.tower import up_gelu
+from uform.model.tower import Block
 
 pytestmark = [
     pytest.mark.cuda,
@@ -53,7 +55,7 @@ def test_cuda_training_lowers_the_loss(form: u.PairLossForm) -> None:
         trainer.on(executor).step(["text"] * len(texts), texts, u.TrainerStepConfig(relations=relations, stats=stats))
         assert np.isfinite(stats.loss)
         losses.append(stats.loss)
-    assert trainer.attention == "flex"
+    assert trainer.attention == "flex" and trainer.replica.mlp == "cublaslt"
     assert np.mean(losses[-5:]) < losses[0]
 
 
@@ -96,7 +98,7 @@ def test_flex_equals_dense_on_cuda() -> None:
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_cuda_gelu_in_the_epilogue_matches_the_separate_kernel(compiled: bool) -> None:
-    """`tower.up_gelu` without gradients under bf16 autocast (serving) runs GELU in cuBLASLt's epilogue: the same
+    """`mlp.up_gelu` without gradients under bf16 autocast (serving) runs GELU in cuBLASLt's epilogue: the same
     tanh form as the separate kernel with one rounding fewer, so within bf16's rounding of it, yet not bitwise
     equal (which shows the epilogue ran). With gradients it is the separate kernel's, bitwise."""
     torch.manual_seed(0)
@@ -115,6 +117,43 @@ def test_cuda_gelu_in_the_epilogue_matches_the_separate_kernel(compiled: bool) -
     # One rounding of the product fewer: never further from the float64 reference than the separate kernel overall.
     assert (got.double() - reference).abs().mean() <= (separate.double() - reference).abs().mean()
     assert torch.equal(trained.detach(), separate)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_training_mlp_runs_gelu_in_cublaslt_epilogues(compiled: bool) -> None:
+    """`mlp.FusedMLP` (GELU_AUX in the up projection, DGELU in the down projection's input gradient): its output
+    and the gradients of the block's input and both weights are within bf16's rounding of the separate kernels',
+    on average at least as close to a float64 reference (the epilogues round once where the separate kernels round
+    twice), and not bitwise equal, which shows the epilogues ran."""
+    assert cublaslt.available(torch.device("cuda"))
+    torch.manual_seed(0)
+    block = Block(128).cuda()
+    h = torch.randn(4, 96, 128, device="cuda")
+    grad = torch.randn(4, 96, 128, device="cuda").to(torch.bfloat16)
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        block.fused_mlp = fused
+        forward = torch.compile(mlp, dynamic=False) if compiled else mlp
+        x = h.to(torch.bfloat16).requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = forward(block.up, block.down, x, block.fused_mlp)
+        out.backward(grad)
+        got = [out.detach(), x.grad, block.up.weight.grad, block.down.weight.grad]
+        block.zero_grad(set_to_none=True)
+        return got  # type: ignore[return-value]
+
+    fused, separate = run(True), run(False)
+    leaves = [t.detach().double().requires_grad_() for t in (h.to(torch.bfloat16), block.up.weight, block.down.weight)]
+    bf16 = [leaves[0]] + [w.to(torch.bfloat16).double() for w in leaves[1:]]
+    out = F.linear(F.gelu(F.linear(bf16[0], bf16[1]), approximate="tanh"), bf16[2])
+    out.backward(grad.double())
+    reference = [out.detach()] + [t.grad for t in leaves]
+    for f, s, r in zip(fused, separate, reference, strict=True):
+        assert f.shape == s.shape and f.dtype == s.dtype
+        scale = r.abs().mean()
+        assert ((f.double() - s.double()).abs().mean() / scale) < 1e-2
+        assert (f.double() - r).abs().mean() <= 1.05 * (s.double() - r).abs().mean()
+    assert not torch.equal(fused[1], separate[1])
 
 
 def test_inputs_copied_on_a_side_stream_are_read_after_they_land() -> None:

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from uform.model.attention import document_mask
 from uform.model.embed import AxialRotary
-from uform.model.tower import Tower, up_gelu
+from uform.model.mlp import up_gelu
+from uform.model.tower import Tower
 
 
 def inputs(rows: int = 2, columns: int = 48, hidden: int = 128):

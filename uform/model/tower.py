@@ -6,6 +6,7 @@ Shape legend: R rows, C columns, D hidden, H heads (D / 64), K head width (64).
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,7 @@ from torch import Tensor, nn
 from ..config import HEAD_DIM
 from .attention import DocumentMask, attend
 from .embed import AxialRotary
+from .mlp import mlp
 from .qk_rotation import rotate_qkv
 
 
@@ -25,30 +27,6 @@ class RMSNorm(nn.RMSNorm):
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight.to(x.dtype) if self.weight is not None else None
         return F.rms_norm(x, self.normalized_shape, weight, self.eps)
-
-
-def up_gelu(up: nn.Linear, h: Tensor) -> Tensor:
-    """GELU (tanh form) of `up`(h): [..., D] -> [..., 4D].
-
-    Without gradients on CUDA under autocast (serving, held-out evaluation) the GELU runs in the matrix product's
-    epilogue: `torch._addmm_activation` is cuBLASLt's GEMM + bias + GELU, whose GELU is the tanh form (PyTorch's
-    own decomposition of that op on CUDA says so), applied to the float32 accumulator before the one rounding to
-    the autocast dtype. Inductor calls it as an extern kernel, so the 4D-wide activations are written once instead
-    of written, read and written again by a separate kernel (H200 text serving: 2.1 of 15.4 ms a batch).
-    Training keeps the separate kernel: the op has no backward, and the backward needs the pre-activations. On the
-    CPU the op's GELU is the exact (erf) form, so the CPU keeps the separate kernel too.
-    """
-    device = h.device.type
-    epilogue = getattr(torch, "_addmm_activation", None)  # a private op: should a release drop it, serving goes on
-    if epilogue is None or device != "cuda" or torch.is_grad_enabled() or not torch.is_autocast_enabled(device):
-        return F.gelu(up(h), approximate="tanh")
-    dtype = torch.get_autocast_dtype(device)
-    flat = h.reshape(-1, h.shape[-1]).to(dtype)  # [N, D]
-    weight = up.weight.to(dtype)  # [4D, D]
-    # The epilogue's bias; the blocks' projections have none, and adding zero leaves every value as it was.
-    bias = up.bias.to(dtype) if up.bias is not None else weight.new_zeros(weight.shape[0])  # [4D]
-    out = epilogue(bias, flat, weight.t(), use_gelu=True)  # [N, 4D]
-    return out.view(*h.shape[:-1], weight.shape[0])
 
 
 class Block(nn.Module):
@@ -63,6 +41,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(hidden, eps=1e-6)
         self.up = nn.Linear(hidden, 4 * hidden, bias=False)
         self.down = nn.Linear(4 * hidden, hidden, bias=False)
+        self.fused_mlp = False
+        """Whether a training step's MLP runs GELU in cuBLASLt's epilogues (`mlp.FusedMLP`): set by a CUDA replica
+        that found cuBLASLt, before it compiles."""
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
         rows, columns, hidden = x.shape
@@ -75,7 +56,7 @@ class Block(nn.Module):
         a = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)  # [R, H, C, K]
         a = a.transpose(1, 2).reshape(rows, columns, hidden)  # [R, C, D]
         x = x + self.out(a)
-        return x + self.down(up_gelu(self.up, self.mlp_norm(x)))
+        return x + mlp(self.up, self.down, self.mlp_norm(x), self.fused_mlp)
 
 
 class Tower(nn.Module):
@@ -106,6 +87,11 @@ class Tower(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin, mask)
         return self.norm(x)
+
+    def fuse_mlp(self, fused: bool) -> None:
+        """Every block's `fused_mlp`: whether a training step's MLP runs GELU in cuBLASLt's epilogues."""
+        for block in self.blocks:
+            cast(Block, block).fused_mlp = fused
 
     def residual_scale(self) -> float:
         """GPT-2's scaled init of the projections that write into the residual stream: 1 / sqrt(2 depth)."""

@@ -35,6 +35,7 @@ from ..losses.peers import Peers
 from ..losses.term import Term, world_counts
 from ..media.decode import warn_skipped
 from ..media.units import Units
+from ..model import cublaslt
 from ..model.attention import compiled_flex_available, flex_block
 from ..model.inputs import DeviceBatch, to_device, to_host
 from ..model.network import Losses, Network
@@ -169,6 +170,9 @@ class Replica:
         self._resolving = threading.Lock()
         cuda = self.device.type == "cuda"
         self.attention = "flex" if compiled_flex_available(self.device) else "dense"
+        self.mlp = "cublaslt" if cuda and cublaslt.available(self.device) else "separate"
+        """How a training step's MLP runs GELU: in cuBLASLt's epilogues (`model.mlp.FusedMLP`) or kernels of its own."""
+        self.network.tower.fuse_mlp(self.mlp == "cublaslt")
         self.block = flex_block(self.device) if self.attention == "flex" else BLOCK
         """The side of the flex block mask's sparse tiles (`model.attention.flex_block`)."""
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None  # a step's inputs cross on it
