@@ -100,7 +100,7 @@ def test_drops_warn_once_naming_the_limit_that_ran_out(make_trainer: Any) -> Non
     shown = capacity_warnings(lambda: step_with(trainer, overfull_texts(12)))
     assert len(shown) == 1, shown
     assert shown[0].startswith("uform: a step dropped 4 of 12 items (33%) whole for lack of room")
-    assert "batch.max_segments_per_device (4)" in shown[0] and "TrainerStepStats.dropped" in shown[0]
+    assert "batch.max_segments_per_device (4 items)" in shown[0] and "TrainerStepStats.dropped" in shown[0]
     assert capacity_warnings(lambda: step_with(trainer, overfull_texts(10))) == []  # 20%: less than twice
     answers: list[Any] = []
     shown = capacity_warnings(lambda: answers.append(step_with(trainer, overfull_texts(40))))  # 80%: over twice 33%
@@ -110,7 +110,7 @@ def test_drops_warn_once_naming_the_limit_that_ran_out(make_trainer: Any) -> Non
 
     rows = make_trainer()  # two rows of 64
     shown = capacity_warnings(lambda: step_with(rows, ["y" * 100] * 4))  # each fills one of the two rows
-    assert any("dropped 2 of 4 items" in m and "batch.max_rows_per_device (2)" in m for m in shown), shown
+    assert any("dropped 2 of 4 items" in m and "batch.max_rows_per_device (2 items)" in m for m in shown), shown
     assert any("cut 2 of 4 items" in m and "batch.max_columns_per_row" in m for m in shown), shown
 
     bags = make_trainer(
@@ -121,7 +121,7 @@ def test_drops_warn_once_naming_the_limit_that_ran_out(make_trainer: Any) -> Non
     shown = capacity_warnings(
         lambda: bags.step(["text"] * 4, ["a", "b", "c", "d"], TrainerStepConfig(bags=[0, 0, 1, 1]))
     )
-    assert len(shown) == 1 and "dropped 2 of 4 items" in shown[0] and "batch.max_bags_per_device (2)" in shown[0]
+    assert len(shown) == 1 and "dropped 2 of 4 items" in shown[0] and "batch.max_bags_per_device (2 items)" in shown[0]
 
 
 def test_serving_warns_once_about_items_cut_at_the_rows_width(tmp_path: Path) -> None:

@@ -44,7 +44,10 @@ def warn_dropped(
     if lost <= 0 or items <= 0:
         return
     share = lost / items
-    fields = ", ".join(f"{field} ({count})" for field, count in sorted(drops.items(), key=lambda kv: -kv[1]))
+    fields = ", ".join(
+        f"{field} ({count} {'item' if count == 1 else 'items'})"
+        for field, count in sorted(drops.items(), key=lambda kv: -kv[1])
+    )
     notices.warn(
         DROPPED,
         f"uform: {where} dropped {lost} of {items} items ({share:.0%}) whole for lack of room, so they were not "
