@@ -27,8 +27,13 @@ second that N decoders could give on this host; beside it, a `DecodePool` of N d
 `decode_items` (chunks a job, as serving and the trainer decode) for as long, so the pool's own cost reads off
 the same run.
 
+With `--keys N`, only a `DecodePool` of N decoding the 256² JPEGs through `decode_items` with the items' keys
+(`keyed=True`: the digest a step that masks media draws by) and without (`keyed=False`: contrastive steps and
+serving), in turn, `--repeats` rounds of `--seconds` each: what the digest costs the decoders.
+
 Prints a table and writes bench-decode.json under $OUT (or the current folder). Usage:
   python bench/decode.py --core-scaling 1,2,4,8,16 [--seconds 3]
+  python bench/decode.py --keys 1 [--seconds 3 --repeats 3]
   python bench/decode.py [--workers N] [--items 256] [--clips 48] [--recordings 48]
                          [--executor cpu|cuda] [--rows 64 --columns 1024 --segments 256 --images 128
                           --texts 128 --steps 10]
@@ -364,6 +369,37 @@ def _pool_rate(workers: int, seconds: float) -> float:
         return done / (time.perf_counter() - started)
 
 
+def key_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """JPEGs/s of a pool of `args.keys` decoders, keyed and unkeyed in turn (`--keys`), one row a round."""
+    import uform as u
+    from uform.media.decode import MediaPolicy, decode_items
+    from uform.runtime.decoders import DecodePool
+
+    samples = jpegs(256)
+    contents = [samples[i % len(samples)] for i in range(64 * args.keys)]
+    shape = u.BatchShape(image=u.ImageShape(patch_side=16, channels=3))
+    policy = MediaPolicy(workers=args.keys)
+    modalities = ["image"] * len(contents)
+
+    def rate(pool: Any, keyed: bool) -> float:
+        done, started = 0, time.perf_counter()
+        while done == 0 or time.perf_counter() - started < args.seconds:
+            units, _ = decode_items(pool, policy, shape, modalities, contents, range(len(contents)), 1023, keyed)
+            del units  # views of the decoders' slabs: their bytes are free for the next call
+            done += len(contents)
+        return done / (time.perf_counter() - started)
+
+    rows = []
+    print(f"{'decoders':>8}  {'keyed, JPEGs/s':>14}  {'unkeyed':>9}  {'gain':>6}")
+    with DecodePool(args.keys) as pool:
+        rate(pool, True)  # the decoders' start and first imports, untimed
+        for _ in range(args.repeats):
+            keyed, unkeyed = rate(pool, True), rate(pool, False)
+            rows.append({"decoders": args.keys, "keyed_images_s": keyed, "unkeyed_images_s": unkeyed})
+            print(f"{args.keys:>8}  {keyed:>14,.0f}  {unkeyed:>9,.0f}  {unkeyed / keyed - 1:>+6.1%}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -380,11 +416,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--jpeg-variants", action="store_true", help="only image_units over JPEG kinds in this process (no pool)"
     )
-    parser.add_argument("--repeats", type=int, default=7, help="passes of --jpeg-variants, the best kept")
+    parser.add_argument(
+        "--repeats", type=int, default=7, help="passes of --jpeg-variants (the best kept), rounds of --keys"
+    )
     parser.add_argument(
         "--core-scaling", default="", help="only N forked decoders' JPEGs/s and a pool of N's, for each N listed"
     )
-    parser.add_argument("--seconds", type=float, default=3.0, help="--core-scaling: seconds each count decodes")
+    parser.add_argument("--keys", type=int, default=0, help="only a pool of N decoding keyed and unkeyed in turn")
+    parser.add_argument("--seconds", type=float, default=3.0, help="--core-scaling, --keys: seconds each rate runs")
     parser.add_argument("--executor", choices=("cpu", "cuda"), default="cpu")
     add_geometry(parser, depth=2, hidden=128)
     parser.add_argument("--images", type=int, default=128)
@@ -405,6 +444,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.skip_decode = args.skip_prepare = True
     if args.core_scaling:
         report["core_scaling"] = core_scaling(args)
+        args.skip_decode = args.skip_prepare = True
+    if args.keys:
+        report["keys"] = key_cost(args)
         args.skip_decode = args.skip_prepare = True
     if not args.skip_decode:
         report["decode"] = decode_rates(args)

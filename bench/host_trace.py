@@ -92,14 +92,14 @@ def install() -> None:
         decode.decode_chunk = timed_decode_chunk  # what decode_items hands the pool, looked up at each call
 
 
-def timed_decode_chunk(jobs: Any) -> Any:
+def timed_decode_chunk(jobs: Any, **options: Any) -> Any:
     """`media.decode.decode_chunk`, timed in the decoder that runs it."""
     from uform.media import decode
 
     real = getattr(decode, "untimed_decode_chunk", decode.decode_chunk)  # a decoder never installed the wrappers
     start = time.monotonic()
     try:
-        return real(jobs)
+        return real(jobs, **options)
     finally:
         _write("decode_chunk", start, time.monotonic())
 

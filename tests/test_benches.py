@@ -297,6 +297,8 @@ def test_decode_bench_leaves_out_a_modality_of_no_items(tmp_path: Path, monkeypa
     rows = load("decode").main(["--core-scaling", "1,2", "--seconds", "0.3"])["core_scaling"]
     assert [r["processes"] for r in rows] == [1, 2] and all(r["images_s"] > 0 and r["pool_images_s"] > 0 for r in rows)
     assert rows[1]["per_process"] == pytest.approx(rows[1]["images_s"] / 2)
+    keys = load("decode").main(["--keys", "1", "--seconds", "0.2", "--repeats", "2"])["keys"]
+    assert len(keys) == 2 and all(r["keyed_images_s"] > 0 and r["unkeyed_images_s"] > 0 for r in keys)
 
 
 def test_copy_rate_bench_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

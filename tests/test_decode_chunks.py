@@ -116,3 +116,46 @@ def test_the_decoder_keys_each_item_as_the_packer_would() -> None:
     assert decode_item("video", clip, dict(vars(batch().video)), 255, MediaPolicy().limits).key == item_key(
         Modality.Video, clip
     )
+
+
+def test_unkeyed_decoding_gives_the_same_units_without_the_key() -> None:
+    """A step that masks no media (contrastive training, serving) decodes `keyed=False`: the units bitwise those
+    of a keyed decode, the key left for the packer (None), through `decode_chunk` and through a real pool."""
+    contents = images(CHUNK_MOST + 3)
+    geometry = dict(vars(batch().image))
+    limits = MediaPolicy().limits
+    keyed = decode_item("image", contents[2], geometry, 255, limits)
+    bare = decode_item("image", contents[2], geometry, 255, limits, keyed=False)
+    assert bare.key is None and keyed.key is not None
+    assert np.array_equal(bare.values, keyed.values) and np.array_equal(bare.positions, keyed.positions)
+    assert (bare.grid, bare.truncated) == (keyed.grid, keyed.truncated)
+    [(chunked, error)] = decode_chunk([("image", contents[2], geometry, 255, limits)], keyed=False)
+    assert error is None and chunked.key is None and np.array_equal(chunked.values, keyed.values)
+    modalities = [Modality.Image] * len(contents)
+    with DecodePool(2) as pool:
+        for flag in (False, True):
+            units, failed = decode_items(
+                pool, MediaPolicy(), batch(), modalities, contents, range(len(contents)), 255, keyed=flag
+            )
+            assert failed == [] and sorted(units) == list(range(len(contents)))
+            assert all((u.key is not None) == flag for u in units.values()), flag
+            assert np.array_equal(units[2].values, keyed.values)
+            del units  # views of the pool's slabs
+
+
+@pytest.mark.parametrize("objective", ["Joint", "Masked", "Contrastive"])
+def test_the_prepare_stage_keys_its_media_only_where_the_step_masks_media(objective: str) -> None:
+    from uform.config import Schedule, TrainerInitVramConfig, resolve
+    from uform.enums import Objective
+    from uform.runtime.preparers import PrepareJob, decode_media
+
+    config = resolve(
+        TrainerInitVramConfig(
+            depth=1, hidden=128, objective=Objective[objective], batch=batch(), schedule=Schedule(steps=10)
+        )
+    )
+    contents = images(3)
+    job = PrepareJob(modalities=[Modality.Image] * 3, contents=contents)
+    units, failed = decode_media(config, MediaPolicy(), lambda: InProcess(2), job)
+    assert failed == [] and sorted(units) == [0, 1, 2]
+    assert all((u.key is not None) == (objective != "Contrastive") for u in units.values())

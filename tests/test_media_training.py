@@ -15,6 +15,7 @@ modality training in one Joint step; modalities out of the run refused.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import math
 import os
@@ -450,6 +451,25 @@ def test_masks_hit_their_ratios_and_tubes_agree_across_time() -> None:
             np.testing.assert_array_equal(again.media[kind]["masked"], batch.media[kind]["masked"])
     for i, masks in seen.items():  # and a new draw every step
         assert any(not np.array_equal(masks[0], m) for m in masks[1:]), f"item {i}: the same mask every step"
+
+
+def test_media_masks_are_the_same_whether_the_decoder_or_the_packer_keys_the_items() -> None:
+    """Units decoded without their key (`keyed=False`) are keyed by the packer from the item's bytes, so the
+    step's masks and every other array are bitwise those of units the decoder keyed."""
+    masking = Masking(image_mask_ratio=0.5, video_mask_ratio=0.25, audio_mask_ratio=0.6)
+    config = resolve(media_config(rows=6, columns=256, segments=8, audio=160, masking=masking))
+    kinds = [k for k, _ in MASK_ITEMS]
+    contents = [build() for _, build in MASK_ITEMS]
+    keyed, units = prepared(config, kinds, contents, step=3)
+    assert all(u.key is not None for u in units.values())
+    bare = {i: dataclasses.replace(u, key=None) for i, u in units.items()}
+    mods = parse_modalities(kinds)
+    unkeyed = prepare(config, mods, contents, bags=None, groups=None, sides=None, relations=None, step=3, units=bare)
+    for kind in keyed.media:
+        for name, array in keyed.media[kind].items():
+            np.testing.assert_array_equal(unkeyed.media[kind][name], array, err_msg=f"{kind}.{name}")
+    assert any(keyed.media[kind]["masked"].any() for kind in keyed.media)  # masks were drawn at all
+    np.testing.assert_array_equal(unkeyed.tokens, keyed.tokens)
 
 
 def _units(grid: tuple[int, int, int]) -> Units:

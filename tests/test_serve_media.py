@@ -137,6 +137,7 @@ def test_units_kept_decoded_hold_memory_of_their_own(served: dict[str, Any]) -> 
         kept = [u for u in model._decoded.values() if not isinstance(u, str)]
         (worker,) = model._decoders._workers
         assert len(kept) == 5 and worker.areas.held == []
+        assert all(u.key is None for u in kept)  # serving draws no masks, so its decoders skip the items' keys
         slab = np.frombuffer(worker.helper.slab, dtype=np.uint8)
         assert not any(np.shares_memory(u.values, slab) or np.shares_memory(u.positions, slab) for u in kept)
         del slab

@@ -136,8 +136,8 @@ class OnnxEncoder:
             return {}
         if self._decoders is None:
             self._decoders = DecodePool(self.media.workers, self.media.limits.timeout_seconds)
-        units, failed = decode_items(
-            self._decoders, self.media, self.config.batch, mods, items, media, self.columns - self._prefix
+        units, failed = decode_items(  # unkeyed: encoding draws no masks
+            self._decoders, self.media, self.config.batch, mods, items, media, self.columns - self._prefix, False
         )
         if failed:
             item, reason = min(failed)

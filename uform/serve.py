@@ -713,8 +713,8 @@ class Model:
             if self._decoders is None:
                 self._decoders = DecodePool(self.media.workers, self.media.limits.timeout_seconds)
             max_units = self.columns - self._prefix
-            new_units, new_failed = decode_items(
-                self._decoders, self.media, self.config.batch, job.modalities, job.contents, fresh, max_units
+            new_units, new_failed = decode_items(  # unkeyed: serving draws no masks
+                self._decoders, self.media, self.config.batch, job.modalities, job.contents, fresh, max_units, False
             )
             if self.keep_decoded:  # kept for the evaluator's life: off the decoders' slabs, which they would hold
                 new_units = {i: u.owned() for i, u in new_units.items()}

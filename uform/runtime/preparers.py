@@ -74,7 +74,7 @@ from ..config import TrainerInitVramConfig
 from ..data.batch import Alloc, Batch, prepare
 from ..data.blocks import block_tables
 from ..data.items import ChoiceTapes
-from ..enums import LateInteractionSide, Modality
+from ..enums import LateInteractionSide, Modality, Objective
 from ..media.decode import MediaPolicy, decode_items
 from ..media.units import Units
 from ..relations import Edges, Relations
@@ -148,7 +148,8 @@ def decode_media(
         return {}, []
     late = config.late_interaction.weight > 0
     max_units = config.batch.max_columns_per_row - (2 if late else 1)  # the prefix: marker (+ side marker)
-    return decode_items(decoders(), policy, config.batch, job.modalities, job.contents, items, max_units)
+    keyed = config.objective != Objective.Contrastive  # only a step that masks media draws by the items' keys
+    return decode_items(decoders(), policy, config.batch, job.modalities, job.contents, items, max_units, keyed)
 
 
 def prepare_step(
