@@ -33,6 +33,7 @@ pairs/s(1)): the image-text step at 8 GPUs, whose decoding shares one host's cor
   python bench/pairs.py                      # the GPU, both sides
   python bench/pairs.py --skip-open-clip --fed   # uform's data wait on the image-text step
   python bench/pairs.py --prepare-only --steps 12  # its prepare stage alone, no steps (no compile)
+  python bench/pairs.py --skip-open-clip --steps 400 --spy 8  # then its threads under py-spy (bench/spy.py)
   python bench/pairs.py --devices 8 --steps 20 --warmup 8  # uform on 1 and on 8 GPUs, --pairs each (issue 16)
   python bench/pairs.py --cpu --skip-open-clip --depth 1 --hidden 128 --pairs 4 --rows 4 --columns 640 --segments 8 --steps 3 --warmup 1
 """
@@ -52,6 +53,7 @@ from typing import Any
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from common import Fed, add_geometry, bench_config, topic_slices, write_json  # sibling scripts, not a package
 from kernel_trace import load_events, report, summarize
+from spy import sampling
 from train_shards import jpeg
 
 PAIR_POSITIONS = 257 + 61
@@ -134,6 +136,9 @@ def uform_rates(args: argparse.Namespace, devices: int = 1) -> dict[str, Any]:
             replica.stage = real
         if args.profile:
             profile_steps(deferred, args.profile, contents, modalities, relations)
+        if args.spy:  # the same steps again, compiled already, this process's threads sampled (bench/spy.py)
+            with sampling(args.spy, "pairs"):
+                drive(u.TrainerStepStats())
     finally:
         trainer.close()
         executor.close()
@@ -280,6 +285,9 @@ def main() -> dict[str, Any]:
     parser.add_argument("--skip-open-clip", action="store_true")
     parser.add_argument("--profile", type=int, default=0, help="then profile this many more uform steps")
     parser.add_argument(
+        "--spy", type=float, default=0, help="then run the steps again under py-spy for this many seconds"
+    )
+    parser.add_argument(
         "--fed", action="store_true", help="then uform's device stage alone (the prepare stage fed): its data wait"
     )
     parser.add_argument(
@@ -296,8 +304,10 @@ def main() -> dict[str, Any]:
     args.rows = args.rows or -(-args.pairs * PAIR_POSITIONS // args.columns)
     if args.devices < 1:
         parser.error(f"--devices: must be at least 1, got {args.devices}")
-    if args.devices > 1 and (args.fed or args.prepare_only or args.profile):
-        parser.error("--devices: --fed, --prepare-only and --profile look into one device's pipeline; run them alone")
+    if args.devices > 1 and (args.fed or args.prepare_only or args.profile or args.spy):
+        parser.error(
+            "--devices: --fed, --prepare-only, --profile and --spy look into one device's pipeline; run them alone"
+        )
 
     import torch
 

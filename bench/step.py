@@ -10,6 +10,8 @@ segments per device), bf16 autocast, fused AdamW, full steps (forward, loss, bac
   --fed         then the same steps with the prepare stage taken away (one prepared step answered for every
                 step, bench/data_wait.py's fed run): the device stage alone, against which the step's wall
                 shows the host's share.
+  --spy S       then the timed steps again with this process's threads sampled by py-spy for S seconds
+                (bench/spy.py): which thread launches late, and what it does instead.
   hf_bert       transformers' BertForMaskedLM (SDPA attention) on random ids and labels over every
                 position, as ../shared/bench/anchor_gpu.py measures it.
 
@@ -44,6 +46,7 @@ from common import (  # sibling modules, not a package
     topic_slices,
     write_json,
 )
+from spy import sampling
 
 
 def useful_flops(depth: int, hidden: int, rows: int, columns: int, segments: int) -> float:
@@ -87,6 +90,10 @@ def bench_uform(args: argparse.Namespace) -> dict:
         stats[-1].dropped,
         stats[0].loss,
     )  # read before a fed run writes the same stats again
+    if args.spy:  # the same steps again, compiled already, this process's threads sampled (bench/spy.py)
+        with sampling(args.spy, "step"):
+            in_flight(run, range(args.warmup, args.warmup + args.steps), args.in_flight)
+        torch.cuda.synchronize()
     positions = args.rows * args.columns
     fed = {}
     if args.fed:  # the same steps with the prepare stage taken away: the device stage alone
@@ -164,6 +171,9 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=776.0, help="the GPU's measured bf16 matmul rate")
     parser.add_argument("--in-flight", type=int, default=2, help="answers left pending while the next is submitted")
     parser.add_argument("--fed", action="store_true", help="then time the device stage alone (the prepare stage fed)")
+    parser.add_argument(
+        "--spy", type=float, default=0, help="then run the steps again under py-spy for this many seconds"
+    )
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)

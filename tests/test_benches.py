@@ -2,13 +2,15 @@
 GPU at the reference geometry of docs/design.md §1): bench/encode.py (its --file path too); bench/onnx_cpu.py; bench/maxsim.py, whose current MaxSim agrees with the previous one it
 keeps as the reference; bench/scaling.py through an executor of two CPU workers; bench/train_shards.py (uform.fit from tar shards against the library loop); bench/pairs.py (uform's side);
 bench/data_wait.py's video and audio steps; bench/profile_host.py --timeline; bench/attention.py's layouts and FLOP
-count; bench/kernel_trace.py's reading of a profiler trace; bench/loss_curve.py's windows; bench/copy_rate.py; bench/decode.py's JPEG rates; bench/graphs.py's CPU path; and bench/mlp.py's CPU rows."""
+count; bench/kernel_trace.py's reading of a profiler trace; bench/loss_curve.py's windows; bench/copy_rate.py; bench/decode.py's JPEG rates; bench/graphs.py's CPU path; bench/mlp.py's CPU rows; and bench/spy.py's reading of
+py-spy's samples, with bench/pairs.py --spy where py-spy is installed."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -343,3 +345,34 @@ def test_thread_cpu_by_name_counts_a_busy_thread() -> None:
     spent = common.thread_cpu_per_step(before, common.thread_cpu_seconds(), 2)
     assert spent and list(spent.values()) == sorted(spent.values(), reverse=True)
     assert 50 <= sum(spent.values()) <= 200  # 200 ms over two "steps", within /proc's 10 ms ticks and others' CPU
+
+
+def test_spy_reads_py_spy_samples_per_thread(tmp_path: Path) -> None:
+    """bench/spy.py's reading of py-spy's raw samples: per thread, shares of the frames a sample ended in and of
+    those anywhere on its stack; a thread far quieter than the busiest is left out."""
+    raw = tmp_path / "spy.txt"
+    raw.write_text(
+        "thread (1): MainThread;<module> (a.py:1);step (a.py:9);wait (threading.py:331) 30\n"
+        "thread (1): MainThread;<module> (a.py:1);step (a.py:9);launch (b.py:4) 10\n"
+        "thread (2): pt_autograd_0;backward (c.py:2) 20\n"
+        "thread (3): quiet;idle (d.py:1) 1\n"
+    )
+    summary = load("spy").summarize(str(raw), top=3)
+    threads = summary["threads"]
+    assert list(threads) == ["thread (1): MainThread", "thread (2): pt_autograd_0"]
+    main = threads["thread (1): MainThread"]
+    assert main["samples"] == 40 and main["self"] == [("wait (threading.py:331)", 0.75), ("launch (b.py:4)", 0.25)]
+    assert dict(main["inclusive"]) == {"wait (threading.py:331)": 0.75, "launch (b.py:4)": 0.25}  # not the entry
+    assert "pt_autograd_0" in load("spy").report(summary)
+
+
+@pytest.mark.skipif(shutil.which("py-spy") is None, reason="needs py-spy")
+def test_pairs_bench_spies_on_its_own_threads(tmp_path: Path) -> None:
+    tiny = "--cpu --skip-open-clip --depth 1 --hidden 128 --pairs 4 --rows 4 --columns 640 --segments 8 --steps 12"
+    tiny += " --warmup 1 --spy 1"
+    environment = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(BENCH.parent)}
+    run = subprocess.run(
+        [sys.executable, str(BENCH / "pairs.py"), *tiny.split()], env=environment, check=True, capture_output=True
+    )
+    assert "py-spy samples by thread" in run.stdout.decode() and "MainThread" in run.stdout.decode()
+    assert (tmp_path / "spy-pairs.txt").stat().st_size > 0
