@@ -49,6 +49,12 @@ Alloc = Callable[[tuple[int, ...], type[np.generic]], np.ndarray]
 the shared memory its answer crosses in)."""
 
 
+def draws_media_masks(config: TrainerInitVramConfig) -> bool:
+    """Whether a step of the run masks its media units (every objective but `Contrastive`): only such a step draws
+    by the items' keys (`Units.key`), so only its decoders need compute them."""
+    return config.objective != Objective.Contrastive
+
+
 def media_features(config: TrainerInitVramConfig) -> dict[str, int]:
     """F of every live media modality (a zero patch_side or chunk_samples leaves it out of the run)."""
     b = config.batch
@@ -246,7 +252,7 @@ def prepare(
     features = media_features(config)
     gathered: dict[str, list[tuple[np.ndarray | None, int, np.ndarray]]] = {kind: [] for kind in features}
     media_of: dict[str, list[int]] = {kind: [] for kind in features}  # each modality's placed items, in order
-    masking = config.objective != Objective.Contrastive
+    masking = draws_media_masks(config)
     span_items: list[int] = []
     truncated = layout.truncated.copy()
     mask_at = np.zeros(n, dtype=np.int64)

@@ -71,10 +71,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..config import TrainerInitVramConfig
-from ..data.batch import Alloc, Batch, prepare
+from ..data.batch import Alloc, Batch, draws_media_masks, prepare
 from ..data.blocks import block_tables
 from ..data.items import ChoiceTapes
-from ..enums import LateInteractionSide, Modality, Objective
+from ..enums import LateInteractionSide, Modality
 from ..media.decode import MediaPolicy, decode_items
 from ..media.units import Units
 from ..relations import Edges, Relations
@@ -148,7 +148,7 @@ def decode_media(
         return {}, []
     late = config.late_interaction.weight > 0
     max_units = config.batch.max_columns_per_row - (2 if late else 1)  # the prefix: marker (+ side marker)
-    keyed = config.objective != Objective.Contrastive  # only a step that masks media draws by the items' keys
+    keyed = draws_media_masks(config)
     return decode_items(decoders(), policy, config.batch, job.modalities, job.contents, items, max_units, keyed)
 
 
