@@ -241,28 +241,34 @@ def _fits(*tensors: Tensor) -> bool:
     )
 
 
+def _device_index(t: Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
 def linear_gelu_aux(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     """(GELU(x Wᵀ), x Wᵀ): x [N, I], weight [O, I] -> two [N, O] in x's dtype. GELU is the tanh form; the
     first output is rounded once from the float32 accumulator, the second is the rounded pre-activation."""
     n, i = x.shape
     o = weight.shape[0]
     lib = _library() if x.is_cuda else None
-    if lib is not None and _fits(x, weight) and o % 8 == 0 and i % 8 == 0:
-        device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        out = torch.empty((n, o), dtype=x.dtype, device=x.device)  # [N, O]
-        pre = torch.empty((n, o), dtype=x.dtype, device=x.device)  # [N, O]
+    if lib is None or not _fits(x, weight) or o % 8 or i % 8:
+        return _separate_gelu(x, weight)
+    device = _device_index(x)
+    outputs: list[Tensor] = []  # made by the first fused launch only: a shape torch's kernels serve needs none
 
-        def launch(plan: _Plan | None) -> None:
-            if plan is None:
-                _separate_gelu(x, weight)
-            else:
-                lib.run(plan, device, weight, x, out, pre)
+    def launch(plan: _Plan | None) -> None:
+        if plan is None:
+            _separate_gelu(x, weight)
+            return
+        if not outputs:
+            outputs.extend(torch.empty((n, o), dtype=x.dtype, device=x.device) for _ in range(2))  # [N, O] each
+        lib.run(plan, device, weight, x, outputs[0], outputs[1])
 
-        plan = lib.plan(device, _EPILOGUE_GELU_AUX, _OP_T, o, n, i, launch)
-        if plan is not None:
-            lib.run(plan, device, weight, x, out, pre)
-            return out, pre
-    return _separate_gelu(x, weight)
+    plan = lib.plan(device, _EPILOGUE_GELU_AUX, _OP_T, o, n, i, launch)
+    if plan is None:
+        return _separate_gelu(x, weight)
+    launch(plan)
+    return outputs[0], outputs[1]
 
 
 def _separate_gelu(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -276,21 +282,24 @@ def linear_dgelu(grad: Tensor, weight: Tensor, pre: Tensor) -> Tensor:
     n, o = grad.shape
     i = weight.shape[1]
     lib = _library() if grad.is_cuda else None
-    if lib is not None and _fits(grad, weight, pre) and o % 8 == 0 and i % 8 == 0:
-        device = grad.device.index if grad.device.index is not None else torch.cuda.current_device()
-        out = torch.empty((n, i), dtype=grad.dtype, device=grad.device)  # [N, I]
+    if lib is None or not _fits(grad, weight, pre) or o % 8 or i % 8:
+        return _separate_dgelu(grad, weight, pre)
+    device = _device_index(grad)
+    outputs: list[Tensor] = []  # as in `linear_gelu_aux`
 
-        def launch(plan: _Plan | None) -> None:
-            if plan is None:
-                _separate_dgelu(grad, weight, pre)
-            else:
-                lib.run(plan, device, weight, grad, out, pre)
+    def launch(plan: _Plan | None) -> None:
+        if plan is None:
+            _separate_dgelu(grad, weight, pre)
+            return
+        if not outputs:
+            outputs.append(torch.empty((n, i), dtype=grad.dtype, device=grad.device))  # [N, I]
+        lib.run(plan, device, weight, grad, outputs[0], pre)
 
-        plan = lib.plan(device, _EPILOGUE_DGELU, _OP_N, i, n, o, launch)
-        if plan is not None:
-            lib.run(plan, device, weight, grad, out, pre)
-            return out
-    return _separate_dgelu(grad, weight, pre)
+    plan = lib.plan(device, _EPILOGUE_DGELU, _OP_N, i, n, o, launch)
+    if plan is None:
+        return _separate_dgelu(grad, weight, pre)
+    launch(plan)
+    return outputs[0]
 
 
 def _separate_dgelu(grad: Tensor, weight: Tensor, pre: Tensor) -> Tensor:
