@@ -34,16 +34,17 @@ def pair_relations(count: int) -> Any:
     return u.Relations(attract=u.Edges(offsets=list(range(count + 1)), ids=[i ^ 1 for i in range(count)]))
 
 
-def decode_in_pool(pool: Any, images: list[bytes], geometry: dict[str, int]) -> None:
+def decode_in_pool(pool: Any, images: list[bytes], geometry: dict[str, int], keyed: bool = True) -> None:
     """`images` (JPEG bytes) through `media.decode.decode_items` on `pool` (a `DecodePool`), in chunks of images a
-    decoder job as serving and the trainer decode them, at the image `geometry` (patch_side, channels); the units,
-    views of the decoders' slabs, dropped at once so the next call reuses those bytes."""
+    decoder job as serving and the trainer decode them, at the image `geometry` (patch_side, channels), with the
+    items' keys or without (`keyed`); the units, views of the decoders' slabs, dropped at once so the next call
+    reuses those bytes."""
     import uform as u
     from uform.media.decode import MediaPolicy, decode_items
 
     shape = u.BatchShape(image=u.ImageShape(**geometry))
     policy = MediaPolicy(workers=pool.workers)
-    units, _ = decode_items(pool, policy, shape, ["image"] * len(images), images, range(len(images)), 1023)
+    units, _ = decode_items(pool, policy, shape, ["image"] * len(images), images, range(len(images)), 1023, keyed)
     del units
 
 

@@ -362,39 +362,31 @@ def _pool_rate(workers: int, seconds: float) -> float:
     contents = [_LOOP["samples"][i % len(_LOOP["samples"])] for i in range(64 * workers)]
     with DecodePool(workers) as pool:
         decode_in_pool(pool, contents, _LOOP["geometry"])
-        done, started = 0, time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            decode_in_pool(pool, contents, _LOOP["geometry"])
-            done += len(contents)
-        return done / (time.perf_counter() - started)
+        return _rate(pool, contents, _LOOP["geometry"], seconds)
+
+
+def _rate(pool: Any, contents: list[bytes], geometry: dict[str, int], seconds: float, keyed: bool = True) -> float:
+    """JPEGs/s of `decode_in_pool` over `contents`, called again and again for about `seconds`."""
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        decode_in_pool(pool, contents, geometry, keyed)
+        done += len(contents)
+    return done / (time.perf_counter() - started)
 
 
 def key_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
     """JPEGs/s of a pool of `args.keys` decoders, keyed and unkeyed in turn (`--keys`), one row a round."""
-    import uform as u
-    from uform.media.decode import MediaPolicy, decode_items
     from uform.runtime.decoders import DecodePool
 
     samples = jpegs(256)
     contents = [samples[i % len(samples)] for i in range(64 * args.keys)]
-    shape = u.BatchShape(image=u.ImageShape(patch_side=16, channels=3))
-    policy = MediaPolicy(workers=args.keys)
-    modalities = ["image"] * len(contents)
-
-    def rate(pool: Any, keyed: bool) -> float:
-        done, started = 0, time.perf_counter()
-        while done == 0 or time.perf_counter() - started < args.seconds:
-            units, _ = decode_items(pool, policy, shape, modalities, contents, range(len(contents)), 1023, keyed)
-            del units  # views of the decoders' slabs: their bytes are free for the next call
-            done += len(contents)
-        return done / (time.perf_counter() - started)
-
+    geometry = {"patch_side": 16, "channels": 3}
     rows = []
     print(f"{'decoders':>8}  {'keyed, JPEGs/s':>14}  {'unkeyed':>9}  {'gain':>6}")
     with DecodePool(args.keys) as pool:
-        rate(pool, True)  # the decoders' start and first imports, untimed
+        decode_in_pool(pool, contents, geometry)  # the decoders' start and first imports, untimed
         for _ in range(args.repeats):
-            keyed, unkeyed = rate(pool, True), rate(pool, False)
+            keyed, unkeyed = (_rate(pool, contents, geometry, args.seconds, k) for k in (True, False))
             rows.append({"decoders": args.keys, "keyed_images_s": keyed, "unkeyed_images_s": unkeyed})
             print(f"{args.keys:>8}  {keyed:>14,.0f}  {unkeyed:>9,.0f}  {unkeyed / keyed - 1:>+6.1%}", flush=True)
     return rows
