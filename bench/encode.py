@@ -32,6 +32,10 @@ JPEG).
 With `--phases`, one more call of each kind runs with serving's stages timed on the threads that run them (the
 decoding thread's `_decode`, the host thread's packing and GPU tiling, the caller's launches and waits).
 
+With `--spy SECONDS`, calls of each kind run again for that long while py-spy samples this process's threads
+(bench/spy.py: where each thread's time goes, waiting included); with `--spy-gil SECONDS`, likewise but only the
+interpreter lock's holder is sampled: how much of the wall each thread held the lock, and all of them together.
+
 Each figure is the best of `--repeats` timed calls after one warm-up call (which compiles on CUDA). Prints
 a table and writes bench-encode.json under $OUT (or the current folder).
 
@@ -66,6 +70,7 @@ from common import (
     topic_slices,
     write_json,
 )  # sibling modules, not a package
+from spy import sampling
 
 
 def jpegs(count: int, side: int, seed: int = 0) -> list[bytes]:
@@ -300,6 +305,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--phases", action="store_true", help="one more call of each kind with serving's stages timed per thread"
     )
+    parser.add_argument("--spy", type=float, default=0, help="then calls again under py-spy for this many seconds")
+    parser.add_argument(
+        "--spy-gil", type=float, default=0, help="then calls again with the interpreter lock's holder sampled"
+    )
     parser.add_argument(
         "--pool-workers", default="0", help="decoder pool sizes for the decode row, comma-separated (0: --workers)"
     )
@@ -340,6 +349,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     results[kind]["profile"] = profiled(kind, call, args.out)
                 if args.phases:
                     results[kind]["phases"] = phases(model, modalities, contents, kind, args.out)
+                for seconds, gil in ((args.spy, False), (args.spy_gil, True)):
+                    if seconds:  # calls for as long as py-spy samples (bench/spy.py)
+                        with sampling(seconds, f"encode-{kind}{'-gil' if gil else ''}", args.out, gil=gil):
+                            until = time.perf_counter() + seconds
+                            while time.perf_counter() < until:
+                                model.encode(modalities, contents)
             if args.file:
                 for kind, manifest in manifests(folder, texts, images).items():
                     if not (texts if kind == "text" else images):

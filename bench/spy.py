@@ -7,6 +7,11 @@ py-spy (https://github.com/benfred/py-spy) is not a dependency: install it (`pip
 machine carry its wheel). It attaches to this very process (`--pid`, which needs ptrace rights over it: root, or
 `kernel.yama.ptrace_scope` 0) and samples without pausing it (`--nonblocking`), so the steps it watches run at
 nearly their own pace; their rate is not the bench's figure, which comes from the unwatched steps before.
+
+With ``gil`` (`--spy-gil SECONDS`) py-spy keeps only the samples of the thread that holds the interpreter lock
+(`--gil`), and the report states each thread's share of all the sample slots (the rate times the seconds): how much
+of the wall each thread held the lock, and whether the threads together left it free at all (a share near 100%
+says the process is bound by its lock, not by any one thread).
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ RATE = 250  # samples a second
 
 
 @contextlib.contextmanager
-def sampling(seconds: float, name: str, folder: str | None = None) -> Iterator[None]:
+def sampling(seconds: float, name: str, folder: str | None = None, gil: bool = False) -> Iterator[None]:
     """Samples this process's threads for `seconds` from entry (nothing when `seconds` is 0), then waits for py-spy,
-    writes its raw samples to `folder`/spy-`name`.txt ($OUT or the current folder) and prints `report` of them."""
+    writes its raw samples to `folder`/spy-`name`.txt ($OUT or the current folder) and prints `report` of them;
+    with `gil`, only the samples of the thread holding the interpreter lock (`report`'s shares are then of every
+    sample slot)."""
     if seconds <= 0:
         yield
         return
@@ -35,8 +42,9 @@ def sampling(seconds: float, name: str, folder: str | None = None) -> Iterator[N
     folder = folder or os.environ.get("OUT", ".")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"spy-{name}.txt")
-    command = [binary, "record", "--pid", str(os.getpid()), "--threads", "--idle", "--nonblocking"]
-    command += ["--rate", str(RATE), "--duration", str(max(1, round(seconds))), "--format", "raw", "--output", path]
+    duration = max(1, round(seconds))
+    command = [binary, "record", "--pid", str(os.getpid()), "--threads", "--gil" if gil else "--idle", "--nonblocking"]
+    command += ["--rate", str(RATE), "--duration", str(duration), "--format", "raw", "--output", path]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         yield
@@ -44,14 +52,15 @@ def sampling(seconds: float, name: str, folder: str | None = None) -> Iterator[N
         output = process.communicate()[0].decode(errors="replace")
     if process.returncode != 0 or not os.path.exists(path):
         raise SystemExit(f"--spy: py-spy failed (exit {process.returncode}): {output.strip()[-500:]}")
-    print(report(summarize(path)))
+    print(report(summarize(path, slots=RATE * duration if gil else None)))
 
 
-def summarize(path: str, top: int = 10, least_share: float = 0.05) -> dict[str, Any]:
+def summarize(path: str, top: int = 10, least_share: float = 0.05, slots: int | None = None) -> dict[str, Any]:
     """Per thread of py-spy's raw samples (lines "thread (id): name;frame;...;frame count"): its samples, the
     frames its samples stood in last (self) and anywhere but on every sample (inclusive), each as a share of the
     thread's samples, the `top` of each; threads with fewer than `least_share` of the busiest thread's samples are
-    left out."""
+    left out. With `slots` (samples of the interpreter lock's holder, `--gil`), also each thread's samples as a
+    share of the slots ("held") and all threads' together ("held_total")."""
     totals: collections.Counter[str] = collections.Counter()
     own: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     anywhere: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
@@ -73,17 +82,26 @@ def summarize(path: str, top: int = 10, least_share: float = 0.05) -> dict[str, 
             continue
         threads[thread] = {
             "samples": n,
+            **({"held": n / slots} if slots else {}),
             "self": [(frame, c / n) for frame, c in own[thread].most_common(top)],
             # A frame on every sample's stack (the thread's entry) says nothing: left out.
             "inclusive": [(frame, c / n) for frame, c in anywhere[thread].most_common() if c < n][:top],
         }
-    return {"path": path, "threads": threads}
+    held = {"held_total": sum(totals.values()) / slots, "slots": slots} if slots else {}
+    return {"path": path, "threads": threads, **held}
 
 
 def report(summary: dict[str, Any], width: int = 110) -> str:
-    lines = [f"py-spy samples by thread ({summary['path']}; waiting included):"]
+    if "held_total" in summary:
+        lines = [
+            f"py-spy samples of the interpreter lock's holder by thread ({summary['path']}): the lock held in "
+            f"{summary['held_total']:.1%} of {summary['slots']} sample slots"
+        ]
+    else:
+        lines = [f"py-spy samples by thread ({summary['path']}; waiting included):"]
     for thread, t in summary["threads"].items():
-        lines.append(f"  {thread}: {t['samples']} samples")
+        held = f", holding the lock {t['held']:.1%} of the slots" if "held" in t else ""
+        lines.append(f"  {thread}: {t['samples']} samples{held}")
         for kind in ("self", "inclusive"):
             for frame, share in t[kind]:
                 lines.append(f"    {kind:<9} {share:6.1%}  {frame[:width]}")

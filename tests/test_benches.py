@@ -3,7 +3,8 @@ GPU at the reference geometry of docs/design.md §1): bench/encode.py (its --fil
 keeps as the reference; bench/scaling.py through an executor of two CPU workers; bench/train_shards.py (uform.fit from tar shards against the library loop); bench/pairs.py (uform's side);
 bench/data_wait.py's video and audio steps; bench/profile_host.py --timeline; bench/attention.py's layouts and FLOP
 count; bench/kernel_trace.py's reading of a profiler trace; bench/loss_curve.py's windows; bench/copy_rate.py; bench/decode.py's JPEG rates; bench/graphs.py's CPU path; bench/mlp.py's CPU rows; and bench/spy.py's reading of
-py-spy's samples, with bench/pairs.py --spy where py-spy is installed."""
+py-spy's samples (and of the interpreter lock's holder), with bench/pairs.py --spy and bench/encode.py --spy /
+--spy-gil where py-spy is installed."""
 
 from __future__ import annotations
 
@@ -364,6 +365,24 @@ def test_spy_reads_py_spy_samples_per_thread(tmp_path: Path) -> None:
     assert main["samples"] == 40 and main["self"] == [("wait (threading.py:331)", 0.75), ("launch (b.py:4)", 0.25)]
     assert dict(main["inclusive"]) == {"wait (threading.py:331)": 0.75, "launch (b.py:4)": 0.25}  # not the entry
     assert "pt_autograd_0" in load("spy").report(summary)
+    assert "held" not in main and "held_total" not in summary
+
+
+def test_spy_states_the_share_of_slots_each_thread_held_the_interpreter_lock(tmp_path: Path) -> None:
+    """With the lock holder's samples only (`--spy-gil`), each thread's samples are shares of every sample slot
+    (the rate times the seconds), and so are all threads' together: how busy the lock was."""
+    raw = tmp_path / "spy-gil.txt"
+    raw.write_text(
+        "thread (1): MainThread;<module> (a.py:1);launch (b.py:4) 300\n"
+        "thread (2): uform-serve-host;pack (c.py:2) 150\n"
+        "thread (2): uform-serve-host;pack (c.py:3) 50\n"
+    )
+    summary = load("spy").summarize(str(raw), slots=1000)
+    assert summary["held_total"] == 0.5 and summary["slots"] == 1000
+    assert summary["threads"]["thread (1): MainThread"]["held"] == 0.3
+    assert summary["threads"]["thread (2): uform-serve-host"]["held"] == 0.2
+    text = load("spy").report(summary)
+    assert "the lock held in 50.0% of 1000 sample slots" in text and "holding the lock 30.0% of the slots" in text
 
 
 @pytest.mark.skipif(shutil.which("py-spy") is None, reason="needs py-spy")
@@ -376,3 +395,18 @@ def test_pairs_bench_spies_on_its_own_threads(tmp_path: Path) -> None:
     )
     assert "py-spy samples by thread" in run.stdout.decode() and "MainThread" in run.stdout.decode()
     assert (tmp_path / "spy-pairs.txt").stat().st_size > 0
+
+
+@pytest.mark.skipif(shutil.which("py-spy") is None, reason="needs py-spy")
+def test_encode_bench_spies_on_serving_threads_and_on_the_lock(tmp_path: Path) -> None:
+    tiny = "--device cpu --depth 1 --hidden 128 --rows 4 --columns 256 --segments 16 --texts 16 --images 8"
+    tiny += " --image-side 64 --workers 1 --pool-workers 1 --repeats 1 --spy 1 --spy-gil 1"
+    environment = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(BENCH.parent)}
+    run = subprocess.run(
+        [sys.executable, str(BENCH / "encode.py"), *tiny.split()], env=environment, check=True, capture_output=True
+    )
+    out = run.stdout.decode()
+    assert "py-spy samples by thread" in out and "uform-serve-host" in out
+    assert "py-spy samples of the interpreter lock's holder by thread" in out
+    for name in ("encode-text", "encode-image", "encode-text-gil", "encode-image-gil"):
+        assert (tmp_path / f"spy-{name}.txt").stat().st_size > 0
