@@ -385,15 +385,18 @@ def test_spy_states_the_share_of_slots_each_thread_held_the_interpreter_lock(tmp
     assert "the lock held in 50.0% of 1000 sample slots" in text and "holding the lock 30.0% of the slots" in text
 
 
+def bench_output(script: str, arguments: str, out: Path) -> str:
+    """What `bench/<script>` printed, run as a script with `arguments`, $OUT at `out`."""
+    environment = {**os.environ, "OUT": str(out), "PYTHONPATH": str(BENCH.parent)}
+    command = [sys.executable, str(BENCH / script), *arguments.split()]
+    return subprocess.run(command, env=environment, check=True, capture_output=True).stdout.decode()
+
+
 @pytest.mark.skipif(shutil.which("py-spy") is None, reason="needs py-spy")
 def test_pairs_bench_spies_on_its_own_threads(tmp_path: Path) -> None:
     tiny = "--cpu --skip-open-clip --depth 1 --hidden 128 --pairs 4 --rows 4 --columns 640 --segments 8 --steps 12"
-    tiny += " --warmup 1 --spy 1"
-    environment = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(BENCH.parent)}
-    run = subprocess.run(
-        [sys.executable, str(BENCH / "pairs.py"), *tiny.split()], env=environment, check=True, capture_output=True
-    )
-    assert "py-spy samples by thread" in run.stdout.decode() and "MainThread" in run.stdout.decode()
+    out = bench_output("pairs.py", tiny + " --warmup 1 --spy 1", tmp_path)
+    assert "py-spy samples by thread" in out and "MainThread" in out
     assert (tmp_path / "spy-pairs.txt").stat().st_size > 0
 
 
@@ -401,11 +404,7 @@ def test_pairs_bench_spies_on_its_own_threads(tmp_path: Path) -> None:
 def test_encode_bench_spies_on_serving_threads_and_on_the_lock(tmp_path: Path) -> None:
     tiny = "--device cpu --depth 1 --hidden 128 --rows 4 --columns 256 --segments 16 --texts 16 --images 8"
     tiny += " --image-side 64 --workers 1 --pool-workers 1 --repeats 1 --spy 1 --spy-gil 1"
-    environment = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(BENCH.parent)}
-    run = subprocess.run(
-        [sys.executable, str(BENCH / "encode.py"), *tiny.split()], env=environment, check=True, capture_output=True
-    )
-    out = run.stdout.decode()
+    out = bench_output("encode.py", tiny, tmp_path)
     assert "py-spy samples by thread" in out and "uform-serve-host" in out
     assert "py-spy samples of the interpreter lock's holder by thread" in out
     for name in ("encode-text", "encode-image", "encode-text-gil", "encode-image-gil"):
