@@ -305,6 +305,7 @@ def host_prepare_seconds(args: argparse.Namespace) -> dict[str, Any]:
 
 
 _LOOP: dict[str, Any] = {}  # what a forked `--core-scaling` process decodes, set before the fork
+_GEOMETRY = {"patch_side": 16, "channels": 3}  # of the 256² JPEGs that --core-scaling and --keys decode
 
 
 def _decode_loop(start: float, answers: Any) -> None:
@@ -330,7 +331,7 @@ def core_scaling(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise SystemExit("--core-scaling: give process counts of at least 1, comma-separated")
     _LOOP.update(
         samples=jpegs(256),
-        geometry={"patch_side": 16, "channels": 3},
+        geometry=_GEOMETRY,
         limits=MediaLimits(),
         seconds=args.seconds,
     )
@@ -359,10 +360,15 @@ def _pool_rate(workers: int, seconds: float) -> float:
     and the trainer decode them), the same samples over and over for about `seconds`, after one warm-up pass."""
     from uform.runtime.decoders import DecodePool
 
-    contents = [_LOOP["samples"][i % len(_LOOP["samples"])] for i in range(64 * workers)]
+    contents = _pool_load(_LOOP["samples"], workers)
     with DecodePool(workers) as pool:
         decode_in_pool(pool, contents, _LOOP["geometry"])
         return _rate(pool, contents, _LOOP["geometry"], seconds)
+
+
+def _pool_load(samples: list[bytes], workers: int) -> list[bytes]:
+    """64 JPEGs a decoder, `samples` over and over: one `decode_in_pool` call of a pool of `workers`."""
+    return [samples[i % len(samples)] for i in range(64 * workers)]
 
 
 def _rate(pool: Any, contents: list[bytes], geometry: dict[str, int], seconds: float, keyed: bool = True) -> float:
@@ -378,15 +384,13 @@ def key_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
     """JPEGs/s of a pool of `args.keys` decoders, keyed and unkeyed in turn (`--keys`), one row a round."""
     from uform.runtime.decoders import DecodePool
 
-    samples = jpegs(256)
-    contents = [samples[i % len(samples)] for i in range(64 * args.keys)]
-    geometry = {"patch_side": 16, "channels": 3}
+    contents = _pool_load(jpegs(256), args.keys)
     rows = []
     print(f"{'decoders':>8}  {'keyed, JPEGs/s':>14}  {'unkeyed':>9}  {'gain':>6}")
     with DecodePool(args.keys) as pool:
-        decode_in_pool(pool, contents, geometry)  # the decoders' start and first imports, untimed
+        decode_in_pool(pool, contents, _GEOMETRY)  # the decoders' start and first imports, untimed
         for _ in range(args.repeats):
-            keyed, unkeyed = (_rate(pool, contents, geometry, args.seconds, k) for k in (True, False))
+            keyed, unkeyed = (_rate(pool, contents, _GEOMETRY, args.seconds, k) for k in (True, False))
             rows.append({"decoders": args.keys, "keyed_images_s": keyed, "unkeyed_images_s": unkeyed})
             print(f"{args.keys:>8}  {keyed:>14,.0f}  {unkeyed:>9,.0f}  {unkeyed / keyed - 1:>+6.1%}", flush=True)
     return rows
