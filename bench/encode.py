@@ -26,6 +26,10 @@ is on the GPU machine; carry open_clip_torch, ftfy and wcwidth as wheels there.
 `--packing run` packs every batch into the run's own rows instead of the model's (`Model.packing`: wider rows
 under FlexAttention), for an A/B of the two.
 
+`--host-processes N` serves through `load(host_processes=N)` (the host stage in N processes of their own; 0: in
+the serving process; default: the model's own choice); `N,M` times each kind through both, side by side (N, M, N
+again; "<kind>_host_M" in the table).
+
 `--jpeg-device` (CUDA only) times the same JPEGs again through `load(jpeg="device")` (nvJPEG takes every plain
 JPEG).
 
@@ -34,7 +38,11 @@ decoding thread's `_decode`, the host thread's packing and GPU tiling, the calle
 
 With `--spy SECONDS`, calls of each kind run again for that long while py-spy samples this process's threads
 (bench/spy.py: where each thread's time goes, waiting included); with `--spy-gil SECONDS`, likewise but only the
-interpreter lock's holder is sampled: how much of the wall each thread held the lock, and all of them together.
+interpreter lock's holder is sampled: how much of the wall each thread held the lock, and all of them together;
+`--spy-host SECONDS` and `--spy-host-gil SECONDS` sample the (first) serving host process's threads the same two
+ways.
+
+`--window N` decodes and sorts N items together (`Model.window`; 0: the model's, twice its segments).
 
 Each figure is the best of `--repeats` timed calls after one warm-up call (which compiles on CUDA). Prints
 a table and writes bench-encode.json under $OUT (or the current folder).
@@ -91,7 +99,7 @@ def jpegs(count: int, side: int, seed: int = 0) -> list[bytes]:
     return out
 
 
-def build_model(args: argparse.Namespace, folder: str, jpeg: str = "host") -> Any:
+def build_model(args: argparse.Namespace, folder: str, jpeg: str = "host", host_processes: int | None = None) -> Any:
     import uform as u
     from uform.media.decode import MediaPolicy
 
@@ -99,7 +107,9 @@ def build_model(args: argparse.Namespace, folder: str, jpeg: str = "host") -> An
     if not os.path.exists(path):
         random_checkpoint(args, path, patch_side=args.patch_side)
     executor = u.Executor.for_vram([0]) if args.device == "cuda" else u.Executor.cpu()
-    return u.load(path, executor, media=MediaPolicy(workers=args.workers), jpeg=jpeg)
+    if host_processes is None and jpeg == "host" and args.host_processes != "auto":
+        host_processes = int(args.host_processes.partition(",")[0])
+    return u.load(path, executor, media=MediaPolicy(workers=args.workers), jpeg=jpeg, host_processes=host_processes)
 
 
 def manifests(folder: str, texts: list[bytes], images: list[bytes]) -> dict[str, str]:
@@ -309,6 +319,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--spy-gil", type=float, default=0, help="then calls again with the interpreter lock's holder sampled"
     )
+    parser.add_argument("--spy-host", type=float, default=0, help="--spy of the serving host process")
+    parser.add_argument("--spy-host-gil", type=float, default=0, help="--spy-gil of the serving host process")
+    parser.add_argument("--window", type=int, default=0, help="items decoded and sorted together (0: the model's)")
     parser.add_argument(
         "--pool-workers", default="0", help="decoder pool sizes for the decode row, comma-separated (0: --workers)"
     )
@@ -317,6 +330,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         choices=("model", "run"),
         default="model",
         help="rows a batch packs into: the model's (wider rows under FlexAttention) or the run's own",
+    )
+    parser.add_argument(
+        "--host-processes",
+        default="auto",
+        help="load(host_processes=N) (auto: the model's default); N,M: both, timed side by side",
     )
     parser.add_argument("--bert-sequences", type=int, default=1024)
     parser.add_argument("--bert-tokens", type=int, default=64)
@@ -332,6 +350,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     images = jpegs(args.images, args.image_side)
     with tempfile.TemporaryDirectory() as folder:
         model = build_model(args, folder)
+        _, twinned, other = args.host_processes.partition(",")
+        twin = build_model(args, folder, host_processes=int(other)) if twinned else None
+        if twin is not None:
+            twin.packing = model.packing
+        for served in (model, twin):
+            if served is not None and args.window:
+                served.window = args.window
         if args.packing == "run":
             model.packing = (model.rows, model.columns)
         results["packing"] = list(model.packing)
@@ -344,14 +369,33 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 warm, best = timed(lambda m=modalities, c=contents: model.encode(m, c), args.repeats)
                 results[kind] = {"items": len(contents), "items_per_s": len(contents) / best, "warmup_s": warm}
                 print(f"{kind:<6} {len(contents) / best:>12,.1f} items/s  (warm-up {warm:.1f} s)", flush=True)
+                if twin is not None:  # side by side: the twin, then the model again
+                    warm, alone = timed(lambda m=modalities, c=contents: twin.encode(m, c), args.repeats)
+                    _, again = timed(lambda m=modalities, c=contents: model.encode(m, c), args.repeats)
+                    best = min(best, again)
+                    results[kind]["items_per_s"] = len(contents) / best
+                    name = f"{kind}_host_{twin.host_processes}"
+                    results[name] = {"items": len(contents), "items_per_s": len(contents) / alone, "warmup_s": warm}
+                    print(f"{name:<6} {len(contents) / alone:>12,.1f} items/s  ({twin.host_processes} host processes)")
+                    print(
+                        f"{kind:<6} {len(contents) / again:>12,.1f} items/s  ({model.host_processes}, again)",
+                        flush=True,
+                    )
                 if args.profile:
                     call = lambda m=modalities, c=contents: model.encode(m, c)  # noqa: E731
                     results[kind]["profile"] = profiled(kind, call, args.out)
                 if args.phases:
                     results[kind]["phases"] = phases(model, modalities, contents, kind, args.out)
-                for seconds, gil in ((args.spy, False), (args.spy_gil, True)):
+                spied = [(args.spy, False, ""), (args.spy_gil, True, ""), (args.spy_host, False, "-host")]
+                spied.append((args.spy_host_gil, True, "-host"))
+                for seconds, gil, whose in spied:
                     if seconds:  # calls for as long as py-spy samples (bench/spy.py)
-                        with sampling(seconds, f"encode-{kind}{'-gil' if gil else ''}", args.out, gil=gil):
+                        hosts = model.host_pids if whose else []
+                        if whose and not hosts:  # texts alone, or a model without host processes
+                            print(f"--spy-host: no serving host process ran the {kind} calls", flush=True)
+                            continue
+                        name = f"encode-{kind}{whose}{'-gil' if gil else ''}"
+                        with sampling(seconds, name, args.out, gil=gil, pid=hosts[0] if hosts else None):  # the first
                             until = time.perf_counter() + seconds
                             while time.perf_counter() < until:
                                 model.encode(modalities, contents)
@@ -390,6 +434,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 )
         finally:
             model.close()
+            if twin is not None:
+                twin.close()
     if images:
         results["decode"] = decode_rates(args, images)
     if args.peers:

@@ -28,8 +28,10 @@ RATE = 250  # samples a second
 
 
 @contextlib.contextmanager
-def sampling(seconds: float, name: str, folder: str | None = None, gil: bool = False) -> Iterator[None]:
-    """Samples this process's threads for `seconds` from entry (nothing when `seconds` is 0), then waits for py-spy,
+def sampling(
+    seconds: float, name: str, folder: str | None = None, gil: bool = False, pid: int | None = None
+) -> Iterator[None]:
+    """Samples this process's threads (or process `pid`'s: a helper process of this one) for `seconds` from entry (nothing when `seconds` is 0), then waits for py-spy,
     writes its raw samples to `folder`/spy-`name`.txt ($OUT or the current folder) and prints `report` of them;
     with `gil`, only the samples of the thread holding the interpreter lock (`report`'s shares are then of every
     sample slot)."""
@@ -43,7 +45,15 @@ def sampling(seconds: float, name: str, folder: str | None = None, gil: bool = F
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"spy-{name}.txt")
     duration = max(1, round(seconds))
-    command = [binary, "record", "--pid", str(os.getpid()), "--threads", "--gil" if gil else "--idle", "--nonblocking"]
+    command = [
+        binary,
+        "record",
+        "--pid",
+        str(pid or os.getpid()),
+        "--threads",
+        "--gil" if gil else "--idle",
+        "--nonblocking",
+    ]
     command += ["--rate", str(RATE), "--duration", str(duration), "--format", "raw", "--output", path]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -276,3 +278,38 @@ def within(seconds: float, call: Callable[[], Any]) -> BaseException | None:
     thread.start()
     thread.join(seconds)
     return TimeoutError(f"still running after {seconds} s") if thread.is_alive() else outcome[0]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process under `pid` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_gone(pids: set[int], seconds: float = 10.0) -> set[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return {p for p in pids if alive(p)}

@@ -57,10 +57,12 @@ def test_encode_bench_smoke(tmp_path: Path) -> None:
 def test_encode_bench_times_the_file_path_too(tmp_path: Path) -> None:
     tiny = "--device cpu --depth 1 --hidden 128 --rows 2 --columns 128 --segments 8 --texts 12 --text-bytes 40"
     tiny += f" --images 3 --image-side 32 --workers 1 --repeats 1 --file --batch 5 --width 64 --out {tmp_path}"
-    results = load("encode").main(tiny.split())
+    results = load("encode").main([*tiny.split(), "--host-processes", "1,0", "--window", "4"])
     for kind, count in (("text_file", 12), ("image_file", 3)):
         assert results[kind]["items"] == count and results[kind]["items_per_s"] > 0
         assert results[kind]["width"] == 64 and results[kind]["dtype"] == "f16"
+    for kind, count in (("text_host_0", 12), ("image_host_0", 3)):  # side by side: in process, against one
+        assert results[kind]["items"] == count and results[kind]["items_per_s"] > 0
 
 
 def test_onnx_cpu_bench_smoke(tmp_path: Path) -> None:
@@ -403,9 +405,12 @@ def test_pairs_bench_spies_on_its_own_threads(tmp_path: Path) -> None:
 @pytest.mark.skipif(shutil.which("py-spy") is None, reason="needs py-spy")
 def test_encode_bench_spies_on_serving_threads_and_on_the_lock(tmp_path: Path) -> None:
     tiny = "--device cpu --depth 1 --hidden 128 --rows 4 --columns 256 --segments 16 --texts 16 --images 8"
-    tiny += " --image-side 64 --workers 1 --pool-workers 1 --repeats 1 --spy 1 --spy-gil 1"
+    tiny += (
+        " --image-side 64 --workers 1 --pool-workers 1 --repeats 1 --spy 1 --spy-gil 1 --host-processes 1 --spy-host 1"
+    )
     out = bench_output("encode.py", tiny, tmp_path)
     assert "py-spy samples by thread" in out and "uform-serve-host" in out
     assert "py-spy samples of the interpreter lock's holder by thread" in out
-    for name in ("encode-text", "encode-image", "encode-text-gil", "encode-image-gil"):
+    assert "no serving host process ran the text calls" in out  # a call of texts alone packs in process
+    for name in ("encode-text", "encode-image", "encode-text-gil", "encode-image-gil", "encode-image-host"):
         assert (tmp_path / f"spy-{name}.txt").stat().st_size > 0

@@ -321,7 +321,11 @@ def test_cuda_serving_matches_cpu_serving(tmp_path) -> None:
 
     exact = u.load(path, u.Executor.for_vram([0]), precision="f32", compiled=False)
     torch.testing.assert_close(exact.encode(modalities, contents), want, atol=1e-4, rtol=0)
-    for model in (cpu, cuda, exact):
+    # The host stage ran in a host process (CUDA's default); in this process the same batches answer every bit.
+    assert cuda.host_processes == 2 and len(cuda._serve_host.processes) == 1  # 45 items: one share
+    here = u.load(path, u.Executor.for_vram([0]), host_processes=0)
+    assert torch.equal(here.encode(modalities, contents), got) and here._serve_host is None
+    for model in (cpu, cuda, exact, here):
         model.close()
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import assert_same, snapshot
+from conftest import assert_same, descendants, snapshot, wait_gone
 from media_samples import encode_image, photo, pygame_file, video
 from PIL import Image
 
@@ -130,41 +130,6 @@ def step_arguments(step: int) -> tuple[list[str], list[bytes | str], TrainerStep
 
 def media_warnings(caught: Sequence[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, MediaWarning)]
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process under `pid` (read from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    out: set[int] = set()
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in out:
-                out.add(child)
-                todo.append(child)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def wait_gone(pids: set[int], seconds: float = 10.0) -> set[int]:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.05)
-    return {p for p in pids if alive(p)}
 
 
 def host_files() -> list[str]:

@@ -22,8 +22,11 @@ in (under FlexAttention the same R x C positions are packed in rows several time
 items of a few hundred positions leave less of each row empty; an item is still cut at C). A window's last,
 part-filled batch is packed with the next window. Each batch goes through the trainer's own packing (`data.batch.prepare`, with the contrastive objective so
 nothing is corrupted, and one bag so the packer's first fit is the one planned here and drops nothing), then
-one forward. A host thread prepares the next batches while the device runs this one. Answers land in the
-caller's order; an item's answer never depends on its neighbours (attention never crosses a segment and
+one forward. A host thread prepares the next batches while the device runs this one; on CUDA, by default, a
+call with media items is decoded, sorted and packed in host processes of its own (`load(host_processes=...)`,
+`uform.runtime.serve_host`: each takes a contiguous share of the call, and the host thread copies each batch
+they pack into page-locked memory), so this process's interpreter lock is left to the device's launches.
+Answers land in the caller's order; an item's answer never depends on its neighbours (attention never crosses a segment and
 positions restart in every segment), so a call of many batches answers what each item alone would.
 
 Per item as in training: a text longer than a row is cut at the row's width; media are decoded at the run's
@@ -67,7 +70,7 @@ from .arena import Arena, as_scalar
 from .config import TrainerInitVramConfig
 from .data.batch import MEDIA_KINDS, media_features
 from .data.items import is_tape, parse_contents, parse_modalities, parse_sides, tape_items
-from .data.windows import CallItems, Packing, call_batches, pack_batch, packing_rows
+from .data.windows import CallItems, Packed, Packing, call_batches, pack_batch, packing_rows
 from .enums import LateInteractionSide, Modality, Objective, Scalar
 from .media.decode import MediaPolicy, decode_items, warn_skipped
 from .media.limits import MediaError
@@ -81,6 +84,7 @@ from .replica.checkpoint import Stopped, report_points
 from .replica.stored_model import read_served
 from .runtime.decoders import DecodePool
 from .runtime.executor import Executor
+from .runtime.serve_host import ServeHost
 
 __all__ = ["Model", "load"]
 
@@ -99,6 +103,10 @@ ERRORS = ("raise", "mask")
 _INVALID_I8 = -128
 """The value of every entry of an invalid `Scalar.I8` row: outside the [-127, 127] that real rows take."""
 
+DEFAULT_HOST_PROCESSES = 2
+"""Host processes of a model on CUDA that does not say (`load(host_processes=None)`); measured in BENCHMARKS.md,
+"Issue 12, seventeenth day"."""
+
 # --------------------------------------------------------------------------------------------------
 # Loading
 
@@ -113,6 +121,7 @@ def load(
     precision: str | None = None,
     compiled: bool | None = None,
     jpeg: str = "host",
+    host_processes: int | None = None,
     progress: ProgressCallback | None = None,
     progress_steps: int = 0,
 ) -> Model:
@@ -129,6 +138,11 @@ def load(
     "device" (CUDA only, through torchvision's nvJPEG, for the JPEGs that need no more than decoding: baseline,
     YCbCr, upright, fitting a row; the others still on the host; `uform.device_pictures`). An H200 decodes ~4x
     the JPEGs a second of 16 host decoders; its pixels may differ from the host's by a few levels.
+    `host_processes` runs the host stage (decode, sort, pack) of each call with media items in that many
+    processes of their own (`uform.runtime.serve_host`; the decoders split among them), leaving this process's
+    interpreter lock to the device's launches; 0 runs it here, on a thread (as a call of texts alone always
+    runs). None derives 2 on CUDA where JPEGs decode on the host, else 0 (`jpeg="device"` decodes in this process,
+    on its GPU). However many, an item's answer is the same (bitwise where the batches are).
     `progress(done, total)` counts the tensors read, at most `progress_steps` (zero derives ten) times.
 
     Raises `CheckpointError` (a `ValueError`) naming the file when it is not a whole, intact uform trainer
@@ -153,6 +167,11 @@ def load(
     if not isinstance(compiled, bool):
         raise TypeError(f"compiled: expected a bool or None, got {type(compiled).__name__}")
     decode = _jpeg_decoder(jpeg, device)
+    if host_processes is None:
+        host_processes = DEFAULT_HOST_PROCESSES if device.type == "cuda" and decode is None else 0
+    host_processes = _natural(host_processes, "host_processes")
+    if host_processes and decode is not None:
+        raise ValueError('host_processes: jpeg="device" decodes in this process, on its GPU; pass host_processes=0')
 
     shown = os.fsdecode(os.fspath(path))
     # The header alone first, every field of it checked and the stored config's network against the tensors
@@ -177,6 +196,7 @@ def load(
         path=shown,
         step=step,
         jpeg_decoder=decode,
+        host_processes=host_processes,
         _token=_PRIVATE,
     )
 
@@ -265,6 +285,7 @@ class Model:
         trainer: Any = None,
         notices: Notices | None = None,
         jpeg_decoder: device_pictures.Decoder | None = None,
+        host_processes: int = 0,
         _token: object = None,
     ) -> None:
         if _token is not _PRIVATE:
@@ -312,6 +333,10 @@ class Model:
             self._states_fn = torch.compile(self._states_forward, dynamic=False)
         self._lock = threading.Lock()
         self._decoders: DecodePool | None = None
+        self.host_processes = host_processes
+        """Processes a call's host stage runs in where it has media items (`load(host_processes=...)`; 0: this
+        process); a model that keeps decoded units (`keep_decoded`) decodes here, in the process that keeps them."""
+        self._serve_host: ServeHost | None = None
         self.keep_decoded = False
         """Whether the model keeps every media item's decoded units (or why it failed), by its bytes, for later
         calls on the same items: set by an evaluator that scores the same held-out items again and again."""
@@ -373,6 +398,11 @@ class Model:
         )
 
     @property
+    def host_pids(self) -> list[int]:
+        """The process ids of the host processes running now (none before a call with media items needed them)."""
+        return [p.pid for p in self._serve_host.processes] if self._serve_host is not None else []
+
+    @property
     def step(self) -> int:
         """The optimizer steps the run had taken when the checkpoint was saved (a trainer's: now)."""
         return self._trainer.steps_taken if self._trainer is not None else self._step
@@ -395,11 +425,15 @@ class Model:
         )
 
     def close(self) -> None:
-        """Stops the media decoders (started on the first media item); the model stays usable."""
+        """Stops the media decoders (started on the first media item) and the host processes (started by the first
+        call that uses them); the model stays usable."""
         with self._lock:
             if self._decoders is not None:
                 self._decoders.close()
                 self._decoders = None
+            if self._serve_host is not None:
+                self._serve_host.close()
+                self._serve_host = None
 
     def __enter__(self) -> Model:
         return self
@@ -665,7 +699,12 @@ class Model:
 
     def _host(self, job: _Job, stop: threading.Event) -> Generator[tuple[str, Any], None, None]:
         """The prepare stage: windows of the call decoded, sorted and cut into prepared batches
-        (`data.windows.call_batches`)."""
+        (`data.windows.call_batches`), in this process or, for a call with media, in the host processes (a text
+        call's packing is short beside its forward, and ran 2% faster here: BENCHMARKS.md, "Issue 12, seventeenth
+        day")."""
+        remote = self.host_processes and not self.keep_decoded and self.jpeg_decoder is None
+        if remote and any(m != Modality.Text for m in job.modalities):
+            return self._remote(job, stop)
 
         def decode(window: range) -> tuple[dict[int, Units], list[tuple[int, str]], dict[int, Any]]:
             return self._decode(job, window)
@@ -674,6 +713,31 @@ class Model:
             return self._prepare(job, members, rows, units, pictures)
 
         return call_batches(self._shape(), job, decode, pack, stop)
+
+    def _remote(self, job: _Job, stop: threading.Event) -> Generator[tuple[str, Any], None, None]:
+        """The prepare stage in the host processes (`runtime.serve_host`), as the model's attributes stand now:
+        each batch copied out of its area there."""
+        host = self._serve_host
+        if host is None or host.count != self.host_processes or host.policy is not self.media:
+            if host is not None:
+                host.close()
+            host = self._serve_host = ServeHost(self.media, self.host_processes)
+        cuda = self.device.type == "cuda"
+        for kind, value in host.batches(self._shape(), job, stop):
+            if kind != "batch":
+                yield kind, value
+                continue
+            packed: Packed = value  # views of the host process's area until the next message is asked for
+            picks = torch.from_numpy(np.array(packed.picks, copy=True))
+            prepared = _Prepared(
+                members=np.array(packed.members, copy=True),
+                tensors=packed.batch.host_tensors(cuda, copy=True, tables=packed.tables or None),
+                picks=picks.pin_memory() if cuda else picks,
+                counts=np.array(packed.counts, copy=True),
+                truncated=packed.truncated,
+            )
+            del packed, value
+            yield kind, prepared
 
     def _shape(self) -> Packing:
         """How this model packs a call, as its attributes stand now."""

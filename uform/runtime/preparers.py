@@ -31,7 +31,7 @@ The processes (``host_processes=N``, all started by the first step: the one it n
   relations) pickled beside them with protocol 5, large buffers out of band into the same area. The preparer process
   reads the contents as views of the slab (no copy) and answers the `Batch`, the block tables and the skipped
   items the same way, into the slot's output area (`uform.runtime.slab.write_out_of_band`, the decoders' own mechanism);
-  the step's media arrays are built there in the first place (`_Built`: its decoders' units, views of their slabs,
+  the step's media arrays are built there in the first place (`Built`: its decoders' units, views of their slabs,
   are stacked straight into the area), so the answer names them where they lie and a unit is copied once between
   a decoder's slab and the trainer's process. The trainer's process maps the answer's arrays from the slab and
   copies each once, into page-locked memory on CUDA (where the asynchronous copy to the GPU reads it) or an owned
@@ -87,7 +87,17 @@ from .slab import SLAB_ALIGN, reserve_area
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PREPARE_SLOTS", "PrepareJob", "Prepared", "PreparerError", "Preparers", "prepare_step"]
+__all__ = [
+    "DECODER_CONTEXT",
+    "DECODER_PRELOAD",
+    "PREPARE_SLOTS",
+    "Built",
+    "PrepareJob",
+    "Prepared",
+    "PreparerError",
+    "Preparers",
+    "prepare_step",
+]
 
 PREPARE_SLOTS = 2
 """Steps one preparer process prepares at once (two threads: one packs while the other waits for its media)."""
@@ -102,8 +112,8 @@ _IN_BAND_BELOW = 4096
 _DEFAULT_CONTEXT = START_METHOD
 # A preparer process's main module is uform.runtime.child's boot, so multiprocessing's fork server may start its decoders:
 # it re-imports nothing of the user's, and preloads the decoding libraries once for all of them.
-_DECODER_CONTEXT = "forkserver" if sys.platform.startswith("linux") else START_METHOD
-_DECODER_PRELOAD = ["uform.media.decode", "uform.media.image", "uform.media.video", "uform.media.audio"]
+DECODER_CONTEXT = "forkserver" if sys.platform.startswith("linux") else START_METHOD
+DECODER_PRELOAD = ["uform.media.decode", "uform.media.image", "uform.media.video", "uform.media.audio"]
 
 
 class PreparerError(RuntimeError):
@@ -473,8 +483,9 @@ class Preparers:
             raise
 
 
-class _Built:
-    """The `data.batch.Alloc` of a step prepared in a preparer process: the step's media arrays (its largest by
+class Built:
+    """The `data.batch.Alloc` of a step prepared in a preparer process (and of a serving batch packed in a serving
+    host process, `uform.runtime.serve_host`): the step's media arrays (its largest by
     far: 32 MiB of image patches at the reference geometry) are built straight into its slot's output area, one
     after the other from its start, so its answer names them where they lie and copies only the rest
     (`write_out_of_band`'s ``placed``). Pages are reserved first; an array that finds no room is made in this
@@ -544,8 +555,8 @@ def _preparer_main(
     keep_heap()  # a step's arrays are the same sizes step after step: from the heap, not fresh pages
     # This process's main module is uform.runtime.child's boot (no file, no module name), so the decoders' fork server
     # imports nothing of the trainer's script: it preloads the decoding libraries instead, once.
-    if _DECODER_CONTEXT == "forkserver":
-        multiprocessing.get_context("forkserver").set_forkserver_preload(_DECODER_PRELOAD)
+    if DECODER_CONTEXT == "forkserver":
+        multiprocessing.get_context("forkserver").set_forkserver_preload(DECODER_PRELOAD)
     endpoint = link.open()
     state = _PreparerState(endpoint, input_bytes, output_bytes, config, policy, tiles, decoders)
     if not endpoint.ready():
@@ -591,7 +602,7 @@ class _PreparerState:
     def decoders(self) -> DecodePool:
         with self.lock:
             if self.pool is None:
-                self.pool = DecodePool(self.workers, self.policy.limits.timeout_seconds, _DECODER_CONTEXT)
+                self.pool = DecodePool(self.workers, self.policy.limits.timeout_seconds, DECODER_CONTEXT)
             return self.pool
 
     def run(self, frame: Frame) -> None:
@@ -601,7 +612,7 @@ class _PreparerState:
             job = self._job(slot, record)
             start = slot * (self.input_bytes + self.output_bytes) + self.input_bytes
             end = start + self.output_bytes
-            built = _Built(endpoint.slab, endpoint.slab_fd, self.reserved, slot, start, end)
+            built = Built(endpoint.slab, endpoint.slab_fd, self.reserved, slot, start, end)
             answer = prepare_step(self.config, self.policy, self.tiles, self.decoders, job, step, built)
             del job, record
             at = built.at  # the rest of the answer's buffers are copied in after those built in place

@@ -1,0 +1,509 @@
+"""The host stage of a serving model's calls in processes of their own: the call's media decoded, its items sorted
+and packed into batches (`uform.data.windows.call_batches`) there, so that the serving process keeps only the
+device's work and one copy of each finished batch.
+
+Why. In process, a 4,096-JPEG `encode` on the H200 ran its packing thread, the decode pool's reader and the
+launching thread under one interpreter lock, and the launching thread waited for batches 40% of its samples
+(py-spy; BENCHMARKS.md, "Issue 12, seventeenth day", with what moving the stage out measured). It is the training
+side's answer again (`uform.runtime.preparers`, PyTorch DataLoader's worker processes), shaped for a call: each
+process takes a contiguous share of the call's items and streams its batches back as it packs them.
+
+Each process is a `uform.runtime.helper.Helper` (a `uform.runtime.child.Child` on this module: the caller's script
+needs no main guard, and the process never imports torch), started by the first call that needs it. It owns a
+`DecodePool` of its own (its share of the model's ``media.workers``, from a fork server that preloads the decoding
+libraries, as a preparer process's) and a slab: one input area and `SLOTS` output areas. A share is three kinds of
+request, answered in the order sent:
+
+- ``open``: the share's contents, copied once, back to back, into the input area (what does not fit crosses the
+  pipe), with their modalities, sides and spans and the model's `Packing`. A share whose contents outgrow the area
+  goes in parts, each packed as a call of its own.
+- ``next`` into an output area: the share's next message, ("batch", `Packed`) with the batch's media arrays built
+  in that area in the first place (`uform.runtime.preparers.Built`), ("skipped", [(item, reason)]) for a window's
+  media that did not decode, or ("done",). The owner keeps one request in flight per area, and asks for the
+  next batch into an area only once the batch before it there was copied out (`ServeHost.batches`).
+- ``close``: the share ends (its decoding thread joins). Being answered after every request before it, it also
+  says that no area is still being written.
+
+An item's answer never depends on its neighbours, so shares and parts change only how full their last batches are.
+A share's skipped items are handed on only once every share before it is done, so the first a caller sees is the
+call's first broken item, as in process. Failures: a `MediaError` (a strict `MediaPolicy`) crosses with its item,
+which the owner shifts to the caller's index; any other exception of the host stage crosses as itself
+(`uform.runtime.remote_error`); a process that died (killed, out of memory) fails the call with `ServeHostError`,
+and the next call starts a new one. A process ignores SIGINT (the serving process handles Ctrl-C) and exits,
+killing its decoders, once its pipe to the owner reports end of file.
+
+This module imports numpy and the light uform modules only (torch is the caller's), so the processes start without
+torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import itertools
+import multiprocessing
+import multiprocessing.util
+import os
+import signal
+import threading
+from collections.abc import Generator, Sequence
+from concurrent.futures import FIRST_COMPLETED
+from typing import Any
+
+import numpy as np
+
+from ..data.windows import CallItems, Packed, Packing, call_batches, pack_batch
+from ..enums import LateInteractionSide, Modality
+from ..media.decode import MediaPolicy, decode_items
+from ..media.limits import MediaError
+from ..media.units import Units
+from .decoders import DecodePool, decode_parallelism
+from .heap import keep_heap
+from .helper import BOOT_SECONDS, Endpoint, Frame, Helper, Link, NotDelivered, ProcessDied, close_all
+from .preparers import DECODER_CONTEXT, DECODER_PRELOAD, Built
+from .slab import reserve_area
+
+__all__ = ["SLOTS", "ServeHost", "ServeHostError"]
+
+SLOTS = 4
+"""Batches in flight between the process and the serving model (the in-process path's hand-off depth)."""
+
+_INPUT_BYTES = 1 << 30
+"""The input area (virtual: pages are reserved as calls reach them); a call's contents beyond it go in parts."""
+_SLOT_BYTES = 256 << 20
+"""Each output area, likewise (a batch at the reference capacity is ~50 MB, its image units); every area starts
+at a multiple of `uform.runtime.slab.SLAB_ALIGN`."""
+_IN_BAND_BELOW = 4096
+"""Buffers smaller than this travel inside the pickled message rather than through the slab."""
+
+
+class ServeHostError(RuntimeError):
+    """The serving host process died (killed, out of memory) during a call; the call was not answered."""
+
+
+# ---- the owner's side ------------------------------------------------------------------------------------------
+
+
+class ServeHost:
+    """A serving model's host processes (see the module's docstring): `count` of them, each with its share of the
+    decoders (``policy.workers``, or one per CPU, split evenly). `batches` runs one call; one call at a time (the
+    model's lock serialises its callers). A process starts with the first call that needs it; `close` ends them
+    (also at interpreter exit and when the object is collected)."""
+
+    def __init__(self, policy: MediaPolicy, count: int) -> None:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"host_processes: expected an int >= 1, got {count!r}")
+        self.policy = policy
+        self.count = count
+        self.decoders = max(1, (policy.workers or decode_parallelism()) // count)
+        """Decoding processes of each host process."""
+        self.input_bytes = _INPUT_BYTES
+        self.slot_bytes = _SLOT_BYTES
+        self._held: list[_Process] = []  # the live processes, in a list the finalizer shares (not `self`)
+        self._owner = os.getpid()
+        self._finalizer = multiprocessing.util.Finalize(
+            self, _shutdown, args=(self._held, self._owner), exitpriority=10
+        )
+
+    @property
+    def processes(self) -> list[Any]:
+        """The processes running now (none before the first call, nor once one died or they were closed)."""
+        return [p.helper.process for p in self._held if p.helper.died is None]
+
+    def close(self) -> None:
+        """Ends the processes (each ends its decoders). Idempotent; the next call starts new ones."""
+        _shutdown(self._held, self._owner)
+
+    def batches(
+        self, shape: Packing, items: CallItems, stop: threading.Event
+    ) -> Generator[tuple[str, Any], None, None]:
+        """The call's messages, as `call_batches` answers them in process: ("skipped", [(item, reason)]) and
+        ("batch", `Packed`), items by the caller's index, in the order the processes answer them. A batch's
+        arrays are views of an output area until the generator is resumed: copy what you keep before asking for
+        the next message. The call's items are dealt to the processes in contiguous shares (a process only where
+        its share fills a window: a short call goes to one). `stop` ends the call between batches. Raises
+        `ServeHostError` when a process died, and what the host stage raised."""
+        if os.getpid() != self._owner:
+            raise RuntimeError("uform: a serving model's host processes cannot be used in a forked child")
+        n = len(items.modalities)
+        count = max(1, min(self.count, n // max(1, shape.window)))
+        processes = self._started(count)
+        shares = [(n * k // count, n * (k + 1) // count) for k in range(count)]
+        streams = [
+            _Stream(self, process, shape, items, _parts(items.contents, a, b, self.input_bytes))
+            for process, (a, b) in zip(processes, shares, strict=True)
+        ]
+        try:
+            for stream in streams:
+                stream.advance()
+            live = [s for s in streams if s.in_flight]
+            while live:
+                concurrent.futures.wait([s.in_flight[0][1] for s in live], return_when=FIRST_COMPLETED)
+                stream = next(s for s in live if s.in_flight[0][1].done())
+                message = stream.take()
+                if message is not None and message[0] == "batch":
+                    yield message
+                    if stop.is_set():
+                        return
+                    stream.again()  # the batch yielded was copied out of its area: the area takes the next
+                elif message is not None:
+                    stream.skipped.append(message)
+                for held in _in_order(streams):
+                    yield held
+                    if stop.is_set():
+                        return
+                live = [s for s in streams if s.in_flight]
+        finally:
+            for stream in streams:
+                stream.end()
+
+    def _started(self, count: int) -> list[_Process]:
+        """The first `count` processes, live: those that died replaced, those missing started (side by side)."""
+        for k, process in enumerate(self._held):
+            if process.helper.died is not None:
+                close_all([process.helper], 0)
+                self._held[k] = self._start()
+        while len(self._held) < count:
+            self._held.append(self._start())
+        try:
+            for process in self._held[:count]:
+                process.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        return self._held[:count]
+
+    def _start(self) -> _Process:
+        helper = Helper(
+            _serve_host_main,
+            (self.input_bytes, self.slot_bytes, self.policy, self.decoders),
+            name="uform-serve-host",
+            slab_bytes=self.input_bytes + SLOTS * self.slot_bytes,
+            slab_prefix="uform-serve-",
+            views=True,  # a batch's arrays are copied out before the area is asked for again
+            daemon=False,  # under multiprocessing: it starts the decoder processes, which a daemonic process may not
+        )
+        helper.start()
+        return _Process(helper)
+
+
+class _Process:
+    """The owner's view of one host process: its helper, and the bytes of its input area backed so far."""
+
+    def __init__(self, helper: Helper) -> None:
+        self.helper = helper
+        self.reserved = [0]
+        self.ready = False
+
+    def wait_ready(self) -> None:
+        if self.ready:
+            return
+        try:
+            self.helper.ready.result(BOOT_SECONDS)
+        except BaseException as error:
+            if isinstance(error, concurrent.futures.TimeoutError):
+                status = "it did not answer"
+            elif isinstance(error, ProcessDied):
+                status = f"it exited ({error.status})"
+            else:
+                raise
+            raise ServeHostError(
+                f"uform: a serving host process failed to start: {status} (its error is on standard error)"
+            ) from None
+        self.ready = True
+
+    def ask(self, request: tuple) -> concurrent.futures.Future:
+        try:
+            return self.helper.submit(request)
+        except NotDelivered as gone:
+            raise ServeHostError(
+                f"uform: the serving host process (pid {self.helper.pid}) is gone; the call was not answered, and "
+                "the next call starts a new process"
+            ) from gone
+
+    def open(self, shape: Packing, items: CallItems, room: int) -> concurrent.futures.Future:
+        """Writes a part's contents into the input area (or in band, where it has no room) and opens the call."""
+        contents = items.contents
+        offsets = np.zeros(len(contents) + 1, dtype=np.int64)
+        np.cumsum([len(c) for c in contents], out=offsets[1:])
+        total = int(offsets[-1])
+        slab, fd = self.helper.slab, self.helper.slab_fd
+        shared = slab is not None and total <= room and reserve_area(fd, self.reserved, 0, 0, total)
+        if shared:
+            assert slab is not None
+            for content, a, b in zip(contents, offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
+                slab[a:b] = content  # the one copy of the contents
+        record = (
+            shape,
+            items.verb,
+            np.fromiter((int(m) for m in items.modalities), dtype=np.int8, count=len(contents)),
+            offsets if shared else None,
+            None if shared else [bytes(c) for c in contents],
+            None if items.sides is None else np.array([int(s) for s in items.sides], dtype=np.int8),
+            items.span,
+        )
+        return self.ask(("open", record))
+
+
+class _Stream:
+    """One process's share of a call: its parts, opened one after another, `SLOTS` requests in flight."""
+
+    def __init__(self, host: ServeHost, process: _Process, shape: Packing, items: CallItems, parts: list) -> None:
+        self.host, self.process, self.shape, self.items = host, process, shape, items
+        self.parts = collections.deque(parts)
+        self.in_flight: collections.deque[tuple[int, concurrent.futures.Future]] = collections.deque()
+        self.first = 0  # the open part's first item
+        self.opened = False
+        self.slot = -1  # the area of the batch last taken
+        self.skipped: list[tuple[str, Any]] = []  # its ("skipped", ...) messages not yet handed on (`_in_order`)
+
+    @property
+    def finished(self) -> bool:
+        return not self.in_flight and not self.parts
+
+    def advance(self) -> None:
+        """Opens the next part that has items and asks for its first batches (nothing once the parts are done)."""
+        while self.parts and not self.in_flight:
+            first, last = self.parts.popleft()
+            items = self.items
+            part = CallItems(
+                verb=items.verb,
+                modalities=items.modalities[first:last],
+                contents=items.contents[first:last],
+                sides=None if items.sides is None else items.sides[first:last],
+                span=None if items.span is None else items.span[first:last],
+            )
+            self.first, self.opened = first, True
+            _answer(self.process.open(self.shape, part, self.host.input_bytes), first)
+            self.in_flight.extend((slot, self.process.ask(("next", slot))) for slot in range(SLOTS))
+
+    def take(self) -> tuple[str, Any] | None:
+        """The answer at the head (done: None); once the part is done, the next part is opened."""
+        slot, future = self.in_flight.popleft()
+        message = _answer(future, self.first)
+        if message[0] == "done":  # every request after it answers "done" too
+            if not self.in_flight:
+                self.end()
+                self.advance()
+            return None
+        self.slot = slot
+        return _shifted(message, self.first)
+
+    def again(self) -> None:
+        self.in_flight.append((self.slot, self.process.ask(("next", self.slot))))
+
+    def end(self) -> None:
+        """Closes the open part: answered after every request before it, so no area is being written after."""
+        if self.opened:
+            self.opened = False
+            self.in_flight.clear()
+            with contextlib.suppress(Exception):
+                self.process.ask(("close",)).result()
+
+
+def _in_order(streams: list[_Stream]) -> list[tuple[str, Any]]:
+    """The skipped items' messages that may be handed on: a share's only once every share before it is done, so the
+    first a caller sees names the call's first broken item, as in process (`errors="raise"` raises at it)."""
+    out = []
+    for stream in streams:
+        out.extend(stream.skipped)
+        stream.skipped.clear()
+        if not stream.finished:
+            break
+    return out
+
+
+def _answer(future: concurrent.futures.Future, first: int) -> Any:
+    """A request's answer; a `MediaError` naming the caller's item, `ServeHostError` where the process died."""
+    try:
+        return future.result()
+    except ProcessDied as died:
+        raise ServeHostError(
+            f"uform: the serving host process (pid {died.pid}) died ({died.status}) during the call; the call was "
+            "not answered, and the next call starts a new process"
+        ) from None
+    except MediaError as error:
+        if error.item is None:
+            raise
+        raise MediaError(error.reason, item=error.item + first) from None
+
+
+def _shifted(message: tuple[str, Any], first: int) -> tuple[str, Any]:
+    """A part's message with its items by the caller's index."""
+    if not first:
+        return message
+    if message[0] == "skipped":
+        return ("skipped", [(item + first, reason) for item, reason in message[1]])
+    packed: Packed = message[1]
+    return ("batch", dataclasses.replace(packed, members=packed.members + first))
+
+
+def _parts(contents: Sequence[bytes | memoryview], first: int, last: int, room: int) -> list[tuple[int, int]]:
+    """Items `first` to `last` cut, in order, into parts whose contents fit `room` bytes (an item larger than that
+    alone: it crosses the pipe)."""
+    parts, size = [], 0
+    for i in range(first, last):
+        length = len(contents[i])
+        if i > first and size + length > room:
+            parts.append((first, i))
+            first, size = i, 0
+        size += length
+    if first < last:
+        parts.append((first, last))
+    return parts
+
+
+def _shutdown(held: list[_Process], owner: int) -> None:
+    if os.getpid() != owner:  # a forked child does not own them
+        return
+    close_all([p.helper for p in held])
+    held.clear()
+
+
+# ---- the process ---------------------------------------------------------------------------------------------
+
+
+def _serve_host_main(link: Link, input_bytes: int, slot_bytes: int, policy: MediaPolicy, decoders: int) -> None:
+    """The process's whole life: map the slab, say ready, then answer each request in the order sent until the
+    owner asks it to exit or is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the serving process's to handle
+    keep_heap()  # a batch's arrays are the same sizes batch after batch: from the heap, not fresh pages
+    if DECODER_CONTEXT == "forkserver":  # the decoders' fork server imports nothing of the caller's script
+        multiprocessing.get_context("forkserver").set_forkserver_preload(DECODER_PRELOAD)
+    endpoint = link.open()
+    host = _Host(endpoint, input_bytes, slot_bytes, policy, decoders)
+    if not endpoint.ready():
+        return
+    while True:
+        try:
+            frame = endpoint.receive()
+        except (EOFError, OSError):  # the owner is gone: nothing is waiting for any answer
+            host.abandon()
+            os._exit(0)
+        if frame is None:
+            break
+        host.answer(frame)
+    host.close()
+
+
+class _Host:
+    """The process's state: its decoders, and the open call's messages."""
+
+    def __init__(
+        self, endpoint: Endpoint, input_bytes: int, slot_bytes: int, policy: MediaPolicy, decoders: int
+    ) -> None:
+        self.endpoint = endpoint
+        self.workers = decoders
+        self.input_bytes = input_bytes
+        self.slot_bytes = slot_bytes
+        self.policy = policy
+        self.reserved = [0] * SLOTS  # bytes of each output area backed so far
+        self.pool: DecodePool | None = None
+        self.call: Generator[tuple[str, Any], None, None] | None = None
+        self.stop = threading.Event()
+        self.alloc: Built | None = None  # where the batch being packed builds its media arrays
+
+    def answer(self, frame: Frame) -> None:
+        try:
+            request = frame.load()
+            if request[0] == "next":
+                self._next(frame.ident, request[1])
+                return
+            self._end()
+            if request[0] == "open":
+                self._open(request[1])
+            self.endpoint.reply(frame.ident, None)
+        except BaseException as error:  # the owner raises it for the call
+            with contextlib.suppress(BaseException):
+                self._end()
+            self.endpoint.fail(frame.ident, error)
+
+    def _open(self, record: tuple) -> None:
+        shape, verb, modalities, offsets, inline, sides, span = record
+        if inline is not None:
+            contents: Sequence[bytes | memoryview] = inline
+        else:
+            assert self.endpoint.slab is not None
+            view = memoryview(self.endpoint.slab)[: int(offsets[-1])]
+            contents = [view[a:b] for a, b in itertools.pairwise(offsets.tolist())]
+        items = CallItems(
+            verb=verb,
+            modalities=[Modality(int(m)) for m in modalities],
+            contents=contents,
+            sides=None if sides is None else [LateInteractionSide(int(s)) for s in sides],
+            span=span,
+        )
+
+        def decode(window: range) -> tuple[dict[int, Units], list[tuple[int, str]], dict[int, Any]]:
+            media = [i for i in window if items.modalities[i] != Modality.Text]
+            if not media:
+                return {}, [], {}
+            max_units = shape.columns - shape.prefix
+            batch = shape.config.batch
+            units, failed = decode_items(  # unkeyed: serving draws no masks
+                self.decoders(), self.policy, batch, items.modalities, items.contents, media, max_units, False
+            )
+            return units, sorted(failed), {}
+
+        def pack(members: list[int], rows: int, units: dict[int, Units], _along: dict[int, Any]) -> Packed:
+            assert self.alloc is not None
+            return pack_batch(shape, items, members, rows, units, self.alloc)
+
+        self.stop = threading.Event()
+        self.call = call_batches(shape, items, decode, pack, self.stop)
+
+    def _next(self, ident: int, slot: int) -> None:
+        """The open call's next message, a batch's arrays built in output area `slot`."""
+        start = self.input_bytes + slot * self.slot_bytes
+        end = start + self.slot_bytes
+        endpoint = self.endpoint
+        built = self.alloc = Built(endpoint.slab, endpoint.slab_fd, self.reserved, slot, start, end)
+        try:
+            message = next(self.call) if self.call is not None else ("done",)
+        except StopIteration:
+            self.call = None
+            message = ("done",)
+        except BaseException as error:
+            self.call = None
+            endpoint.fail(ident, error)
+            return
+        finally:
+            self.alloc = None
+        if message[0] != "batch":
+            endpoint.reply(ident, message)
+            return
+        at = built.at  # the rest of the batch's buffers are copied in after those built in place
+        endpoint.reply(
+            ident,
+            message,
+            area=(at, end),
+            reserve=lambda length: reserve_area(endpoint.slab_fd, self.reserved, slot, start, at - start + length),
+            in_band_below=_IN_BAND_BELOW,
+            placed=(start, at),
+        )
+
+    def _end(self) -> None:
+        """Ends the open call, if any (its decoding thread joins)."""
+        call, self.call = self.call, None
+        if call is not None:
+            self.stop.set()
+            call.close()
+
+    def decoders(self) -> DecodePool:
+        if self.pool is None:
+            self.pool = DecodePool(self.workers, self.policy.limits.timeout_seconds, DECODER_CONTEXT)
+        return self.pool
+
+    def abandon(self) -> None:
+        """The owner died: kill the decoders now."""
+        if self.pool is not None:
+            self.pool.abandon()
+
+    def close(self) -> None:
+        with contextlib.suppress(BaseException):
+            self._end()
+        if self.pool is not None:
+            self.pool.close()
+        self.endpoint.close()
