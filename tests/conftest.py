@@ -21,9 +21,11 @@ import torch
 import uform
 from uform import (
     Arena,
+    AudioShape,
     BatchShape,
     Edges,
     Executor,
+    ImageShape,
     Objective,
     Relations,
     Schedule,
@@ -313,3 +315,15 @@ def wait_gone(pids: set[int], seconds: float = 10.0) -> set[int]:
     while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.05)
     return {p for p in pids if alive(p)}
+
+
+def media_batch(columns: int = 128) -> BatchShape:
+    """The serving tests' tiny media batch: 4 rows of `columns`, 8 segments, images in 16-pixel patches, audio in
+    320-sample chunks."""
+    return BatchShape(
+        max_rows_per_device=4,
+        max_segments_per_device=8,
+        max_columns_per_row=columns,
+        image=ImageShape(patch_side=16),
+        audio=AudioShape(chunk_samples=320),
+    )

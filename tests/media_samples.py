@@ -262,3 +262,35 @@ def forged_jpeg(width: int, height: int, source: tuple[int, int] = (40, 40)) -> 
 def flat_png(width: int, height: int) -> bytes:
     """A one-colour RGB PNG of `width` x `height`: 8000 x 8000 compresses to about 200 KB."""
     return encode_image(Image.new("RGB", (width, height), (120, 30, 200)), "PNG")
+
+
+def photo_jpeg(name: str, size: tuple[int, int]) -> bytes:
+    """A scikit-image photograph resized (box filter) to `size` and saved as an RGB JPEG of quality 90."""
+    return encode_image(photo(name).convert("RGB").resize(size, Image.Resampling.BOX), "JPEG", quality=90)
+
+
+def photo_png(name: str, size: tuple[int, int]) -> bytes:
+    """A scikit-image photograph resized (box filter) to `size` and saved as an RGBA PNG."""
+    return encode_image(photo(name).convert("RGBA").resize(size, Image.Resampling.BOX), "PNG")
+
+
+def recording_wav(seconds: float, offset: float = 0.0) -> bytes:
+    """`seconds` of pygame's house recording from `offset`, as a float WAV."""
+    samples, rate = recording("house_lo.wav")
+    start = int(offset * rate)
+    return encode_sound(samples[start : start + int(seconds * rate)], rate, "WAV", "FLOAT")
+
+
+def mixed_items() -> tuple[list[str], list[bytes]]:
+    """Eight items of a serving call: three images (a JPEG, a PNG, pygame's JPEG), two recordings, three texts."""
+    items: list[tuple[str, bytes]] = [
+        ("image", photo_jpeg("astronaut.png", (64, 48))),
+        ("text", b"an astronaut in a white suit"),
+        ("audio", recording_wav(0.2)),
+        ("text", b"a house, recorded"),
+        ("image", photo_png("chelsea.png", (48, 64))),
+        ("text", b"a cat looks up"),
+        ("image", pygame_file("alien1.jpg")),
+        ("audio", recording_wav(0.35, 0.1)),
+    ]
+    return [m for m, _ in items], [c for _, c in items]

@@ -20,14 +20,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import descendants, wait_gone, write_fresh_checkpoint
-from media_samples import encode_image, encode_sound, photo, pygame_file, recording
-from PIL import Image
+from conftest import descendants, media_batch, wait_gone, write_fresh_checkpoint
+from media_samples import mixed_items
 
 from uform import (
-    AudioShape,
-    BatchShape,
-    ImageShape,
     LateInteraction,
     LateInteractionSide,
     Objective,
@@ -42,28 +38,6 @@ from uform.serve import load
 torch.set_num_threads(2)
 
 
-def jpeg(name: str, size: tuple[int, int]) -> bytes:
-    return encode_image(photo(name).convert("RGB").resize(size, Image.Resampling.BOX), "JPEG", quality=90)
-
-
-def wav(seconds: float, offset: float = 0.0) -> bytes:
-    samples, rate = recording("house_lo.wav")
-    start = int(offset * rate)
-    return encode_sound(samples[start : start + int(seconds * rate)], rate, "WAV", "FLOAT")
-
-
-ITEMS: list[tuple[str, Any]] = [
-    ("image", lambda: jpeg("astronaut.png", (64, 48))),
-    ("text", lambda: b"an astronaut in a white suit"),
-    ("audio", lambda: wav(0.2)),
-    ("text", lambda: b"a house, recorded"),
-    ("image", lambda: encode_image(photo("chelsea.png").convert("RGBA").resize((48, 64)), "PNG")),
-    ("text", lambda: b"a cat looks up"),
-    ("image", lambda: pygame_file("alien1.jpg")),
-    ("audio", lambda: wav(0.35, 0.1)),
-]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A fresh Joint run with late interaction over images and audio; its model served here and through one host
@@ -73,13 +47,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         hidden=128,
         objective=Objective.Joint,
         late_interaction=LateInteraction(weight=1.0, width=16, max_query_span=7),
-        batch=BatchShape(
-            max_rows_per_device=4,
-            max_segments_per_device=8,
-            max_columns_per_row=128,
-            image=ImageShape(patch_side=16),
-            audio=AudioShape(chunk_samples=320),
-        ),
+        batch=media_batch(),
         schedule=Schedule(steps=20, warmup_steps=1, learning_rate=1e-3),
         seed=11,
     )
@@ -89,8 +57,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     away = load(path, rows=1, segments=2, media=MediaPolicy(workers=1), host_processes=1)
     for model in (here, away):
         model.window = 5
-    modalities = [m for m, _ in ITEMS] * 3
-    contents = [make() for _, make in ITEMS] * 3
+    modalities, contents = mixed_items()
+    modalities, contents = modalities * 3, contents * 3
     yield {"here": here, "away": away, "path": path, "modalities": modalities, "contents": contents}
     here.close()
     away.close()

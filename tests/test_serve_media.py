@@ -20,17 +20,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import write_fresh_checkpoint
-from media_samples import encode_image, encode_sound, photo, pygame_file, recording
-from PIL import Image
+from conftest import media_batch, write_fresh_checkpoint
+from media_samples import mixed_items, photo_jpeg, recording_wav
 
 from uform import (
     Arena,
-    AudioShape,
-    BatchShape,
     Edges,
     Executor,
-    ImageShape,
     LateInteraction,
     Objective,
     Relations,
@@ -56,13 +52,7 @@ def config(**overrides: Any) -> TrainerInitVramConfig:
         depth=1,
         hidden=128,
         objective=Objective.Contrastive,
-        batch=BatchShape(
-            max_rows_per_device=4,
-            max_segments_per_device=8,
-            max_columns_per_row=COLUMNS,
-            image=ImageShape(patch_side=16),
-            audio=AudioShape(chunk_samples=320),
-        ),
+        batch=media_batch(COLUMNS),
         schedule=Schedule(steps=20, warmup_steps=1, learning_rate=1e-3),
         seed=9,
     )
@@ -70,37 +60,10 @@ def config(**overrides: Any) -> TrainerInitVramConfig:
     return TrainerInitVramConfig(**fields)
 
 
-def jpeg(name: str, size: tuple[int, int]) -> bytes:
-    return encode_image(photo(name).convert("RGB").resize(size, Image.Resampling.BOX), "JPEG", quality=90)
-
-
-def png(name: str, size: tuple[int, int]) -> bytes:
-    return encode_image(photo(name).convert("RGBA").resize(size, Image.Resampling.BOX), "PNG")
-
-
-def wav(seconds: float, offset: float = 0.0) -> bytes:
-    samples, rate = recording("house_lo.wav")
-    start = int(offset * rate)
-    return encode_sound(samples[start : start + int(seconds * rate)], rate, "WAV", "FLOAT")
-
-
-ITEMS: list[tuple[str, Any]] = [
-    ("image", lambda: jpeg("astronaut.png", (64, 48))),
-    ("text", lambda: b"an astronaut in a white suit"),
-    ("audio", lambda: wav(0.2)),
-    ("text", lambda: b"a house, recorded"),
-    ("image", lambda: png("chelsea.png", (48, 64))),
-    ("text", lambda: b"a cat looks up"),
-    ("image", lambda: pygame_file("alien1.jpg")),
-    ("audio", lambda: wav(0.35, 0.1)),
-]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A Contrastive media run of two steps, saved, then the arena of its third step; the loaded model."""
-    modalities = [m for m, _ in ITEMS]
-    contents = [make() for _, make in ITEMS]
+    modalities, contents = mixed_items()
     relations = Relations(attract=Edges(offsets=list(range(9)), ids=[1, 0, 3, 2, 5, 4, 7, 6]))
     trainer = Trainer.init_vram(Executor.cpu(), config(), media=MediaPolicy(workers=2))
     path = tmp_path_factory.mktemp("media") / "media.safetensors"
@@ -301,7 +264,7 @@ def test_media_tokens_are_one_per_unit(tmp_path: Path) -> None:
     write_fresh_checkpoint(path, run)
     model = load(path, media=MediaPolicy(workers=1))
     try:
-        image, sound = jpeg("astronaut.png", (64, 48)), wav(0.2)
+        image, sound = photo_jpeg("astronaut.png", (64, 48)), recording_wav(0.2)
         b = run.batch
         units = [
             len(decode_item("image", image, dict(vars(b.image)), COLUMNS - 2, MediaLimits())),

@@ -37,9 +37,10 @@ import openai
 import pytest
 import soundfile
 import torch
+from conftest import media_batch
 from PIL import Image
 
-from uform import AudioShape, BatchShape, Contrastive, ImageShape, LateInteraction, Objective, Schedule
+from uform import Contrastive, LateInteraction, Objective, Schedule
 from uform import TrainerInitVramConfig as Config
 from uform.batching import Batcher, Busy
 from uform.config import resolve, to_json
@@ -65,13 +66,7 @@ def write_model(path: Path, **overrides: Any) -> Path:
         hidden=128,
         objective=Objective.Contrastive,
         contrastive=Contrastive(matryoshka_dimensions=(32, 64)),
-        batch=BatchShape(
-            max_rows_per_device=4,
-            max_segments_per_device=8,
-            max_columns_per_row=128,
-            image=ImageShape(patch_side=16),
-            audio=AudioShape(chunk_samples=320),
-        ),
+        batch=media_batch(),
         schedule=Schedule(steps=10, warmup_steps=1),
         seed=5,
     )
