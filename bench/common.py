@@ -163,6 +163,45 @@ def stat_cpu_seconds(path: str) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def host_cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, total) clock ticks of all this host's CPUs since boot (the "cpu" line of Linux's /proc/stat: busy is
+    everything but idle and iowait); None where there is no such file."""
+    try:
+        with open("/proc/stat") as handle:
+            fields = [int(f) for f in handle.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields) - idle, sum(fields)
+
+
+def family_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid` and every live process under it (read from /proc; 0 for those
+    that ended meanwhile, and elsewhere than Linux)."""
+    parents: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return 0.0
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(parent, []).append(int(entry))
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            total += stat_cpu_seconds(f"/proc/{current}/stat")
+        except (OSError, IndexError, ValueError):
+            continue
+        todo.extend(parents.get(current, []))
+    return total
+
+
 def thread_cpu_seconds() -> dict[str, float]:
     """CPU seconds (user + system) of this process's live threads by name (`/proc/self/task/*/comm`; threads of
     one name summed), Linux only ({} elsewhere). PyTorch's autograd runs a CUDA backward's launches on a thread

@@ -36,6 +36,10 @@ JPEG).
 With `--phases`, one more call of each kind runs with serving's stages timed on the threads that run them (the
 decoding thread's `_decode`, the host thread's packing and GPU tiling, the caller's launches and waits).
 
+Over each kind's timed calls the bench also reads where the host's CPUs went (Linux's /proc): the share of all of
+them busy, and the cores this process and every process under it (decoders, serving host processes) kept busy;
+a host whose CPUs are all busy binds serving however its work is cut.
+
 With `--spy SECONDS`, calls of each kind run again for that long while py-spy samples this process's threads
 (bench/spy.py: where each thread's time goes, waiting included); with `--spy-gil SECONDS`, likewise but only the
 interpreter lock's holder is sampled: how much of the wall each thread held the lock, and all of them together;
@@ -74,6 +78,8 @@ from common import (
     add_geometry,
     bert_config,
     decode_in_pool,
+    family_cpu_seconds,
+    host_cpu_jiffies,
     random_checkpoint,
     topic_slices,
     write_json,
@@ -129,17 +135,36 @@ def manifests(folder: str, texts: list[bytes], images: list[bytes]) -> dict[str,
     return out
 
 
-def timed(call: Any, repeats: int) -> tuple[float, float]:
-    """(seconds of the warm-up call, best seconds of `repeats` calls)."""
+def timed(call: Any, repeats: int, cpu: dict[str, float] | None = None) -> tuple[float, float]:
+    """(seconds of the warm-up call, best seconds of `repeats` calls); with `cpu`, fills it with where the host's
+    CPUs went over the timed calls (`cpu_use`)."""
     t0 = time.perf_counter()
     call()
     warm = time.perf_counter() - t0
     best = float("inf")
+    before = cpu_reading()
     for _ in range(repeats):
         t0 = time.perf_counter()
         call()
         best = min(best, time.perf_counter() - t0)
+    if cpu is not None:
+        cpu.update(cpu_use(before, cpu_reading()))
     return warm, best
+
+
+def cpu_reading() -> tuple[float, tuple[int, int] | None, float]:
+    """(wall clock, the host's CPU ticks, this process's and its children's CPU seconds), for `cpu_use`."""
+    return time.perf_counter(), host_cpu_jiffies(), family_cpu_seconds(os.getpid())
+
+
+def cpu_use(before: tuple, after: tuple) -> dict[str, float]:
+    """Between two `cpu_reading`s: the share of the host's CPUs busy ("host_busy", of "host_cpus"), and the cores
+    this process with every process under it (the decoders, the serving host processes) kept busy ("ours")."""
+    wall = after[0] - before[0]
+    out = {"host_cpus": float(os.cpu_count() or 1), "ours": (after[2] - before[2]) / wall if wall > 0 else 0.0}
+    if before[1] is not None and after[1] is not None and after[1][1] > before[1][1]:
+        out["host_busy"] = (after[1][0] - before[1][0]) / (after[1][1] - before[1][1])
+    return out
 
 
 def profiled(name: str, call: Any, folder: str) -> dict[str, float]:
@@ -366,9 +391,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 if not contents:
                     continue
                 modalities = [kind] * len(contents)
-                warm, best = timed(lambda m=modalities, c=contents: model.encode(m, c), args.repeats)
+                cpu: dict[str, float] = {}
+                warm, best = timed(lambda m=modalities, c=contents: model.encode(m, c), args.repeats, cpu)
                 results[kind] = {"items": len(contents), "items_per_s": len(contents) / best, "warmup_s": warm}
-                print(f"{kind:<6} {len(contents) / best:>12,.1f} items/s  (warm-up {warm:.1f} s)", flush=True)
+                results[kind]["cpu"] = cpu
+                busy = (
+                    f"; host CPUs {cpu['host_busy']:.0%} busy of {cpu['host_cpus']:.0f}" if "host_busy" in cpu else ""
+                )
+                print(
+                    f"{kind:<6} {len(contents) / best:>12,.1f} items/s  (warm-up {warm:.1f} s{busy}; this process and "
+                    f"its children {cpu['ours']:.1f} cores)",
+                    flush=True,
+                )
                 if twin is not None:  # side by side: the twin, then the model again
                     warm, alone = timed(lambda m=modalities, c=contents: twin.encode(m, c), args.repeats)
                     _, again = timed(lambda m=modalities, c=contents: model.encode(m, c), args.repeats)
