@@ -127,9 +127,11 @@ def test_a_broken_item_is_named_by_the_callers_index_from_any_process(served: di
         want, expected = here.encode(modalities, contents, errors="mask")
         assert (valid == expected).all() and (~valid).nonzero().flatten().tolist() == [22, 24, 38, 44]
         assert torch.isnan(got[~valid]).all() and torch.allclose(got[valid], want[valid], atol=1e-5, rtol=0)
-        # A strict policy raises in a process's decoding (here the second's); the error crosses with the item by
-        # the caller's index.
+        # A strict policy raises in a process's decoding; the error crosses with the item by the caller's index,
+        # the second share's held until the first share is done.
         strict.window = 4
+        with pytest.raises(MediaError, match=r"^contents\[22\]: "):
+            strict.encode(modalities, contents)
         with pytest.raises(MediaError, match=r"^contents\[44\]: "):
             strict.encode(["text"] * 40 + modalities[40:], [b"t"] * 40 + contents[40:])
         assert len(strict._serve_host.processes) == 2

@@ -142,7 +142,11 @@ class ServeHost:
             while live:
                 concurrent.futures.wait([s.in_flight[0][1] for s in live], return_when=FIRST_COMPLETED)
                 stream = next(s for s in live if s.in_flight[0][1].done())
-                message = stream.take()
+                try:
+                    message = stream.take()
+                except MediaError as failure:  # a strict policy's: raised once every share before it is done
+                    stream.fail(failure)
+                    message = None
                 if message is not None and message[0] == "batch":
                     yield message
                     if stop.is_set():
@@ -150,10 +154,13 @@ class ServeHost:
                     stream.again()  # the batch yielded was copied out of its area: the area takes the next
                 elif message is not None:
                     stream.skipped.append(message)
-                for held in _in_order(streams):
-                    yield held
+                held, error = _in_order(streams)
+                for skipped in held:
+                    yield skipped
                     if stop.is_set():
                         return
+                if error is not None:
+                    raise error
                 live = [s for s in streams if s.in_flight]
         finally:
             for stream in streams:
@@ -258,6 +265,7 @@ class _Stream:
         self.opened = False
         self.slot = -1  # the area of the batch last taken
         self.skipped: list[tuple[str, Any]] = []  # its ("skipped", ...) messages not yet handed on (`_in_order`)
+        self.error: MediaError | None = None  # what its part raised, not yet raised (`_in_order`)
 
     @property
     def finished(self) -> bool:
@@ -291,6 +299,12 @@ class _Stream:
         self.slot = slot
         return _shifted(message, self.first)
 
+    def fail(self, error: MediaError) -> None:
+        """Its part raised `error`: the share takes no more requests (those in flight answer "done")."""
+        self.error = error
+        self.parts.clear()
+        self.end()
+
     def again(self) -> None:
         self.in_flight.append((self.slot, self.process.ask(("next", self.slot))))
 
@@ -303,16 +317,19 @@ class _Stream:
                 self.process.ask(("close",)).result()
 
 
-def _in_order(streams: list[_Stream]) -> list[tuple[str, Any]]:
-    """The skipped items' messages that may be handed on: a share's only once every share before it is done, so the
-    first a caller sees names the call's first broken item, as in process (`errors="raise"` raises at it)."""
+def _in_order(streams: list[_Stream]) -> tuple[list[tuple[str, Any]], MediaError | None]:
+    """The skipped items' messages that may be handed on, and the `MediaError` to raise, if any: a share's only once
+    every share before it is done, so the first a caller sees names the call's first broken item, as in process
+    (`errors="raise"` raises at it, and so does a strict policy)."""
     out = []
     for stream in streams:
         out.extend(stream.skipped)
         stream.skipped.clear()
+        if stream.error is not None:
+            return out, stream.error
         if not stream.finished:
             break
-    return out
+    return out, None
 
 
 def _answer(future: concurrent.futures.Future, first: int) -> Any:
