@@ -158,9 +158,14 @@ def stat_cpu_seconds(path: str) -> float:
     """User + system CPU seconds from a Linux `/proc/<pid>/stat` or `/proc/<pid>/task/<tid>/stat` file (utime and
     stime, the 14th and 15th fields, read after the parenthesised name, which may hold spaces). Raises OSError
     where there is no such file (the process or thread ended; not Linux)."""
-    with open(path) as handle:
-        fields = handle.read().rsplit(")", 1)[1].split()
+    fields = _stat_fields(path)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(path: str) -> list[str]:
+    """The fields of a Linux `/proc/.../stat` file after the parenthesised name (the state first, then the parent)."""
+    with open(path) as handle:
+        return handle.read().rsplit(")", 1)[1].split()
 
 
 def host_cpu_jiffies() -> tuple[int, int] | None:
@@ -186,8 +191,7 @@ def family_cpu_seconds(pid: int) -> float:
     for entry in entries:
         if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+                parent = int(_stat_fields(f"/proc/{entry}/stat")[1])
             except (OSError, IndexError, ValueError):
                 continue
             parents.setdefault(parent, []).append(int(entry))

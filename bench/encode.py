@@ -142,12 +142,12 @@ def timed(call: Any, repeats: int, cpu: dict[str, float] | None = None) -> tuple
     call()
     warm = time.perf_counter() - t0
     best = float("inf")
-    before = cpu_reading()
+    before = cpu_reading() if cpu is not None else None
     for _ in range(repeats):
         t0 = time.perf_counter()
         call()
         best = min(best, time.perf_counter() - t0)
-    if cpu is not None:
+    if cpu is not None and before is not None:
         cpu.update(cpu_use(before, cpu_reading()))
     return warm, best
 

@@ -31,10 +31,10 @@ RATE = 250  # samples a second
 def sampling(
     seconds: float, name: str, folder: str | None = None, gil: bool = False, pid: int | None = None
 ) -> Iterator[None]:
-    """Samples this process's threads (or process `pid`'s: a helper process of this one) for `seconds` from entry (nothing when `seconds` is 0), then waits for py-spy,
-    writes its raw samples to `folder`/spy-`name`.txt ($OUT or the current folder) and prints `report` of them;
-    with `gil`, only the samples of the thread holding the interpreter lock (`report`'s shares are then of every
-    sample slot)."""
+    """Samples this process's threads (or process `pid`'s: a helper process of this one) for `seconds` from entry
+    (nothing when `seconds` is 0), then waits for py-spy, writes its raw samples to `folder`/spy-`name`.txt ($OUT or
+    the current folder) and prints `report` of them; with `gil`, only the samples of the thread holding the
+    interpreter lock (`report`'s shares are then of every sample slot)."""
     if seconds <= 0:
         yield
         return

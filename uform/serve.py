@@ -728,11 +728,11 @@ class Model:
                 yield kind, value
                 continue
             packed: Packed = value  # views of the host process's area until the next message is asked for
-            picks = torch.from_numpy(np.array(packed.picks, copy=True))
+            picks = torch.from_numpy(packed.picks)
             prepared = _Prepared(
                 members=np.array(packed.members, copy=True),
                 tensors=packed.batch.host_tensors(cuda, copy=True, tables=packed.tables or None),
-                picks=picks.pin_memory() if cuda else picks,
+                picks=picks.pin_memory() if cuda else picks.clone(),  # either way a copy of its own
                 counts=np.array(packed.counts, copy=True),
                 truncated=packed.truncated,
             )

@@ -96,7 +96,9 @@ __all__ = [
     "Prepared",
     "PreparerError",
     "Preparers",
+    "contents_views",
     "prepare_step",
+    "write_contents",
 ]
 
 PREPARE_SLOTS = 2
@@ -444,24 +446,15 @@ class Preparers:
         `NotDelivered` when the process is gone."""
         helper = host.helper
         slab = helper.slab  # ours until the answer is copied out, even if the process dies meanwhile
-        contents = job.contents
-        lengths = np.fromiter((len(c) for c in contents), dtype=np.int64, count=len(contents))
-        offsets = np.zeros(len(contents) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        total = int(offsets[-1])
         start = slot * (self.input_bytes + self.output_bytes)
         end = start + self.input_bytes
         fd = helper.slab_fd
-        shared = slab is not None and total <= self.input_bytes and reserve_area(fd, host.reserved, slot, start, total)
-        if shared:
-            assert slab is not None
-            for content, a, b in zip(contents, offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
-                slab[start + a : start + b] = content  # the one copy of the contents
+        offsets, inline = write_contents(slab, fd, host.reserved, slot, start, self.input_bytes, job.contents)
+        total = int(offsets[-1])
         record = (
             np.fromiter((int(m) for m in job.modalities), dtype=np.int8, count=len(job.modalities)),
-            offsets if shared else None,
-            # In band (no room in the slab): pickled straight from the caller's buffers, the one copy.
-            None if shared else [pickle.PickleBuffer(c) for c in contents],
+            offsets if inline is None else None,
+            inline,
             job.bags,
             job.groups,
             None if job.sides is None else np.array([int(s) for s in job.sides], dtype=np.int8),
@@ -481,6 +474,35 @@ class Preparers:
                 host.broken = True
             helper.kill()
             raise
+
+
+def write_contents(
+    slab: Any, fd: int | None, reserved: list[int], index: int, start: int, room: int, contents: Sequence[Any]
+) -> tuple[np.ndarray, list[pickle.PickleBuffer] | None]:
+    """Items' bytes copied once, back to back, into area `index` of a helper's slab, `room` bytes from `start` (its
+    pages reserved first, `reserve_area`): answers (offsets [N + 1], None). Where they do not fit, or there is no
+    slab or no room in /dev/shm: (offsets, the items as pickle buffers), to cross in band, pickled straight from the
+    caller's buffers (still the one copy). `contents_views` reads them on the other side."""
+    offsets = np.zeros(len(contents) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter((len(c) for c in contents), dtype=np.int64, count=len(contents)), out=offsets[1:])
+    total = int(offsets[-1])
+    if slab is None or total > room or not reserve_area(fd, reserved, index, start, total):
+        return offsets, [pickle.PickleBuffer(c) for c in contents]
+    for content, a, b in zip(contents, offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
+        slab[start + a : start + b] = content
+    return offsets, None
+
+
+def contents_views(
+    slab: Any, start: int, offsets: np.ndarray | None, inline: Sequence[Any] | None
+) -> Sequence[bytes | memoryview]:
+    """The items `write_contents` wrote at `start` of the slab, as views of it (no copy), or those that crossed in
+    band."""
+    if inline is not None:
+        return inline
+    assert slab is not None and offsets is not None
+    view = memoryview(slab)[start : start + int(offsets[-1])]
+    return [view[a:b] for a, b in itertools.pairwise(offsets.tolist())]
 
 
 class Built:
@@ -629,14 +651,8 @@ class _PreparerState:
 
     def _job(self, slot: int, record: tuple) -> PrepareJob:
         modalities, offsets, inline, bags, groups, sides, choices, relations = record
-        if inline is not None:
-            contents: Sequence[bytes | memoryview] = inline
-        else:
-            slab = self.endpoint.slab
-            assert slab is not None
-            start = slot * (self.input_bytes + self.output_bytes)
-            view = memoryview(slab)[start : start + int(offsets[-1])]
-            contents = [view[a:b] for a, b in itertools.pairwise(offsets.tolist())]
+        start = slot * (self.input_bytes + self.output_bytes)
+        contents = contents_views(self.endpoint.slab, start, offsets, inline)
         return PrepareJob(
             modalities=[Modality(int(m)) for m in modalities],
             contents=contents,

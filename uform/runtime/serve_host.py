@@ -42,7 +42,6 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import itertools
 import multiprocessing
 import multiprocessing.util
 import os
@@ -62,7 +61,7 @@ from ..media.units import Units
 from .decoders import DecodePool, decode_parallelism
 from .heap import keep_heap
 from .helper import BOOT_SECONDS, Endpoint, Frame, Helper, Link, NotDelivered, ProcessDied, close_all
-from .preparers import DECODER_CONTEXT, DECODER_PRELOAD, Built
+from .preparers import DECODER_CONTEXT, DECODER_PRELOAD, Built, contents_views, write_contents
 from .slab import reserve_area
 
 __all__ = ["SLOTS", "ServeHost", "ServeHostError"]
@@ -233,21 +232,13 @@ class _Process:
     def open(self, shape: Packing, items: CallItems, room: int) -> concurrent.futures.Future:
         """Writes a part's contents into the input area (or in band, where it has no room) and opens the call."""
         contents = items.contents
-        offsets = np.zeros(len(contents) + 1, dtype=np.int64)
-        np.cumsum([len(c) for c in contents], out=offsets[1:])
-        total = int(offsets[-1])
-        slab, fd = self.helper.slab, self.helper.slab_fd
-        shared = slab is not None and total <= room and reserve_area(fd, self.reserved, 0, 0, total)
-        if shared:
-            assert slab is not None
-            for content, a, b in zip(contents, offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
-                slab[a:b] = content  # the one copy of the contents
+        offsets, inline = write_contents(self.helper.slab, self.helper.slab_fd, self.reserved, 0, 0, room, contents)
         record = (
             shape,
             items.verb,
             np.fromiter((int(m) for m in items.modalities), dtype=np.int8, count=len(contents)),
-            offsets if shared else None,
-            None if shared else [bytes(c) for c in contents],
+            offsets if inline is None else None,
+            inline,
             None if items.sides is None else np.array([int(s) for s in items.sides], dtype=np.int8),
             items.span,
         )
@@ -439,16 +430,10 @@ class _Host:
 
     def _open(self, record: tuple) -> None:
         shape, verb, modalities, offsets, inline, sides, span = record
-        if inline is not None:
-            contents: Sequence[bytes | memoryview] = inline
-        else:
-            assert self.endpoint.slab is not None
-            view = memoryview(self.endpoint.slab)[: int(offsets[-1])]
-            contents = [view[a:b] for a, b in itertools.pairwise(offsets.tolist())]
         items = CallItems(
             verb=verb,
             modalities=[Modality(int(m)) for m in modalities],
-            contents=contents,
+            contents=contents_views(self.endpoint.slab, 0, offsets, inline),
             sides=None if sides is None else [LateInteractionSide(int(s)) for s in sides],
             span=span,
         )
