@@ -45,6 +45,7 @@ from uform import (
     vocab,
 )
 from uform.config import resolve, to_json
+from uform.data.items import parse_modalities
 from uform.data.windows import packing_rows, plan_batches
 from uform.evaluate import encode_texts, evaluate_retrieval, ranking_metrics, retrieval_metrics
 from uform.model.attention import document_mask
@@ -197,6 +198,20 @@ def test_a_window_s_last_batch_is_filled_from_the_next_window(
     assert sizes == [3] * 6 + [2]
     alone = torch.cat([trained["model"].encode(["text"], [t]) for t in texts])
     assert torch.allclose(together, alone, atol=1e-5, rtol=0)
+
+
+def test_modalities_parse_each_distinct_word_once_and_still_name_a_bad_item() -> None:
+    """A call's modalities are parsed once per distinct (type, value): 1 and True stay apart (True is refused
+    though 1 parsed), and a bad item is named by its index wherever it stands."""
+    got = parse_modalities(["image", "TEXT ", 1, Modality.Audio, np.int64(2), "image", 1])
+    image, text, video, audio = Modality.Image, Modality.Text, Modality.Video, Modality.Audio
+    assert got == [image, text, image, audio, video, image, image]
+    with pytest.raises(TypeError, match=r"^modalities\[1\]: .* got a bool"):
+        parse_modalities([1, True])
+    with pytest.raises(ValueError, match=r"^modalities\[2\]: unknown word 'txet'"):
+        parse_modalities(["text", "text", "txet", "text"])
+    with pytest.raises(TypeError, match=r"^modalities\[1\]: .* got list"):
+        parse_modalities(["text", ["text"]])
 
 
 def test_plan_batches_respects_capacity_and_packs_first_fit() -> None:

@@ -78,6 +78,10 @@ _IN_BAND_BELOW = 4096
 """Buffers smaller than this travel inside the pickled message rather than through the slab."""
 
 
+_MODALITIES = {int(m): m for m in Modality}
+_SIDES = {int(s): s for s in LateInteractionSide}
+
+
 class ServeHostError(RuntimeError):
     """The serving host process died (killed, out of memory) during a call; the call was not answered."""
 
@@ -432,9 +436,9 @@ class _Host:
         shape, verb, modalities, offsets, inline, sides, span = record
         items = CallItems(
             verb=verb,
-            modalities=[Modality(int(m)) for m in modalities],
+            modalities=[_MODALITIES[m] for m in modalities.tolist()],
             contents=contents_views(self.endpoint.slab, 0, offsets, inline),
-            sides=None if sides is None else [LateInteractionSide(int(s)) for s in sides],
+            sides=None if sides is None else [_SIDES[s] for s in sides.tolist()],
             span=span,
         )
 
