@@ -46,6 +46,10 @@ interpreter lock's holder is sampled: how much of the wall each thread held the 
 `--spy-host SECONDS` and `--spy-host-gil SECONDS` sample the (first) serving host process's threads the same two
 ways.
 
+`--timeline` runs one more call of each kind and reports when its batches reached the device (`encode`'s
+progress): how long the first batch took (the call's fixed start), the steady rate between a quarter and three
+quarters of the items, and the whole call's rate.
+
 `--window N` decodes and sorts N items together (`Model.window`; 0: the model's, twice its segments).
 
 Each figure is the best of `--repeats` timed calls after one warm-up call (which compiles on CUDA). Prints
@@ -221,6 +225,32 @@ def decode_rates(args: argparse.Namespace, images: list[bytes]) -> dict[str, Any
     return out
 
 
+def timeline(model: Any, modalities: list[str], contents: list[bytes], label: str) -> dict[str, float]:
+    """One more (warm) call that records when its batches reach the device (`encode`'s progress, 64 reports):
+    how long the first took (a call's fixed start: its contents handed over, the first window decoded and packed),
+    the steady rate between a quarter and three quarters of the items, and the whole call's rate."""
+    marks: list[tuple[float, int]] = []
+    t0 = time.perf_counter()
+    model.encode(
+        modalities, contents, progress=lambda done, total: marks.append((time.perf_counter(), done)), progress_steps=64
+    )
+    wall = time.perf_counter() - t0
+    total = len(contents)
+    first = next(t for t, done in marks if done > 0) - t0
+    a = min(marks, key=lambda m: abs(m[1] - total / 4))
+    b = min(marks, key=lambda m: abs(m[1] - 3 * total / 4))
+    steady = (b[1] - a[1]) / (b[0] - a[0]) if b[0] > a[0] else float("nan")
+    out = {"first_s": first, "steady_items_per_s": steady, "items_per_s": total / wall, "wall_s": wall}
+    out["marks"] = [(t - t0, done) for t, done in marks]
+    print(
+        f"timeline {label}: first batch handed to the device after {first * 1e3:.1f} ms; {steady:,.0f} items/s "
+        f"between a quarter and three quarters of the items; {total / wall:,.0f} items/s whole ({wall * 1e3:.0f} ms)",
+        flush=True,
+    )
+    print("  ms:items " + " ".join(f"{(t - t0) * 1e3:.0f}:{done}" for t, done in marks), flush=True)
+    return out
+
+
 def phases(model: Any, modalities: list[str], contents: list[bytes], label: str, folder: str) -> dict[str, Any]:
     """One more (warm) call with serving's stages timed on the threads that run them (`Model._decode` on the
     decoding thread, `_prepare` and its parts on the host thread, `_device` and the waits on the caller's): where
@@ -346,6 +376,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--spy-host", type=float, default=0, help="--spy of the serving host process")
     parser.add_argument("--spy-host-gil", type=float, default=0, help="--spy-gil of the serving host process")
+    parser.add_argument("--timeline", action="store_true", help="one more call: its first batch, its steady rate")
     parser.add_argument("--window", type=int, default=0, help="items decoded and sorted together (0: the model's)")
     parser.add_argument(
         "--pool-workers", default="0", help="decoder pool sizes for the decode row, comma-separated (0: --workers)"
@@ -420,6 +451,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     results[kind]["profile"] = profiled(kind, call, args.out)
                 if args.phases:
                     results[kind]["phases"] = phases(model, modalities, contents, kind, args.out)
+                if args.timeline:
+                    results[kind]["timeline"] = timeline(model, modalities, contents, kind)
                 spied = [(args.spy, False, ""), (args.spy_gil, True, ""), (args.spy_host, False, "-host")]
                 spied.append((args.spy_host_gil, True, "-host"))
                 for seconds, gil, whose in spied:

@@ -59,12 +59,16 @@ def test_encode_bench_smoke(tmp_path: Path) -> None:
 def test_encode_bench_times_the_file_path_too(tmp_path: Path) -> None:
     tiny = "--device cpu --depth 1 --hidden 128 --rows 2 --columns 128 --segments 8 --texts 12 --text-bytes 40"
     tiny += f" --images 3 --image-side 32 --workers 1 --repeats 1 --file --batch 5 --width 64 --out {tmp_path}"
-    results = load("encode").main([*tiny.split(), "--host-processes", "1,0", "--window", "4"])
+    results = load("encode").main([*tiny.split(), "--host-processes", "1,0", "--window", "4", "--timeline"])
     for kind, count in (("text_file", 12), ("image_file", 3)):
         assert results[kind]["items"] == count and results[kind]["items_per_s"] > 0
         assert results[kind]["width"] == 64 and results[kind]["dtype"] == "f16"
     for kind, count in (("text_host_0", 12), ("image_host_0", 3)):  # side by side: in process, against one
         assert results[kind]["items"] == count and results[kind]["items_per_s"] > 0
+    timeline = results["text"]["timeline"]  # one more call: when its batches reached the device
+    marks = timeline["marks"]
+    assert 0 < timeline["first_s"] == marks[0][0] <= marks[-1][0] <= timeline["wall_s"] and marks[-1][1] == 12
+    assert [done for _, done in marks] == sorted(done for _, done in marks) and len(marks) >= 2
 
 
 def test_onnx_cpu_bench_smoke(tmp_path: Path) -> None:
