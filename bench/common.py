@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
@@ -92,8 +93,13 @@ def add_geometry(
 
 def write_json(name: str, data: Any, folder: str | None = None) -> str:
     """Writes `data` as `name` under `folder` (default: $OUT, else the current folder, made if missing); answers
-    the path."""
+    the path. A dict gains "uform_from", the folder of the uform package the bench ran (where it imported one):
+    a bench imports the checkout it sits in, whatever PYTHONPATH says, so an A/B of two builds runs each from a
+    tree of its own, and this says which one ran."""
     folder = folder or os.environ.get("OUT") or "."
+    package = sys.modules.get("uform")
+    if isinstance(data, dict) and package is not None and getattr(package, "__file__", None):
+        data = {**data, "uform_from": os.path.dirname(os.path.abspath(package.__file__))}
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, name)
     with open(path, "w") as f:

@@ -53,7 +53,9 @@ def test_encode_bench_smoke(tmp_path: Path) -> None:
     decode = results["decode"]
     assert decode["items"] == 3 and decode["pools"][0]["workers"] == 1 and decode["pools"][0]["items_per_s"] > 0
     assert decode["in_process_ms_per_item"] > 0 and decode["plan_us_per_item"] > 0
-    assert json.loads((tmp_path / "bench-encode.json").read_text())["text"]["items"] == 12
+    written = json.loads((tmp_path / "bench-encode.json").read_text())
+    assert written["text"]["items"] == 12
+    assert written["uform_from"] == str(BENCH.parent / "uform")  # the checkout the bench sits in ran
 
 
 def test_encode_bench_times_the_file_path_too(tmp_path: Path) -> None:
