@@ -32,8 +32,8 @@ which the owner shifts to the caller's index; any other exception of the host st
 and the next call starts a new one. A process ignores SIGINT (the serving process handles Ctrl-C) and exits,
 killing its decoders, once its pipe to the owner reports end of file.
 
-This module imports numpy and the light uform modules only (torch is the caller's), so the processes start without
-torch.
+This module imports the light uform modules only (numpy among them; torch is the caller's), so the processes start
+without torch.
 """
 
 from __future__ import annotations
@@ -51,8 +51,6 @@ from collections.abc import Generator, Sequence
 from concurrent.futures import FIRST_COMPLETED
 from typing import Any
 
-import numpy as np
-
 from ..data.windows import CallItems, Packed, Packing, call_batches, pack_batch
 from ..enums import LateInteractionSide, Modality
 from ..media.decode import MediaPolicy, decode_items
@@ -61,8 +59,15 @@ from ..media.units import Units
 from .decoders import DecodePool, decode_parallelism
 from .heap import keep_heap
 from .helper import BOOT_SECONDS, Endpoint, Frame, Helper, Link, NotDelivered, ProcessDied, close_all
-from .preparers import DECODER_CONTEXT, DECODER_PRELOAD, Built, contents_views, write_contents
-from .slab import reserve_area
+from .preparers import (
+    DECODER_CONTEXT,
+    DECODER_PRELOAD,
+    Built,
+    contents_views,
+    enum_codes,
+    enum_members,
+    write_contents,
+)
 
 __all__ = ["SLOTS", "ServeHost", "ServeHostError"]
 
@@ -74,12 +79,6 @@ _INPUT_BYTES = 1 << 30
 _SLOT_BYTES = 256 << 20
 """Each output area, likewise (a batch at the reference capacity is ~50 MB, its image units); every area starts
 at a multiple of `uform.runtime.slab.SLAB_ALIGN`."""
-_IN_BAND_BELOW = 4096
-"""Buffers smaller than this travel inside the pickled message rather than through the slab."""
-
-
-_MODALITIES = {int(m): m for m in Modality}
-_SIDES = {int(s): s for s in LateInteractionSide}
 
 
 class ServeHostError(RuntimeError):
@@ -240,10 +239,10 @@ class _Process:
         record = (
             shape,
             items.verb,
-            np.fromiter((int(m) for m in items.modalities), dtype=np.int8, count=len(contents)),
+            enum_codes(items.modalities),
             offsets if inline is None else None,
             inline,
-            None if items.sides is None else np.array([int(s) for s in items.sides], dtype=np.int8),
+            None if items.sides is None else enum_codes(items.sides),
             items.span,
         )
         return self.ask(("open", record))
@@ -436,9 +435,9 @@ class _Host:
         shape, verb, modalities, offsets, inline, sides, span = record
         items = CallItems(
             verb=verb,
-            modalities=[_MODALITIES[m] for m in modalities.tolist()],
+            modalities=enum_members(modalities, Modality),
             contents=contents_views(self.endpoint.slab, 0, offsets, inline),
-            sides=None if sides is None else [_SIDES[s] for s in sides.tolist()],
+            sides=None if sides is None else enum_members(sides, LateInteractionSide),
             span=span,
         )
 
@@ -480,15 +479,7 @@ class _Host:
         if message[0] != "batch":
             endpoint.reply(ident, message)
             return
-        at = built.at  # the rest of the batch's buffers are copied in after those built in place
-        endpoint.reply(
-            ident,
-            message,
-            area=(at, end),
-            reserve=lambda length: reserve_area(endpoint.slab_fd, self.reserved, slot, start, at - start + length),
-            in_band_below=_IN_BAND_BELOW,
-            placed=(start, at),
-        )
+        built.reply(endpoint, ident, message)
 
     def _end(self) -> None:
         """Ends the open call, if any (its decoding thread joins)."""
