@@ -45,7 +45,8 @@ def test_encode_bench_smoke(tmp_path: Path) -> None:
     for kind, count in (("text", 12), ("image", 3)):
         assert results[kind]["items"] == count and results[kind]["items_per_s"] > 0
         cpu = results[kind]["cpu"]  # where the host's CPUs went over the timed calls (/proc)
-        assert 0 <= cpu["host_busy"] <= 1 and cpu["host_cpus"] >= 1 and cpu["ours"] > 0
+        # /proc counts CPU time in ticks: a call this short may see none of them.
+        assert 0 <= cpu["host_busy"] <= 1 and cpu["host_cpus"] >= 1 and cpu["ours"] >= 0
         phases = results[kind]["phases"]  # the stages of one more call, by the thread that ran them
         assert phases["wall_s"] > 0 and phases["uform-serve-host"]["_prepare"][1] >= 1
         assert phases["MainThread"]["_device"][1] == phases["uform-serve-host"]["_prepare"][1]
