@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 from export_cases import manifest, trained_run
 
 import uform
-from uform import MediaWarning, Scalar
+from uform import MediaWarning, Scalar, encoding
 from uform.cli import main
 from uform.embedding_writer import sidecars
 from uform.encoding import DEFAULT_FIELDS, encode_records
@@ -127,8 +128,78 @@ def test_reading_streams_a_batch_at_a_time(setup: dict[str, Any]) -> None:
     writer = Writer()
     with pytest.raises(RuntimeError, match="record 9"):
         encode_records(setup["model"], records(), writer, Fields.parse(DEFAULT_FIELDS), 128, Scalar.F32, 4)
-    # Two batches were written before the source broke, each when just its own records had been pulled.
-    assert writer.seen == [(4, 0), (8, 4)]
+    # Two batches were written before the source broke (its error comes after them, as without the reading
+    # thread), each when its own records and at most the next batch's had been pulled: two batches held at most.
+    assert [rows for _, rows in writer.seen] == [0, 4]
+    assert all(rows + 4 <= at <= rows + 8 for at, rows in writer.seen), writer.seen
+    assert not [t for t in threading.enumerate() if t.name == "uform-encode-reader"]
+
+
+class _Gated:
+    """The test model, whose first `encode` call waits (at most `seconds`) until `gate` is set."""
+
+    def __init__(self, model: Any, gate: threading.Event, seconds: float) -> None:
+        self.model, self.gate, self.seconds, self.opened = model, gate, seconds, []
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.opened:
+            self.opened.append(self.gate.wait(self.seconds))
+        return self.model.encode(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def test_the_next_batch_is_read_while_this_one_is_embedded(setup: dict[str, Any]) -> None:
+    gate = threading.Event()
+
+    def records() -> Iterator[dict[str, Any]]:
+        for k in range(8):
+            if k == 4:  # the second batch's first record: read while the first batch's encode is in progress
+                gate.set()
+            yield {"id": f"r{k}", "text": f"record number {k}"}
+
+    class Writer:
+        rows = 0
+
+        def write(self, ids: list[str], embeddings: torch.Tensor, valid: torch.Tensor) -> None:
+            self.rows += len(ids)
+
+    model, writer = _Gated(setup["model"], gate, 30.0), Writer()
+    total, failed, _ = encode_records(model, records(), writer, Fields.parse(DEFAULT_FIELDS), 128, Scalar.F32, 4)
+    assert (total, failed, writer.rows) == (8, 0, 8)
+    assert model.opened == [True]  # read on its thread: without it the first encode would wait out its 30 s
+
+
+def test_a_batch_closes_early_at_its_byte_budget_and_a_failed_write_stops_the_reader(
+    setup: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(encoding, "BATCH_BYTES", 40)  # two of these 20-byte texts reach it
+    closed = []
+
+    def records() -> Iterator[dict[str, Any]]:
+        try:
+            for k in range(100):
+                yield {"id": f"r{k}", "text": f"record number {k:06d}"}
+        finally:
+            closed.append(threading.current_thread().name)
+
+    class Writer:
+        def __init__(self) -> None:
+            self.sizes: list[int] = []
+
+        def write(self, ids: list[str], embeddings: torch.Tensor, valid: torch.Tensor) -> None:
+            self.sizes.append(len(ids))
+            if len(self.sizes) == 3:
+                raise OSError("the disk is full")
+
+    writer = Writer()
+    with pytest.raises(OSError, match="disk is full"):
+        encode_records(setup["model"], records(), writer, Fields.parse(DEFAULT_FIELDS), 128, Scalar.F32, 8)
+    assert writer.sizes == [2, 2, 2]
+    # The reading thread stopped (its source closed on it, not left mid-file) and was joined.
+    assert closed == ["uform-encode-reader"]
+    assert not [t for t in threading.enumerate() if t.name == "uform-encode-reader"]
 
 
 def test_a_record_of_two_items_or_an_unmapped_field_is_refused(setup: dict[str, Any], tmp_path: Path) -> None:

@@ -7,9 +7,10 @@ what an embedding needs: exactly one item field a record (text, image, video or 
 The default mapping is `{"id": "id", "text": "text", "image": "image", "video": "video", "audio": "audio"}`;
 a field it does not name is refused naming the field and the record, as in training.
 
-Streaming: records are pulled from the reader a batch at a time, that batch is embedded (`Model.encode`, which
-packs it into the model's capacity) and written, then the next is pulled; nothing holds more than one batch of
-records, contents or vectors, whatever the input's size.
+Streaming: records are pulled from the reader a batch at a time (`batch` records, or fewer once their items
+reach `BATCH_BYTES`), that batch is embedded (`Model.encode`, which packs it into the model's capacity) and
+written; the next batch is read on a thread of its own meanwhile, so its files are read while the device works.
+Nothing holds more than two batches of records and contents, or one of vectors, whatever the input's size.
 
 A record that cannot be embedded (its media file missing, undecodable, or past a limit) is written as a null row
 (Parquet null; `.npy` NaN, -128 under i8, with `valid` False), never as a zero vector; its record id and reason
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import math
 import os
+import queue
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +47,11 @@ DEFAULT_FIELDS = {"id": "id", "text": "text", "image": "image", "video": "video"
 """The mapping `encode_file` reads records by when none is given."""
 MAX_REPORTED = 20
 """Failed records a summary lists by id (every one is counted)."""
+BATCH_BYTES = 256 << 20
+"""A batch is also closed once its items' bytes reach this (256 MiB), so batches of large media (video) stay
+bounded in memory whatever `batch` says."""
+_POLL_S = 0.05
+"""How often a reader waiting for its batch to be taken looks for a stop."""
 _DTYPES = {"f32": Scalar.F32, "f16": Scalar.F16, "bf16": Scalar.BF16, "i8": Scalar.I8}
 
 
@@ -102,19 +110,67 @@ def encode_records(
     bar: Any = None,
 ) -> tuple[int, int, list[tuple[str, str]]]:
     """Embeds `records` a `batch` at a time into `writer` (an `embedding_writer.EmbeddingWriter`); answers
-    (records, failed, the first `MAX_REPORTED` failures as (id, reason))."""
+    (records, failed, the first `MAX_REPORTED` failures as (id, reason)). The next batch is read on a thread of
+    its own while this one is embedded (`_ReadAhead`)."""
     total = failed = 0
     failures: list[tuple[str, str]] = []
-    pending: list[Record] = []
+    ahead = _ReadAhead(_batches(records, fields, batch))
+    try:
+        for pending in ahead:
+            n = len(pending.ids)
+            out = torch.full((n, width), _invalid(scalar), dtype=_torch_dtype(scalar))
+            valid = torch.zeros(n, dtype=torch.bool)
+            reasons = pending.reasons
+            if pending.sent:
+                modalities, contents = pending.modalities, pending.contents
+                embedded, ok = model.encode(modalities, contents, width, outputs_scalar=scalar, errors="mask")
+                at = torch.tensor(pending.sent, dtype=torch.long)
+                out[at] = embedded
+                valid[at] = ok
+                for k in torch.nonzero(~ok).flatten().tolist():
+                    reasons[pending.sent[k]] = _reason(model, modalities[k], contents[k], width)
+            for row in sorted(reasons):
+                failed += 1
+                if len(failures) < MAX_REPORTED:
+                    failures.append((pending.ids[row], reasons[row]))
+                model.notices.warn(
+                    "encode.failed",
+                    f"encode: record {pending.ids[row]} could not be embedded ({reasons[row]}); its row is written "
+                    "null (Parquet null; .npy NaN, -128 under i8, valid False). Further ones are counted, not shown",
+                    MediaWarning,
+                    stacklevel=3,
+                )
+            writer.write(pending.ids, out, valid)
+            total += n
+            if bar is not None:
+                bar.update(n)
+    finally:
+        ahead.close()
+    return total, failed, failures
 
-    def flush() -> None:
-        nonlocal total, failed
-        ids: list[str] = []
-        modalities: list[Modality] = []
-        contents: list[bytes] = []
-        sent: list[int] = []
-        reasons: dict[int, str] = {}
-        for record in pending:
+
+@dataclass
+class _Batch:
+    """One batch of records as read: every record's id, and the items of those that have one to send."""
+
+    ids: list[str] = field(default_factory=list)
+    modalities: list[Modality] = field(default_factory=list)
+    contents: list[bytes] = field(default_factory=list)
+    sent: list[int] = field(default_factory=list)
+    """The row (in `ids`) of each item sent."""
+    reasons: dict[int, str] = field(default_factory=dict)
+    """Why each row not sent has no item (its media file is missing)."""
+    size: int = 0
+    """Bytes of `contents`."""
+
+
+def _batches(records: Iterable[Record], fields: Fields, batch: int) -> Iterator[_Batch]:
+    """`records` read (`read_record`: a record's media files are read here) into batches of `batch` records,
+    each closed early once its contents reach `BATCH_BYTES`."""
+    pending = _Batch()
+    iterator = iter(records)
+    try:
+        for record in iterator:
             items = read_record(record, fields)
             count = len(items.modalities) + (items.missing is not None)
             if count != 1:
@@ -123,46 +179,73 @@ def encode_records(
                     'fields to "ignore", or write one record per item)'
                 )
             if items.missing is not None:
-                reasons[len(ids)] = f"missing file {items.missing}"
+                pending.reasons[len(pending.ids)] = f"missing file {items.missing}"
             else:
-                sent.append(len(ids))
-                modalities.append(items.modalities[0])
-                contents.append(items.contents[0])
-            ids.append(items.id)
-        pending.clear()
-        n = len(ids)
-        out = torch.full((n, width), _invalid(scalar), dtype=_torch_dtype(scalar))
-        valid = torch.zeros(n, dtype=torch.bool)
-        if sent:
-            embedded, ok = model.encode(modalities, contents, width, outputs_scalar=scalar, errors="mask")
-            at = torch.tensor(sent, dtype=torch.long)
-            out[at] = embedded
-            valid[at] = ok
-            for k in torch.nonzero(~ok).flatten().tolist():
-                reasons[sent[k]] = _reason(model, modalities[k], contents[k], width)
-        for row in sorted(reasons):
-            failed += 1
-            if len(failures) < MAX_REPORTED:
-                failures.append((ids[row], reasons[row]))
-            model.notices.warn(
-                "encode.failed",
-                f"encode: record {ids[row]} could not be embedded ({reasons[row]}); its row is written null "
-                "(Parquet null; .npy NaN, -128 under i8, valid False). Further ones are counted, not shown",
-                MediaWarning,
-                stacklevel=4,
-            )
-        writer.write(ids, out, valid)
-        total += n
-        if bar is not None:
-            bar.update(n)
+                pending.sent.append(len(pending.ids))
+                pending.modalities.append(items.modalities[0])
+                pending.contents.append(items.contents[0])
+                pending.size += len(items.contents[0])
+            pending.ids.append(items.id)
+            if len(pending.ids) == batch or pending.size >= BATCH_BYTES:
+                yield pending
+                pending = _Batch()
+        if pending.ids:
+            yield pending
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:  # a source's own cleanup (its open files) runs here, not whenever it is collected
+            close()
 
-    for record in records:
-        pending.append(record)
-        if len(pending) == batch:
-            flush()
-    if pending:
-        flush()
-    return total, failed, failures
+
+class _ReadAhead:
+    """An iterator run on a thread of its own, one element ahead of its consumer: the next batch's records and
+    files are read while the device embeds this one. What the iterator raises is raised to the consumer after the
+    elements before it, as it would have been without the thread; `close` stops the thread once its element in
+    hand is read (or within `_POLL_S` while it waits for one to be taken) and joins it."""
+
+    def __init__(self, source: Iterator[Any]) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._taken = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, args=(source,), name="uform-encode-reader", daemon=True)
+        self._thread.start()
+
+    def _main(self, source: Iterator[Any]) -> None:
+        try:
+            for element in source:
+                if not self._put(("element", element)):
+                    return
+            self._put(("done", None))
+        except BaseException as error:  # handed to the consumer, which raises it
+            self._put(("error", error))
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:  # a generator's own cleanup (open files) runs on the thread that ran it
+                close()
+
+    def _put(self, message: tuple[str, Any]) -> bool:
+        """Hands `message` over and waits until it is taken, so the thread reads the element after it only
+        while the consumer works on this one: two elements held at most. False: stopped first."""
+        self._taken.clear()
+        self._queue.put(message)
+        while not self._taken.wait(_POLL_S):
+            if self._stop.is_set():
+                return False
+        return True
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            kind, value = self._queue.get()
+            self._taken.set()
+            if kind == "done":
+                return
+            if kind == "error":
+                raise value
+            yield value
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _reason(model: Model, modality: Modality, content: bytes, width: int) -> str:
