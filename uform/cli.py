@@ -33,7 +33,7 @@ import torch
 from . import __version__
 from .demo import DEFAULTS, held_out_split, report, run_demo, text_pairs
 from .demo_shapes import IMAGE_DEFAULTS, run_image_demo
-from .encoding import encode_file
+from .encoding import DEFAULT_BATCH, encode_file
 from .exporting import export
 from .fitting import fit
 from .interrupts import exit_status
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument(
         "--dtype", choices=("f32", "f16", "bf16", "i8"), default="f32", help="scalar type (%(default)s)"
     )
-    encode.add_argument("--batch", type=_positive, default=256, help="records held and embedded at once (%(default)s)")
+    encode.add_argument("--batch", type=_positive, default=DEFAULT_BATCH, help="records embedded at once (%(default)s)")
     encode.add_argument("--cpu", action="store_true", help="encode on the CPU even when a GPU is present")
     encode.add_argument(
         "--jpeg",

@@ -41,12 +41,24 @@ from .sources.fields import Fields, read_record
 from .sources.record import Record
 from .sources.source import Shard, open_source
 
-__all__ = ["DEFAULT_FIELDS", "MAX_REPORTED", "EncodeSummary", "encode_file", "encode_records"]
+__all__ = [
+    "BATCH_BYTES",
+    "DEFAULT_BATCH",
+    "DEFAULT_FIELDS",
+    "MAX_REPORTED",
+    "EncodeSummary",
+    "encode_file",
+    "encode_records",
+]
 
 DEFAULT_FIELDS = {"id": "id", "text": "text", "image": "image", "video": "video", "audio": "audio"}
 """The mapping `encode_file` reads records by when none is given."""
 MAX_REPORTED = 20
 """Failed records a summary lists by id (every one is counted)."""
+DEFAULT_BATCH = 4096
+"""Records a batch holds by default: every `Model.encode` call pays a start (its first batch decoded and packed)
+and a tail (the device draining), so calls of 256 JPEGs ran at 1,787 a second on the H200 and calls of 4,096 at
+4,971 (BENCHMARKS.md, "Issue 12, nineteenth day")."""
 BATCH_BYTES = 256 << 20
 """A batch is also closed once its items' bytes reach this (256 MiB), so batches of large media (video) stay
 bounded in memory whatever `batch` says."""
@@ -271,7 +283,7 @@ def encode_file(
     fields: Mapping[str, Any] | None = None,
     width: int | None = None,
     dtype: str = "f32",
-    batch: int = 256,
+    batch: int = DEFAULT_BATCH,
     executor: Executor | None = None,
     progress: bool = False,
     jpeg: str = "host",
@@ -282,7 +294,7 @@ def encode_file(
     on `executor`: None picks the first CUDA device where there is one, else the CPU). `input`: a JSONL, CSV or
     Parquet path (or glob), or any iterable of records. `output`: `.parquet` or `.npy`. `fields`: the mapping
     (default `DEFAULT_FIELDS`). `width`: a Matryoshka width (default the full width); `dtype`: "f32", "f16",
-    "bf16" or "i8"; `batch`: records embedded at once; `progress`: a tqdm bar on stderr; `jpeg`: where a model
+    "bf16" or "i8"; `batch`: records embedded at once (fewer once their bytes reach `BATCH_BYTES`); `progress`: a tqdm bar on stderr; `jpeg`: where a model
     loaded here decodes JPEGs ("host" or "device", as `uform.load` takes it; a `Model` keeps its own).
 
     Every argument is checked before anything is read or written; the output appears whole, or not at all.
