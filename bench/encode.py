@@ -50,6 +50,9 @@ ways.
 progress): how long the first batch took (the call's fixed start), the steady rate between a quarter and three
 quarters of the items, and the whole call's rate.
 
+`--stream N` also times the same call N times over as one stream (`Model.encode_stream`: the next call is
+prepared while this one's last batches run), whose rate is what a long input embedded a batch at a time gets.
+
 `--window N` decodes and sorts N items together (`Model.window`; 0: the model's, twice its segments).
 
 Each figure is the best of `--repeats` timed calls after one warm-up call (which compiles on CUDA). Prints
@@ -377,6 +380,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--spy-host", type=float, default=0, help="--spy of the serving host process")
     parser.add_argument("--spy-host-gil", type=float, default=0, help="--spy-gil of the serving host process")
     parser.add_argument("--timeline", action="store_true", help="one more call: its first batch, its steady rate")
+    parser.add_argument(
+        "--stream", type=int, default=0, help="also the same call N times as one stream (Model.encode_stream)"
+    )
     parser.add_argument("--window", type=int, default=0, help="items decoded and sorted together (0: the model's)")
     parser.add_argument(
         "--pool-workers", default="0", help="decoder pool sizes for the decode row, comma-separated (0: --workers)"
@@ -434,6 +440,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     f"its children {cpu['ours']:.1f} cores)",
                     flush=True,
                 )
+                if args.stream:  # the same call `--stream` times over, as one stream (Model.encode_stream)
+                    calls = [(modalities, contents)] * args.stream
+                    _, took = timed(lambda c=calls: sum(1 for _ in model.encode_stream(c)), args.repeats)
+                    rate = args.stream * len(contents) / took
+                    results[f"{kind}_stream"] = {"calls": args.stream, "items": len(contents), "items_per_s": rate}
+                    print(f"{kind}_stream {rate:>8,.1f} items/s  ({args.stream} calls of {len(contents)}, one stream)")
                 if twin is not None:  # side by side: the twin, then the model again
                     warm, alone = timed(lambda m=modalities, c=contents: twin.encode(m, c), args.repeats)
                     _, again = timed(lambda m=modalities, c=contents: model.encode(m, c), args.repeats)

@@ -291,3 +291,89 @@ def test_evaluate_retrieval_refuses_a_broken_item(served: dict[str, Any]) -> Non
     documents = (["image", "text"], [b"not an image", b"a cat looks up"])
     with pytest.raises(MediaError, match=r"^contents\[0\]: "):
         evaluate_retrieval(served["model"], ["a cat"], documents, [1])
+
+
+def test_a_stream_of_calls_answers_what_each_call_answers_bitwise(served: dict[str, Any]) -> None:
+    model = load(served["path"], rows=1, segments=2, media=MediaPolicy(workers=2))
+    try:
+        model.window = 3  # windows cut across each call, as a long call's would
+        mods, contents = served["modalities"], served["contents"]
+        calls = [
+            (mods, contents),
+            (["text", "image", "audio"], [b"fine text", contents[0][:200], contents[2]]),  # a JPEG cut short
+            (mods[:3], contents[:3]),
+        ]
+        alone = [model.encode(m, c, 64, outputs_scalar="f16", errors="mask") for m, c in calls]
+        model.notices = Notices()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            streamed = list(model.encode_stream(calls, 64, outputs_scalar="f16", errors="mask"))
+        assert len(streamed) == 3
+        for (got, valid), (want, ok) in zip(streamed, alone, strict=True):
+            assert torch.equal(valid, ok) and got.dtype == torch.float16 and got.shape == want.shape
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bitwise, the NaN rows too
+        assert streamed[1][1].tolist() == [True, False, True]
+        messages = [str(w.message) for w in caught if issubclass(w.category, MediaWarning)]
+        assert len(messages) == 1 and "contents[1] (image): " in messages[0]  # each call's own index
+        assert model.notices.count("media") == 1
+    finally:
+        model.close()
+
+
+def test_a_stream_prepares_the_next_calls_while_its_caller_holds_an_answer(served: dict[str, Any]) -> None:
+    model = served["model"]
+    asked = threading.Event()
+
+    def calls() -> Iterator[tuple[list[str], list[bytes]]]:
+        yield ["text"], [b"the first"]
+        yield ["image"], [served["contents"][0]]
+        asked.set()  # the model asks for the third call once the second is prepared
+        yield ["text"], [b"the third"]
+
+    stream = model.encode_stream(calls())
+    first = next(stream)
+    # The caller holds the first answer; the preparing thread went on through the second call, without it.
+    assert asked.wait(60)
+    rest = list(stream)
+    assert len(rest) == 2 and not model._lock.locked()
+    assert torch.equal(first, model.encode(["text"], [b"the first"]))
+    assert torch.equal(rest[0], model.encode(["image"], [served["contents"][0]]))
+
+
+def test_a_refused_or_broken_call_raises_after_the_calls_before_it(served: dict[str, Any]) -> None:
+    model = served["model"]
+
+    def calls(second: tuple[list[str], list[bytes]]) -> Iterator[tuple[list[str], list[bytes]]]:
+        yield ["text"], [b"fine"]
+        yield second
+        raise AssertionError("a call after a failed one is never asked for")
+
+    stream = model.encode_stream(calls((["sound"], [b"x"])))
+    assert next(stream).shape == (1, 128)
+    with pytest.raises(ValueError, match=r"^calls\[1\]: modalities\[0\]"):
+        next(stream)
+    stream = model.encode_stream(calls((["text", "image"], [b"fine", b"not an image"])))  # errors="raise"
+    assert next(stream).shape == (1, 128)
+    with pytest.raises(MediaError, match=r"^contents\[1\]: ") as caught:
+        next(stream)
+    assert caught.value.item == 1 and not model._lock.locked()
+    stream = model.encode_stream(iter([(["text"], [b"a"])] * 5))
+    next(stream)
+    stream.close()  # a stream closed early gives the model back
+    assert not model._lock.locked() and model.encode(["text"], [b"a"]).shape == (1, 128)
+
+
+def test_a_streams_arguments_are_checked_before_anything_runs(served: dict[str, Any]) -> None:
+    model = served["model"]
+    with pytest.raises(ValueError, match=r"^width: must lie in \[1, hidden = 128\], got 129"):
+        model.encode_stream([], 129)
+    with pytest.raises(ValueError, match="errors"):
+        model.encode_stream([], errors="ignore")
+    with pytest.raises(ValueError, match="outputs_scalar"):
+        model.encode_stream([], outputs_scalar="f64")
+    for calls in (5, "text", {"text": b"x"}):
+        with pytest.raises(TypeError, match=r"^calls: expected an iterable of"):
+            model.encode_stream(calls)
+    with pytest.raises(TypeError, match=r"^calls\[0\]: expected a \(modalities, contents\) pair, got str"):
+        next(model.encode_stream(["text"]))
+    assert list(model.encode_stream([])) == [] and not model._lock.locked()

@@ -9,8 +9,10 @@ a field it does not name is refused naming the field and the record, as in train
 
 Streaming: records are pulled from the reader a batch at a time (`batch` records, or fewer once their items
 reach `BATCH_BYTES`), that batch is embedded (`Model.encode`, which packs it into the model's capacity) and
-written; the next batch is read on a thread of its own meanwhile, so its files are read while the device works.
-Nothing holds more than two batches of records and contents, or one of vectors, whatever the input's size.
+written. The batches go through the model as one stream of calls (`Model.encode_stream`: the next batch is
+decoded and packed while this one's last batches run on the device), and the batch after that is read on a
+thread of its own meanwhile, so its files are read while the device works. Nothing holds more than three batches
+of records and contents, or one of vectors, whatever the input's size.
 
 A record that cannot be embedded (its media file missing, undecodable, or past a limit) is written as a null row
 (Parquet null; `.npy` NaN, -128 under i8, with `valid` False), never as a zero vector; its record id and reason
@@ -20,6 +22,8 @@ are reported: a `MediaWarning` naming the first (once per call, every one counte
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import math
 import os
 import queue
@@ -123,42 +127,68 @@ def encode_records(
 ) -> tuple[int, int, list[tuple[str, str]]]:
     """Embeds `records` a `batch` at a time into `writer` (an `embedding_writer.EmbeddingWriter`); answers
     (records, failed, the first `MAX_REPORTED` failures as (id, reason)). The next batch is read on a thread of
-    its own while this one is embedded (`_ReadAhead`)."""
+    its own while this one is embedded (`_ReadAhead`), and the batches go through the model as one stream of
+    calls (`Model.encode_stream`), so the device does not wait for each batch's start."""
     total = failed = 0
-    failures: list[tuple[str, str]] = []
+    # The first MAX_REPORTED failures: [id, reason, modality, content]; a reason the decoder gave is asked for
+    # once the stream is done (the model serves one caller at a time), so only these few items are held.
+    first: list[list[Any]] = []
     ahead = _ReadAhead(_batches(records, fields, batch))
-    try:
+    read: collections.deque[_Batch] = collections.deque()  # batches pulled, not yet written, in order
+
+    def calls() -> Iterator[tuple[list[Modality], list[bytes]]]:  # pulled on the model's preparing thread
         for pending in ahead:
-            n = len(pending.ids)
-            out = torch.full((n, width), _invalid(scalar), dtype=_torch_dtype(scalar))
-            valid = torch.zeros(n, dtype=torch.bool)
-            reasons = pending.reasons
+            read.append(pending)
             if pending.sent:
-                modalities, contents = pending.modalities, pending.contents
-                embedded, ok = model.encode(modalities, contents, width, outputs_scalar=scalar, errors="mask")
-                at = torch.tensor(pending.sent, dtype=torch.long)
-                out[at] = embedded
-                valid[at] = ok
-                for k in torch.nonzero(~ok).flatten().tolist():
-                    reasons[pending.sent[k]] = _reason(model, modalities[k], contents[k], width)
-            for row in sorted(reasons):
-                failed += 1
-                if len(failures) < MAX_REPORTED:
-                    failures.append((pending.ids[row], reasons[row]))
-                model.notices.warn(
-                    "encode.failed",
-                    f"encode: record {pending.ids[row]} could not be embedded ({reasons[row]}); its row is written "
-                    "null (Parquet null; .npy NaN, -128 under i8, valid False). Further ones are counted, not shown",
-                    MediaWarning,
-                    stacklevel=3,
-                )
-            writer.write(pending.ids, out, valid)
-            total += n
-            if bar is not None:
-                bar.update(n)
+                yield pending.modalities, pending.contents
+
+    def write(pending: _Batch, embedded: torch.Tensor | None = None, ok: torch.Tensor | None = None) -> None:
+        nonlocal total, failed
+        n = len(pending.ids)
+        out = torch.full((n, width), _invalid(scalar), dtype=_torch_dtype(scalar))
+        valid = torch.zeros(n, dtype=torch.bool)
+        broken: dict[int, tuple[str | None, Modality | None, bytes]] = {
+            row: (reason, None, b"") for row, reason in pending.reasons.items()
+        }
+        if embedded is not None and ok is not None:
+            at = torch.tensor(pending.sent, dtype=torch.long)
+            out[at] = embedded
+            valid[at] = ok
+            for k in torch.nonzero(~ok).flatten().tolist():
+                broken[pending.sent[k]] = (None, pending.modalities[k], pending.contents[k])
+        for row in sorted(broken):
+            failed += 1
+            if len(first) < MAX_REPORTED:
+                first.append([pending.ids[row], *broken[row]])
+        writer.write(pending.ids, out, valid)
+        total += n
+        if bar is not None:
+            bar.update(n)
+
+    try:
+        stream = model.encode_stream(calls(), width, outputs_scalar=scalar, errors="mask")
+        with contextlib.closing(stream):
+            for embedded, ok in stream:
+                while not read[0].sent:  # batches of missing files alone, read before this one
+                    write(read.popleft())
+                write(read.popleft(), embedded, ok)
+        while read:
+            write(read.popleft())
     finally:
         ahead.close()
-    return total, failed, failures
+    for entry in first:
+        if entry[1] is None:
+            entry[1] = _reason(model, entry[2], entry[3], width)
+    for k in range(failed):
+        record, reason = (first[k][0], first[k][1]) if k < len(first) else ("", "")
+        model.notices.warn(  # shown for the first, counted for every one
+            "encode.failed",
+            f"encode: record {record} could not be embedded ({reason}); its row is written null (Parquet null; "
+            ".npy NaN, -128 under i8, valid False). Further ones are counted, not shown",
+            MediaWarning,
+            stacklevel=3,
+        )
+    return total, failed, [(entry[0], entry[1]) for entry in first]
 
 
 @dataclass
@@ -210,8 +240,8 @@ def _batches(records: Iterable[Record], fields: Fields, batch: int) -> Iterator[
 
 
 class _ReadAhead:
-    """An iterator run on a thread of its own, one element ahead of its consumer: the next batch's records and
-    files are read while the device embeds this one. What the iterator raises is raised to the consumer after the
+    """An iterator run on a thread of its own, one element ahead of its consumer: a batch's records and files
+    are read while the model works on the batches before it. What the iterator raises is raised to the consumer after the
     elements before it, as it would have been without the thread; `close` stops the thread once its element in
     hand is read (or within `_POLL_S` while it waits for one to be taken) and joins it."""
 

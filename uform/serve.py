@@ -50,13 +50,14 @@ Items longer than a row are cut, as in training, at the run's `batch.max_columns
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
 import os
 import queue
 import threading
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -256,6 +257,20 @@ class _Prepared:
     # device and the host both refused (`jpeg="device"`), answered invalid
     owners: list[Tensor] = dataclasses.field(default_factory=list)  # the tensors whose memory the media arrays
     # of `tensors` are (`_media_alloc`), held until the batch's device work is done
+
+
+@dataclass
+class _Run:
+    """One call in a pipeline of calls (`Model._runs`): its batches' readouts as they land."""
+
+    job: _Job
+    points: list[int]  # where its progress reports
+    answers: list[tuple[_Prepared, Any]] = dataclasses.field(default_factory=list)
+    skipped: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    truncated: int = 0
+    done: int = 0  # items handed to the device or skipped
+    at: int = 0  # the next report point
+    complete: bool = False  # every batch launched
 
 
 # --------------------------------------------------------------------------------------------------
@@ -473,36 +488,61 @@ class Model:
 
         On the same items and weights this answers what a `Contrastive` step's arena answered.
         """
-        mods, items = self._items(modalities, contents)
-        n = len(mods)
-        if width is None:
-            width = self.hidden
-        if isinstance(width, bool) or not isinstance(width, (int, np.integer)):
-            raise TypeError(f"width: expected an int or None, got {type(width).__name__}")
-        if not 1 <= width <= self.hidden:
-            raise ValueError(f"width: must lie in [1, hidden = {self.hidden}], got {width}")
-        parsed_sides = parse_sides(sides, n)
+        job = self._encode_job(modalities, contents, width, sides, "raise")
         if arena is not None and not isinstance(arena, Arena):
             raise TypeError(f"arena: expected an Arena, got {type(arena).__name__}")
         scalar = Scalar.parse(outputs_scalar, "outputs_scalar")
-        errors = _check_errors(errors)
+        job.errors = _check_errors(errors)
         steps = _check_progress(progress, progress_steps)
+        return _embeddings(job, self._run(job, progress, steps), scalar, arena)
 
-        job = _Job("encode", mods, items, parsed_sides, width=int(width), errors=errors)
-        # Written with numpy, whose copies run on the calling thread: torch's CPU index_put_ fans out to its
-        # intra-op threads, which the decoders and the host stage keep busy, and took 2.7 ms a batch on the
-        # H200's host (torch.profiler of an 8,192-text call: 265 ms of its 911).
-        out = np.zeros((n, int(width)), dtype=np.float32)
-        valid = np.zeros(n, dtype=bool)
-        for prepared, answer in self._run(job, progress, steps):
-            out[prepared.members] = answer.numpy()
-            valid[prepared.members] = True
-            valid[[item for item, _ in prepared.failed]] = False
-        embeddings, present = torch.from_numpy(out), torch.from_numpy(valid)
-        landed = arena.land(embeddings, present, scalar) if arena is not None else as_scalar(embeddings, scalar)
-        if not valid.all():
-            landed[~present] = _INVALID_I8 if scalar == Scalar.I8 else math.nan
-        return (landed, present.clone()) if errors == "mask" else landed
+    def encode_stream(
+        self,
+        calls: Iterable[Any],
+        width: int | None = None,
+        *,
+        outputs_scalar: Scalar | str | int = Scalar.F32,
+        errors: str = "raise",
+    ) -> Generator[Any, None, None]:
+        """`encode` of each call of `calls`, answered in order: each call a `(modalities, contents)` pair,
+        answered as `encode(modalities, contents, width, outputs_scalar=..., errors=...)` answers it, bitwise.
+
+        One pipeline runs through them all: the next call's items are decoded and packed (and its first batches
+        launched) while this call's last batches run on the device, so a stream of calls keeps the device busy
+        where separate calls each wait for their first batch and drain their last (`uform encode` embeds its
+        batches of records so). `calls` is pulled on the model's preparing thread, one call ahead of the device
+        (a generator that reads files reads them there); a call it refuses raises, naming `calls[k]`, after the
+        calls before it are answered. The model serves nothing else until the iterator is exhausted or closed.
+        """
+        scalar, errors = Scalar.parse(outputs_scalar, "outputs_scalar"), _check_errors(errors)
+        if width is not None:
+            _check_width(width, self.hidden)
+        if not isinstance(calls, Iterable) or isinstance(calls, (str, bytes, Mapping)):
+            raise TypeError(f"calls: expected an iterable of (modalities, contents) pairs, got {type(calls).__name__}")
+
+        def jobs() -> Iterator[_Job]:
+            for k, call in enumerate(calls):
+                if not isinstance(call, (tuple, list)) or len(call) != 2:
+                    raise TypeError(f"calls[{k}]: expected a (modalities, contents) pair, got {type(call).__name__}")
+                try:
+                    yield self._encode_job(call[0], call[1], width, (), errors)
+                except (TypeError, ValueError) as error:
+                    kind = TypeError if isinstance(error, TypeError) else ValueError
+                    raise kind(f"calls[{k}]: {error}") from error
+
+        def answers() -> Generator[Any, None, None]:
+            with contextlib.closing(self._runs(jobs(), None, 0)) as runs:
+                for done in runs:
+                    self._warn_run(done, 2)
+                    yield _embeddings(done.job, done.answers, scalar, None)
+
+        return answers()
+
+    def _encode_job(self, modalities: Any, contents: Any, width: Any, sides: Any, errors: str) -> _Job:
+        """One `encode` call's arguments checked into its job."""
+        mods, items = self._items(modalities, contents)
+        width = self.hidden if width is None else _check_width(width, self.hidden)
+        return _Job("encode", mods, items, parse_sides(sides, len(mods)), width=int(width), errors=errors)
 
     def tokens(
         self,
@@ -620,55 +660,90 @@ class Model:
 
     def _run(self, job: _Job, progress: ProgressCallback | None, steps: int) -> list[tuple[_Prepared, Any]]:
         """Every batch of the call through the device: answers (batch, readout) pairs once all are done."""
-        total = len(job.modalities)
-        points = sorted(report_points(total, steps))
-        answers: list[tuple[_Prepared, Any]] = []
-        skipped: list[tuple[int, str]] = []
-        truncated = job.cut
+        with contextlib.closing(self._runs(iter([job]), progress, steps)) as runs:
+            done = next(runs)
+        self._warn_run(done, 3)
+        return done.answers
+
+    def _warn_run(self, done: _Run, stacklevel: int) -> None:
+        """The warnings of a finished call: its media that could not be decoded, its items cut to fit a row."""
+        verb = _VERB_NAMES[done.job.verb]
+        counted = f"the valid mask {verb} answers and Model.notices"
+        warn_skipped(self.notices, done.skipped, done.job.modalities, counted, None, stacklevel + 1)
+        advice = (
+            f"a model serves at its run's batch.max_columns_per_row ({self.columns} positions a row, its prefix "
+            f"included); train with a larger batch.max_columns_per_row to {verb} longer items whole. Counted in "
+            "Model.notices"
+        )
+        warn_truncated(self.notices, done.truncated, len(done.job.modalities), verb, advice, stacklevel + 1)
+
+    def _runs(self, jobs: Iterator[_Job], progress: ProgressCallback | None, steps: int) -> Generator[_Run, None, None]:
+        """Every batch of every call of `jobs` through the device, one pipeline for them all: each call's
+        `_Run` is answered once its last batch has landed, while the next call's first batches are prepared
+        (and launched) behind it, so the device does not wait for a call's start between two calls. `jobs` is
+        pulled on the preparing thread; what it raises comes after the calls before it. Holds the model's
+        lock until closed."""
         with self._lock:
             handoff: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
             stop = threading.Event()
             host = threading.Thread(
-                target=self._preparer_main, args=(job, handoff, stop), name="uform-serve-host", daemon=True
+                target=self._preparer_main, args=(jobs, handoff, stop), name="uform-serve-host", daemon=True
             )
             was_training = self.network.training
             self.network.eval()
             host.start()
             try:
-                done, at = 0, 0
+                pending: collections.deque[_Run] = collections.deque()  # calls not yet answered, oldest first
                 # One batch's readout stays in flight while the next batch is launched, so the device never
                 # idles through a readback and the next launch (the trainer's deferred steps, for serving).
-                landing: tuple[_Prepared, Tensor, Any] | None = None
+                landing: tuple[_Run, tuple[_Prepared, Tensor, Any]] | None = None
+                run: _Run | None = None
+                failure: BaseException | None = None
                 while True:
                     message = handoff.get()
-                    if message[0] == "error":
-                        raise message[1]
-                    if message[0] == "done":
+                    kind = message[0]
+                    if kind == "end":
                         break
-                    if message[0] == "skipped":
-                        if job.errors == "raise":  # the first broken item of the call: its window is the first
+                    if kind == "error":
+                        failure = message[1]  # raised once the calls finished before it are answered
+                        break
+                    if kind == "job":
+                        run = _Run(message[1], sorted(report_points(len(message[1].modalities), steps)))
+                        run.truncated = run.job.cut
+                        pending.append(run)
+                        continue
+                    assert run is not None  # every other message follows its call's "job"
+                    if kind == "done":
+                        run.complete = True
+                        if landing is not None and handoff.empty():  # nothing to launch behind it: land it now
+                            landing[0].answers.append(_landed(landing[1]))
+                            landing = None
+                    elif kind == "skipped":
+                        if run.job.errors == "raise":  # the first broken item of the call: its window is the first
                             item, reason = min(message[1])
-                            raise MediaError(reason, item=item)
-                        skipped.extend(message[1])
-                        done += len(message[1])
-                    else:
+                            failure = MediaError(reason, item=item)
+                            break
+                        run.skipped.extend(message[1])
+                        run.done += len(message[1])
+                    elif kind == "batch":
                         prepared = message[1]
-                        launched = (prepared, *self._device(job, prepared))
+                        launched = (prepared, *self._device(run.job, prepared))
                         if landing is not None:
-                            answers.append(_landed(landing))
-                        landing = launched
-                        truncated += prepared.truncated
-                        skipped.extend(prepared.failed)
-                        done += len(prepared.members)
-                    if progress is not None and done < total and at < len(points) and done >= points[at]:
-                        while at < len(points) and points[at] <= done:
-                            at += 1
-                        if progress(done, total) is False:
-                            raise Stopped(f"{_VERB_NAMES[job.verb]} stopped at {done} of {total} items")
+                            landing[0].answers.append(_landed(landing[1]))
+                        landing = (run, launched)
+                        run.truncated += prepared.truncated
+                        run.skipped.extend(prepared.failed)
+                        run.done += len(prepared.members)
+                    if progress is not None and kind in ("batch", "skipped"):
+                        self._progress(run, progress)
+                    while pending and pending[0].complete and (landing is None or landing[0] is not pending[0]):
+                        yield self._answered(pending.popleft(), progress)
                 if landing is not None:
-                    answers.append(_landed(landing))
-                if progress is not None and progress(total, total) is False:
-                    raise Stopped(f"{_VERB_NAMES[job.verb]} stopped at {total} of {total} items")
+                    landing[0].answers.append(_landed(landing[1]))
+                while pending and pending[0].complete:
+                    yield self._answered(pending.popleft(), progress)
+                if failure is not None:
+                    raise failure
             finally:
                 stop.set()
                 while host.is_alive():  # let a host thread blocked on a full hand-off see the stop
@@ -676,24 +751,40 @@ class Model:
                         handoff.get(timeout=0.05)
                 host.join()
                 self.network.train(was_training)
-        verb = _VERB_NAMES[job.verb]
-        warn_skipped(self.notices, skipped, job.modalities, f"the valid mask {verb} answers and Model.notices", None, 3)
-        advice = (
-            f"a model serves at its run's batch.max_columns_per_row ({self.columns} positions a row, its prefix "
-            f"included); train with a larger batch.max_columns_per_row to {verb} longer items whole. Counted in "
-            "Model.notices"
-        )
-        warn_truncated(self.notices, truncated, total, verb, advice, 3)
-        return answers
 
-    def _preparer_main(self, job: _Job, handoff: queue.Queue, stop: threading.Event) -> None:
+    @staticmethod
+    def _progress(run: _Run, progress: ProgressCallback) -> None:
+        """Reports `run`'s items done at its next report point(s); False from the callback stops the call."""
+        total = len(run.job.modalities)
+        if run.done < total and run.at < len(run.points) and run.done >= run.points[run.at]:
+            while run.at < len(run.points) and run.points[run.at] <= run.done:
+                run.at += 1
+            if progress(run.done, total) is False:
+                raise Stopped(f"{_VERB_NAMES[run.job.verb]} stopped at {run.done} of {total} items")
+
+    @staticmethod
+    def _answered(run: _Run, progress: ProgressCallback | None) -> _Run:
+        """`run`, its last batch landed: the callback's last report first."""
+        total = len(run.job.modalities)
+        if progress is not None and progress(total, total) is False:
+            raise Stopped(f"{_VERB_NAMES[run.job.verb]} stopped at {total} of {total} items")
+        return run
+
+    def _preparer_main(self, jobs: Iterator[_Job], handoff: queue.Queue, stop: threading.Event) -> None:
+        """The preparing thread: each call of `jobs` as ("job", job), its batches, ("done",); ("end",) after
+        the last; ("error", error) for what it raised."""
         try:
-            with contextlib.closing(self._host(job, stop)) as messages:  # closed here: its decoding thread joins
-                for message in messages:
-                    if stop.is_set():
-                        return
-                    handoff.put(message)
-            handoff.put(("done",))
+            for job in jobs:
+                handoff.put(("job", job))
+                with contextlib.closing(self._host(job, stop)) as messages:  # closed here: its decoding thread joins
+                    for message in messages:
+                        if stop.is_set():
+                            return
+                        handoff.put(message)
+                handoff.put(("done",))
+                if stop.is_set():
+                    return
+            handoff.put(("end",))
         except BaseException as error:  # handed to the caller's thread, which raises it
             handoff.put(("error", error))
 
@@ -936,6 +1027,34 @@ _PRIVATE = object()
 
 # --------------------------------------------------------------------------------------------------
 # Argument checks
+
+
+def _check_width(width: Any, hidden: int) -> int:
+    if isinstance(width, bool) or not isinstance(width, (int, np.integer)):
+        raise TypeError(f"width: expected an int or None, got {type(width).__name__}")
+    if not 1 <= width <= hidden:
+        raise ValueError(f"width: must lie in [1, hidden = {hidden}], got {width}")
+    return int(width)
+
+
+def _embeddings(job: _Job, answers: list[tuple[_Prepared, Any]], scalar: Scalar, arena: Arena | None) -> Any:
+    """What `encode` answers for `job` from its batches' readouts: the rows of items that could not be embedded
+    NaN (-128 under `Scalar.I8`), never a vector that looks real; with `valid` where `errors` is "mask"."""
+    n = len(job.modalities)
+    # Written with numpy, whose copies run on the calling thread: torch's CPU index_put_ fans out to its
+    # intra-op threads, which the decoders and the host stage keep busy, and took 2.7 ms a batch on the
+    # H200's host (torch.profiler of an 8,192-text call: 265 ms of its 911).
+    out = np.zeros((n, job.width), dtype=np.float32)
+    valid = np.zeros(n, dtype=bool)
+    for prepared, answer in answers:
+        out[prepared.members] = answer.numpy()
+        valid[prepared.members] = True
+        valid[[item for item, _ in prepared.failed]] = False
+    embeddings, present = torch.from_numpy(out), torch.from_numpy(valid)
+    landed = arena.land(embeddings, present, scalar) if arena is not None else as_scalar(embeddings, scalar)
+    if not valid.all():
+        landed[~present] = _INVALID_I8 if scalar == Scalar.I8 else math.nan
+    return (landed, present.clone()) if job.errors == "mask" else landed
 
 
 def _check_errors(errors: Any) -> str:
