@@ -275,7 +275,7 @@ def stage_result(uform: dict[str, Any], fed_ms: float | None) -> dict[str, Any]:
     return {f"uform_{key}": uform[key] for key in ("prepare_ms", "prepare_one_ms", "prepare_at_once", "decode_one_ms")}
 
 
-def main() -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_geometry(parser, rows=0, columns=2048, segments=0)  # --rows 0: sized to the step; --segments 0: two per pair
     parser.add_argument("--pairs", type=int, default=192)
@@ -299,7 +299,7 @@ def main() -> dict[str, Any]:
         default=1,
         help="N > 1: uform alone on 1 and on N devices (--pairs a device, each pair a bag), and the efficiency",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.segments = args.segments or 2 * args.pairs
     args.rows = args.rows or -(-args.pairs * PAIR_POSITIONS // args.columns)
     if args.devices < 1:

@@ -40,10 +40,11 @@ def load(name: str) -> ModuleType:
 
 def test_encode_bench_smoke(tmp_path: Path) -> None:
     tiny = "--device cpu --depth 1 --hidden 128 --rows 2 --columns 128 --segments 8 --texts 12 --text-bytes 40"
-    tiny += f" --images 3 --image-side 32 --workers 1 --repeats 1 --phases --out {tmp_path}"
+    tiny += f" --images 3 --image-side 32 --workers 1 --repeats 1 --phases --stream 2 --out {tmp_path}"
     results = load("encode").main(tiny.split())
     for kind, count in (("text", 12), ("image", 3)):
         assert results[kind]["items"] == count and results[kind]["items_per_s"] > 0
+        assert results[f"{kind}_stream"]["calls"] == 2 and results[f"{kind}_stream"]["items_per_s"] > 0
         cpu = results[kind]["cpu"]  # where the host's CPUs went over the timed calls (/proc)
         # /proc counts CPU time in ticks: a call this short may see none of them.
         assert 0 <= cpu["host_busy"] <= 1 and cpu["host_cpus"] >= 1 and cpu["ours"] >= 0
@@ -115,39 +116,33 @@ def test_train_shards_bench_smoke(tmp_path: Path) -> None:
     assert result["records"] == 32 and result["loader_cpu_ms_per_step"] > 0
 
 
-def test_pairs_bench_smoke(tmp_path: Path) -> None:
+def test_pairs_bench_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     tiny = "--cpu --skip-open-clip --depth 1 --hidden 128 --pairs 4 --rows 4 --columns 640 --segments 8 --steps 3"
     tiny += " --warmup 1"
-    environment = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(BENCH.parent)}
-    subprocess.run([sys.executable, str(BENCH / "pairs.py"), *tiny.split()], env=environment, check=True)
-    result = json.loads((tmp_path / "bench-pairs.json").read_text())
+    monkeypatch.setenv("OUT", str(tmp_path))
+    bench = load("pairs")  # in this process: each run would pay a fresh interpreter's imports otherwise
+    result = bench.main(tiny.split())
     assert result["uform_pairs_per_second"] > 0 and result["geometry"]["pairs"] == 4
     assert result["uform_items_dropped"] == 0
-    subprocess.run([sys.executable, str(BENCH / "pairs.py"), *tiny.split(), "--fed"], env=environment, check=True)
-    result = json.loads((tmp_path / "bench-pairs.json").read_text())  # the image-text step's data wait
+    assert json.loads((tmp_path / "bench-pairs.json").read_text())["uform_items_dropped"] == 0
+    result = bench.main([*tiny.split(), "--fed"])  # the image-text step's data wait
     assert result["uform_fed_ms"] > 0 and result["uform_prepare_ms"] > 0 and result["uform_prepare_one_ms"] > 0
     assert result["uform_decode_one_ms"] > 0 and result["uform_prepare_at_once"] == 2  # fit's depth on the CPU
     assert result["uform_data_wait"] == pytest.approx(1 - result["uform_fed_ms"] / result["uform_step_ms"])
-    subprocess.run(
-        [sys.executable, str(BENCH / "pairs.py"), *tiny.split(), "--prepare-only", "--rows", "0"],
-        env=environment,
-        check=True,
-    )
-    stage = json.loads((tmp_path / "bench-pairs.json").read_text())  # the same stage, no step taken
+    stage = bench.main([*tiny.split(), "--prepare-only", "--rows", "0"])  # the same stage, no step taken
     assert stage["uform_prepare_ms"] > 0 and "uform_pairs_per_second" not in stage
     assert stage["geometry"]["rows"] == 2  # --rows 0: as many as 4 pairs of 318 positions fill at 640 columns
-    scaled = [sys.executable, str(BENCH / "pairs.py"), *tiny.split(), "--devices", "2"]
-    subprocess.run(scaled, env=environment, check=True)  # two CPU workers, each pair routed whole to one
-    scaling = json.loads((tmp_path / "bench-pairs.json").read_text())
+    scaled = [*tiny.split(), "--devices", "2"]
+    scaling = bench.main(scaled)  # two CPU workers, each pair routed whole to one
     assert scaling["devices"] == 2 and scaling["one"]["dropped"] == scaling["many"]["dropped"] == 0
     assert scaling["one"]["pairs_per_second"] > 0 and scaling["many"]["pairs_per_second"] > 0
     assert scaling["efficiency"] > 0
-    refused = subprocess.run([*scaled, "--fed"], env=environment, capture_output=True, text=True)
-    assert refused.returncode == 2 and "one device's pipeline" in refused.stderr
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        bench.main([*scaled, "--fed"])
+    assert refused.value.code == 2 and "one device's pipeline" in capsys.readouterr().err
     # One row holds two of the four pairs' images: items are dropped, and the rate counts pairs trained only.
-    cramped = tiny.replace("--rows 4", "--rows 1")
-    subprocess.run([sys.executable, str(BENCH / "pairs.py"), *cramped.split()], env=environment, check=True)
-    result = json.loads((tmp_path / "bench-pairs.json").read_text())
+    result = bench.main(tiny.replace("--rows 4", "--rows 1").split())
     assert 3 * 2 <= result["uform_items_dropped"] <= 3 * 6 and result["uform_pairs_per_second"] > 0
 
 
