@@ -377,3 +377,23 @@ def test_a_streams_arguments_are_checked_before_anything_runs(served: dict[str, 
     with pytest.raises(TypeError, match=r"^calls\[0\]: expected a \(modalities, contents\) pair, got str"):
         next(model.encode_stream(["text"]))
     assert list(model.encode_stream([])) == [] and not model._lock.locked()
+
+
+def test_a_call_from_inside_a_stream_is_refused_not_a_hang(served: dict[str, Any]) -> None:
+    model = served["model"]
+    stream = model.encode_stream([(["text"], [b"a"]), (["text"], [b"b"])])
+    next(stream)
+    with pytest.raises(RuntimeError, match=r"^Model: a call while this thread's own call or encode_stream"):
+        model.encode(["text"], [b"c"])
+    with pytest.raises(RuntimeError, match=r"^Model: close while"):
+        model.close()
+    assert len(list(stream)) == 1 and not model._lock.locked()
+    seen = []
+
+    def progress(done: int, total: int) -> bool:
+        with pytest.raises(RuntimeError, match="still running"):  # a progress callback that calls the model
+            model.encode(["text"], [b"d"])
+        seen.append(done)
+        return True
+
+    assert model.encode(["text"], [b"e"], progress=progress).shape == (1, 128) and seen == [1]

@@ -347,6 +347,7 @@ class Model:
             self._pooled_fn = torch.compile(self._pooled_forward, dynamic=False)
             self._states_fn = torch.compile(self._states_forward, dynamic=False)
         self._lock = threading.Lock()
+        self._holder: int | None = None  # the thread whose call (or stream) holds the lock
         self._decoders: DecodePool | None = None
         self.host_processes = host_processes
         """Processes a call's host stage runs in where it has media items (`load(host_processes=...)`; 0: this
@@ -442,6 +443,7 @@ class Model:
     def close(self) -> None:
         """Stops the media decoders (started on the first media item) and the host processes (started by the first
         call that uses them); the model stays usable."""
+        self._refuse_reentry("close")
         with self._lock:
             if self._decoders is not None:
                 self._decoders.close()
@@ -512,7 +514,8 @@ class Model:
         where separate calls each wait for their first batch and drain their last (`uform encode` embeds its
         batches of records so). `calls` is pulled on the model's preparing thread, one call ahead of the device
         (a generator that reads files reads them there); a call it refuses raises, naming `calls[k]`, after the
-        calls before it are answered. The model serves nothing else until the iterator is exhausted or closed.
+        calls before it are answered. The model serves nothing else until the iterator is exhausted or closed: a
+        call to it from inside the loop raises `RuntimeError` (another thread's call waits).
         """
         scalar, errors = Scalar.parse(outputs_scalar, "outputs_scalar"), _check_errors(errors)
         if width is not None:
@@ -665,6 +668,15 @@ class Model:
         self._warn_run(done, 3)
         return done.answers
 
+    def _refuse_reentry(self, what: str) -> None:
+        """A clear error, not a hang, for a call made while this thread's own call holds the model: from inside
+        the loop over an `encode_stream`, or from a `progress` callback."""
+        if self._holder == threading.get_ident():
+            raise RuntimeError(
+                f"Model: {what} while this thread's own call or encode_stream is still running on the model (a "
+                "model serves one call at a time); finish or close the stream first, or use a second model"
+            )
+
     def _warn_run(self, done: _Run, stacklevel: int) -> None:
         """The warnings of a finished call: its media that could not be decoded, its items cut to fit a row."""
         verb = _VERB_NAMES[done.job.verb]
@@ -683,7 +695,9 @@ class Model:
         (and launched) behind it, so the device does not wait for a call's start between two calls. `jobs` is
         pulled on the preparing thread; what it raises comes after the calls before it. Holds the model's
         lock until closed."""
+        self._refuse_reentry("a call")
         with self._lock:
+            self._holder = threading.get_ident()
             handoff: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
             stop = threading.Event()
             host = threading.Thread(
@@ -751,6 +765,7 @@ class Model:
                         handoff.get(timeout=0.05)
                 host.join()
                 self.network.train(was_training)
+                self._holder = None
 
     @staticmethod
     def _progress(run: _Run, progress: ProgressCallback) -> None:
