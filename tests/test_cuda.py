@@ -325,6 +325,12 @@ def test_cuda_serving_matches_cpu_serving(tmp_path) -> None:
     assert cuda.host_processes == 2 and len(cuda._serve_host.processes) == 1  # 45 items: one share
     here = u.load(path, u.Executor.for_vram([0]), host_processes=0)
     assert torch.equal(here.encode(modalities, contents), got) and here._serve_host is None
+    # Calls as one stream (the next prepared and launched behind this one's last batches) answer every bit that
+    # each call answers alone.
+    calls = [(modalities, contents), (modalities[::-1], contents[::-1]), (modalities[:7], contents[:7])]
+    streamed = list(cuda.encode_stream(calls))
+    assert torch.equal(streamed[0], got) and torch.equal(streamed[1], again)
+    assert torch.equal(streamed[2], cuda.encode(modalities[:7], contents[:7]))
     for model in (cpu, cuda, exact, here):
         model.close()
 
