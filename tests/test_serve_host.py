@@ -105,6 +105,26 @@ def test_two_processes_and_parts_answer_what_each_item_alone_answers(served: dic
         model.close()
 
 
+def test_a_stream_through_two_host_processes_answers_each_calls_bits(served: dict[str, Any]) -> None:
+    modalities, contents = served["modalities"], served["contents"]
+    calls = [
+        (modalities, contents),
+        (["image", "text", "image"], [b"not an image", b"fine", contents[0]]),
+        (modalities[:4], contents[:4]),
+    ]
+    model = load(served["path"], rows=1, segments=2, media=MediaPolicy(workers=2), host_processes=2)
+    try:
+        model.window = 5
+        streamed = list(model.encode_stream(calls, errors="mask"))
+        assert len(model._serve_host.processes) == 2
+        for (got, valid), (m, c) in zip(streamed, calls, strict=True):
+            want, ok = model.encode(m, c, errors="mask")  # each call alone, through the same two processes
+            assert torch.equal(valid, ok) and torch.equal(got[valid], want[ok]) and got[~valid].isnan().all()
+        assert streamed[1][1].tolist() == [False, True, True]
+    finally:
+        model.close()
+
+
 def test_a_broken_item_is_named_by_the_callers_index_from_any_process(served: dict[str, Any]) -> None:
     here = served["here"]
     modalities, contents = list(served["modalities"] * 2), list(served["contents"] * 2)
