@@ -8,10 +8,10 @@ The default mapping is `{"id": "id", "text": "text", "image": "image", "video": 
 a field it does not name is refused naming the field and the record, as in training.
 
 Streaming: records are pulled from the reader a batch at a time (`batch` records, or fewer once their items
-reach `BATCH_BYTES`), that batch is embedded (`Model.encode`, which packs it into the model's capacity) and
-written. The batches go through the model as one stream of calls (`Model.encode_stream`: the next batch is
-decoded and packed while this one's last batches run on the device), and the batch after that is read on a
-thread of its own meanwhile, so its files are read while the device works. Nothing holds more than three batches
+reach `BATCH_BYTES`), embedded (packed into the model's capacity) and written. The batches go through the model
+as one stream of calls (`Model.encode_stream`: the next batch is decoded and packed while this one's last
+device batches run), and the batch after that is read on a thread of its own meanwhile, so its files are read
+while the device works. Nothing holds more than three batches
 of records and contents, or one of vectors, whatever the input's size.
 
 A record that cannot be embedded (its media file missing, undecodable, or past a limit) is written as a null row
@@ -241,9 +241,9 @@ def _batches(records: Iterable[Record], fields: Fields, batch: int) -> Iterator[
 
 class _ReadAhead:
     """An iterator run on a thread of its own, one element ahead of its consumer: a batch's records and files
-    are read while the model works on the batches before it. What the iterator raises is raised to the consumer after the
-    elements before it, as it would have been without the thread; `close` stops the thread once its element in
-    hand is read (or within `_POLL_S` while it waits for one to be taken) and joins it."""
+    are read while the model works on the batches before it. What the iterator raises is raised to the consumer
+    after the elements before it, as it would have been without the thread; `close` stops the thread once its
+    element in hand is read (or within `_POLL_S` while it waits for one to be taken) and joins it."""
 
     def __init__(self, source: Iterator[Any]) -> None:
         self._queue: queue.Queue = queue.Queue()
@@ -291,7 +291,8 @@ class _ReadAhead:
 
 
 def _reason(model: Model, modality: Modality, content: bytes, width: int) -> str:
-    """Why one item could not be embedded: the item alone, asked to raise (only failed items pay this)."""
+    """Why one item could not be embedded: the item alone, asked to raise (only the first `MAX_REPORTED` failed
+    items of an `encode_records` call pay this)."""
     try:
         model.encode([modality], [content], width, errors="raise")
     except MediaError as error:

@@ -267,7 +267,7 @@ class _Run:
     points: list[int]  # where its progress reports
     answers: list[tuple[_Prepared, Any]] = dataclasses.field(default_factory=list)
     skipped: list[tuple[int, str]] = dataclasses.field(default_factory=list)
-    truncated: int = 0
+    truncated: int = 0  # items cut to fit a row (the call's own cut first)
     done: int = 0  # items handed to the device or skipped
     at: int = 0  # the next report point
     complete: bool = False  # every batch launched
@@ -722,8 +722,8 @@ class Model:
                         failure = message[1]  # raised once the calls finished before it are answered
                         break
                     if kind == "job":
-                        run = _Run(message[1], sorted(report_points(len(message[1].modalities), steps)))
-                        run.truncated = run.job.cut
+                        job = message[1]
+                        run = _Run(job, sorted(report_points(len(job.modalities), steps)), truncated=job.cut)
                         pending.append(run)
                         continue
                     assert run is not None  # every other message follows its call's "job"
