@@ -8,6 +8,7 @@ seconds on a couple of CPU cores. Comparisons are bitwise: `torch.equal` on weig
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -327,3 +328,12 @@ def media_batch(columns: int = 128) -> BatchShape:
         image=ImageShape(patch_side=16),
         audio=AudioShape(chunk_samples=320),
     )
+
+
+def pytest_ignore_collect(collection_path: Path, config: Any) -> bool | None:
+    """Test files named in UFORM_TESTS_IN_LEGS (space-separated paths from the repository root) are left out:
+    `.ci/run` names its decoder tests there, which it runs in legs of their own at both ends of the media
+    dependencies (without this conftest), so its main run need not run them a third time."""
+    named = os.environ.get("UFORM_TESTS_IN_LEGS", "").split()
+    root = Path(__file__).resolve().parent.parent
+    return True if any(collection_path.resolve() == (root / name).resolve() for name in named) else None
