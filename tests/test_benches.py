@@ -46,8 +46,10 @@ def test_encode_bench_smoke(tmp_path: Path) -> None:
         assert results[kind]["items"] == count and results[kind]["items_per_s"] > 0
         assert results[f"{kind}_stream"]["calls"] == 2 and results[f"{kind}_stream"]["items_per_s"] > 0
         cpu = results[kind]["cpu"]  # where the host's CPUs went over the timed calls (/proc)
-        # /proc counts CPU time in ticks: a call this short may see none of them.
-        assert 0 <= cpu["host_busy"] <= 1 and cpu["host_cpus"] >= 1 and cpu["ours"] >= 0
+        assert cpu["host_cpus"] >= 1 and cpu["ours"] >= 0
+        # /proc counts the host's CPU time in ticks: over a call this short none may pass, and then the bench
+        # leaves "host_busy" out rather than divide by zero.
+        assert 0 <= cpu.get("host_busy", 0.0) <= 1
         phases = results[kind]["phases"]  # the stages of one more call, by the thread that ran them
         assert phases["wall_s"] > 0 and phases["uform-serve-host"]["_prepare"][1] >= 1
         assert phases["MainThread"]["_device"][1] == phases["uform-serve-host"]["_prepare"][1]
