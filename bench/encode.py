@@ -34,7 +34,7 @@ again; "<kind>_host_M" in the table).
 JPEG).
 
 With `--phases`, one more call of each kind runs with serving's stages timed on the threads that run them (the
-decoding thread's `_decode`, the host thread's packing and GPU tiling, the caller's launches and waits).
+decoding thread's `HostStage.decode`, the host thread's packing and GPU tiling, the caller's launches and waits).
 
 Over each kind's timed calls the bench also reads where the host's CPUs went (Linux's /proc): the share of all of
 them busy, and the cores this process and every process under it (decoders, serving host processes) kept busy;
@@ -255,9 +255,10 @@ def timeline(model: Any, modalities: list[str], contents: list[bytes], label: st
 
 
 def phases(model: Any, modalities: list[str], contents: list[bytes], label: str, folder: str) -> dict[str, Any]:
-    """One more (warm) call with serving's stages timed on the threads that run them (`Model._decode` on the
-    decoding thread, `_prepare` and its parts on the host thread, `_device` and the waits on the caller's): where
-    a call's wall time goes, printed as a table and answered as {thread: {stage: [seconds, calls]}}."""
+    """One more (warm) call with serving's stages timed on the threads that run them (`HostStage.decode` on the
+    decoding thread, `HostStage.prepare` and its parts on the host thread, `Model._device` and the waits on the
+    caller's): where a call's wall time goes, printed as a table and answered as {thread: {stage: [seconds,
+    calls]}}."""
     import collections
     import functools
     import queue
@@ -266,6 +267,7 @@ def phases(model: Any, modalities: list[str], contents: list[bytes], label: str,
     import uform.data.windows as windows
     import uform.device_pictures as pictures
     import uform.serve as serve
+    import uform.serve_stage as serve_stage
 
     spent: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
     patched: list[tuple[Any, str, Any]] = []
@@ -286,11 +288,14 @@ def phases(model: Any, modalities: list[str], contents: list[bytes], label: str,
         patched.append((owner, name, original))
         setattr(owner, name, timed_stage)
 
-    for name in ("_decode", "_prepare", "_device", "_inputs", "_device_units"):
+    wrap(serve_stage.HostStage, "decode", "stage.decode")
+    wrap(serve_stage.HostStage, "prepare", "stage.prepare")
+    wrap(serve_stage, "planned_on_device")
+    for name in ("_device", "_inputs"):
         wrap(serve.Model, name)
-    wrap(serve, "_landed")
+    wrap(serve, "landed")
     wrap(windows, "prepare", "data.batch.prepare")
-    wrap(serve, "decode_items")
+    wrap(serve_stage, "decode_items")
     wrap(pictures, "decode_all")
     wrap(pictures, "split")
     wrap(pictures, "fill")

@@ -51,8 +51,8 @@ def test_encode_bench_smoke(tmp_path: Path) -> None:
         # leaves "host_busy" out rather than divide by zero.
         assert 0 <= cpu.get("host_busy", 0.0) <= 1
         phases = results[kind]["phases"]  # the stages of one more call, by the thread that ran them
-        assert phases["wall_s"] > 0 and phases["uform-serve-host"]["_prepare"][1] >= 1
-        assert phases["MainThread"]["_device"][1] == phases["uform-serve-host"]["_prepare"][1]
+        assert phases["wall_s"] > 0 and phases["uform-serve-host"]["stage.prepare"][1] >= 1
+        assert phases["MainThread"]["_device"][1] == phases["uform-serve-host"]["stage.prepare"][1]
     assert results["image"]["phases"]["uform-serve-decode_0"]["decode_items"][1] == 1
     decode = results["decode"]
     assert decode["items"] == 3 and decode["pools"][0]["workers"] == 1 and decode["pools"][0]["items_per_s"] > 0

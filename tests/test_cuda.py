@@ -322,9 +322,9 @@ def test_cuda_serving_matches_cpu_serving(tmp_path) -> None:
     exact = u.load(path, u.Executor.for_vram([0]), precision="f32", compiled=False)
     torch.testing.assert_close(exact.encode(modalities, contents), want, atol=1e-4, rtol=0)
     # The host stage ran in a host process (CUDA's default); in this process the same batches answer every bit.
-    assert cuda.host_processes == 2 and len(cuda._serve_host.processes) == 1  # 45 items: one share
+    assert cuda.host_processes == 2 and len(cuda._stage.serve_host.processes) == 1  # 45 items: one share
     here = u.load(path, u.Executor.for_vram([0]), host_processes=0)
-    assert torch.equal(here.encode(modalities, contents), got) and here._serve_host is None
+    assert torch.equal(here.encode(modalities, contents), got) and here._stage.serve_host is None
     # Calls as one stream (the next prepared and launched behind this one's last batches) answer every bit that
     # each call answers alone.
     calls = [(modalities, contents), (modalities[::-1], contents[::-1]), (modalities[:7], contents[:7])]

@@ -205,8 +205,10 @@ def test_a_record_of_two_items_or_an_unmapped_field_is_refused(setup: dict[str, 
         uform.encode_file(setup["model"], odd, tmp_path / "out.csv")
     with pytest.raises(ValueError, match="dtype: expected one of"):
         uform.encode_file(setup["model"], odd, tmp_path / "out.npy", dtype="f64")
-    with pytest.raises(ValueError, match=r"width: must be an int in \[1, hidden = 128\]"):
+    with pytest.raises(ValueError, match=r"^width: must lie in \[1, hidden = 128\], got 129$"):
         uform.encode_file(setup["model"], odd, tmp_path / "out.npy", width=129)
+    with pytest.raises(TypeError, match=r"^width: expected an int or None, got float$"):  # as Model.encode says it
+        uform.encode_file(setup["model"], odd, tmp_path / "out.npy", width=32.0)
     with pytest.raises(ValueError, match=r"fields\.colour: 'group' plays no part"):
         uform.encode_file(setup["model"], odd, tmp_path / "out.npy", fields={"text": "text", "colour": "group"})
 

@@ -299,19 +299,19 @@ def test_the_readmes_eval_table_is_the_example_runs() -> None:
 
 
 def test_media_are_decoded_once_across_evaluations(make_trainer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    import uform.serve
+    import uform.serve_stage
 
     run = read_run_config(str(ROOT / "examples" / "image_text.toml"))
     assert run.data is not None
     held = HeldOut.read(list(run.data.train), dict(run.data.fields), run.trainer, EvalConfig(records=4))
     decoded: list[int] = []
-    real = uform.serve.decode_items
+    real = uform.serve_stage.decode_items
 
     def counted(*args: Any) -> Any:
         decoded.append(len(args[5]))  # the items it was asked to decode
         return real(*args)
 
-    monkeypatch.setattr(uform.serve, "decode_items", counted)
+    monkeypatch.setattr(uform.serve_stage, "decode_items", counted)
     trainer = make_trainer(run.trainer)
     try:
         first = held.evaluate(trainer)

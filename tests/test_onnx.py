@@ -76,5 +76,8 @@ def test_a_folder_without_a_graph_says_so(tmp_path: Path, folder: Path) -> None:
 
 
 def test_encode_inputs_are_checked(folder: Path) -> Any:
-    with OnnxEncoder(folder) as graph, pytest.raises(ValueError, match="width: must be an int"):
-        graph.encode(["text"], [b"x"], 0)
+    with OnnxEncoder(folder) as graph:
+        with pytest.raises(ValueError, match=r"^width: must lie in \[1, hidden = \d+\], got 0$"):
+            graph.encode(["text"], [b"x"], 0)
+        with pytest.raises(TypeError, match=r"^width: expected an int or None, got bool$"):  # as Model.encode says it
+            graph.encode(["text"], [b"x"], True)

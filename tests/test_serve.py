@@ -54,6 +54,7 @@ from uform.model.network import Network
 from uform.notices import CapacityWarning, Notices
 from uform.replica.checkpoint import write_checkpoint
 from uform.serve import Model, load
+from uform.serve_stage import HostStage
 
 torch.set_num_threads(2)
 
@@ -187,13 +188,13 @@ def test_a_window_s_last_batch_is_filled_from_the_next_window(
     texts = [f"same length {i:03d}" for i in range(20)]  # 3 to a batch
     model.window = 4  # windows of 4 would leave 1 of 4 in a batch of its own in every window
     sizes: list[int] = []
-    prepare = Model._prepare
+    prepare = HostStage.prepare
 
-    def counted(self: Model, job: Any, members: list[int], *args: Any) -> Any:
+    def counted(self: HostStage, job: Any, setting: Any, members: list[int], *args: Any) -> Any:
         sizes.append(len(members))
-        return prepare(self, job, members, *args)
+        return prepare(self, job, setting, members, *args)
 
-    monkeypatch.setattr(Model, "_prepare", counted)
+    monkeypatch.setattr(HostStage, "prepare", counted)
     together = model.encode(["text"] * len(texts), texts)
     assert sizes == [3] * 6 + [2]
     alone = torch.cat([trained["model"].encode(["text"], [t]) for t in texts])
@@ -696,15 +697,15 @@ def test_maxsim_matches_a_brute_force_loop(late: tuple[Model, Network]) -> None:
     assert torch.allclose(scores, brute_maxsim(*q, *d), atol=1e-4)
     assert (scores[1] == 0).all() and (scores[:, 6] == 0).all()
     # Small blocks (many documents per query token budget) answer the same.
-    import uform.serve as serve
+    import uform.maxsim as maxsim
 
-    small = serve.maxsim_scores(q[0], q[1], d[0], d[1], torch.device("cpu"))
-    old = serve._MAXSIM_BLOCK
-    serve._MAXSIM_BLOCK = 40
+    small = maxsim.maxsim_scores(q[0], q[1], d[0], d[1], torch.device("cpu"))
+    old = maxsim.BLOCK
+    maxsim.BLOCK = 40
     try:
-        assert torch.allclose(serve.maxsim_scores(q[0], q[1], d[0], d[1], torch.device("cpu")), small, atol=1e-5)
+        assert torch.allclose(maxsim.maxsim_scores(q[0], q[1], d[0], d[1], torch.device("cpu")), small, atol=1e-5)
     finally:
-        serve._MAXSIM_BLOCK = old
+        maxsim.BLOCK = old
     # Random tapes, numpy data.
     g = torch.Generator().manual_seed(0)
     qd, dd = (

@@ -92,14 +92,14 @@ def test_two_processes_and_parts_answer_what_each_item_alone_answers(served: dic
     try:
         model.window = 5
         together = model.encode(modalities, contents)
-        assert len(model._serve_host.processes) == 2 and model._serve_host.decoders == 1
+        assert len(model._stage.serve_host.processes) == 2 and model._stage.serve_host.decoders == 1
         assert torch.allclose(together, alone.repeat(6, 1), atol=1e-5, rtol=0)
         # An input area of 2,000 bytes: the call goes in many parts, and each WAV, larger, alone through the pipe.
         assert all(len(c) > 2000 for m, c in zip(modalities, contents, strict=True) if m == "audio")
-        model._serve_host.input_bytes = 2000
+        model._stage.serve_host.input_bytes = 2000
         assert torch.allclose(model.encode(modalities, contents), together, atol=1e-5, rtol=0)
         # A call shorter than two windows goes to one process.
-        model._serve_host.input_bytes = 1 << 30
+        model._stage.serve_host.input_bytes = 1 << 30
         assert torch.allclose(model.encode(modalities[:9], contents[:9]), together[:9], atol=1e-5, rtol=0)
     finally:
         model.close()
@@ -116,7 +116,7 @@ def test_a_stream_through_two_host_processes_answers_each_calls_bits(served: dic
     try:
         model.window = 5
         streamed = list(model.encode_stream(calls, errors="mask"))
-        assert len(model._serve_host.processes) == 2
+        assert len(model._stage.serve_host.processes) == 2
         for (got, valid), (m, c) in zip(streamed, calls, strict=True):
             want, ok = model.encode(m, c, errors="mask")  # each call alone, through the same two processes
             assert torch.equal(valid, ok) and torch.equal(got[valid], want[ok]) and got[~valid].isnan().all()
@@ -154,7 +154,7 @@ def test_a_broken_item_is_named_by_the_callers_index_from_any_process(served: di
             strict.encode(modalities, contents)
         with pytest.raises(MediaError, match=r"^contents\[44\]: "):
             strict.encode(["text"] * 40 + modalities[40:], [b"t"] * 40 + contents[40:])
-        assert len(strict._serve_host.processes) == 2
+        assert len(strict._stage.serve_host.processes) == 2
     finally:
         model.close()
         strict.close()
@@ -169,7 +169,7 @@ def test_a_killed_process_fails_its_call_and_the_next_call_starts_a_new_one(serv
         first = model.encode(modalities[:8], contents[:8])
         gone = family(model)
         assert len(gone) >= 3  # the host process, its decoders' fork server, a decoder
-        (process,) = model._serve_host.processes
+        (process,) = model._stage.serve_host.processes
 
         def kill(done: int, total: int) -> None:
             with contextlib.suppress(ProcessLookupError):
@@ -181,7 +181,7 @@ def test_a_killed_process_fails_its_call_and_the_next_call_starts_a_new_one(serv
         again = model.encode(modalities, contents)
         assert torch.allclose(again[:8], first, atol=1e-5, rtol=0)
         assert torch.allclose(again, here.encode(modalities, contents), atol=1e-5, rtol=0)
-        assert model._serve_host.processes[0].pid != process.pid
+        assert model._stage.serve_host.processes[0].pid != process.pid
     finally:
         model.close()
 
@@ -194,10 +194,10 @@ def test_the_processes_never_load_torch_and_close_ends_them(served: dict[str, An
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it ended meanwhile
             assert "libtorch" not in (Path("/proc") / str(pid) / "maps").read_text(), pid
     model.close()
-    assert model._serve_host is None and not wait_gone(pids), "close left host processes behind"
+    assert model._stage.serve_host is None and not wait_gone(pids), "close left host processes behind"
     # A call of texts alone packs in this process: no host process starts for it.
     assert torch.equal(model.encode(["text"], ["still usable"]), served["here"].encode(["text"], ["still usable"]))
-    assert model._serve_host is None
+    assert model._stage.serve_host is None
 
 
 def test_the_argument_and_where_the_host_stage_runs(served: dict[str, Any]) -> None:
@@ -213,7 +213,7 @@ def test_the_argument_and_where_the_host_stage_runs(served: dict[str, Any]) -> N
     try:
         model.keep_decoded = True
         got = model.encode(served["modalities"][:8], served["contents"][:8])
-        assert model._serve_host is None and model._decoders is not None and len(model._decoded) == 5
+        assert model._stage.serve_host is None and model._stage.decoders is not None and len(model._stage.decoded) == 5
         want = served["here"].encode(served["modalities"][:8], served["contents"][:8])  # two items a batch, not 8
         assert torch.allclose(got, want, atol=1e-5, rtol=0)
     finally:

@@ -97,8 +97,8 @@ def test_units_kept_decoded_hold_memory_of_their_own(served: dict[str, Any]) -> 
         model.keep_decoded = True
         first = model.encode(served["modalities"], served["contents"])
         assert torch.equal(model.encode(served["modalities"], served["contents"]), first)  # the second from the cache
-        kept = [u for u in model._decoded.values() if not isinstance(u, str)]
-        (worker,) = model._decoders._workers
+        kept = [u for u in model._stage.decoded.values() if not isinstance(u, str)]
+        (worker,) = model._stage.decoders._workers
         assert len(kept) == 5 and worker.areas.held == []
         assert all(u.key is None for u in kept)  # serving draws no masks, so its decoders skip the items' keys
         slab = np.frombuffer(worker.helper.slab, dtype=np.uint8)
@@ -143,21 +143,21 @@ def test_the_next_window_decodes_while_this_one_is_packed(served: dict[str, Any]
     model = load(served["path"], rows=1, segments=2, media=MediaPolicy(workers=2))
     try:
         model.window = 4
-        decoding, packing = model._decode, model._prepare
+        decoding, packing = model._stage.decode, model._stage.prepare
         second_began = threading.Event()
         threads: set[str] = set()
 
-        def decode(job: Any, window: range) -> Any:
+        def decode(job: Any, setting: Any, window: range) -> Any:
             threads.add(threading.current_thread().name)
             if window.start == model.window:
                 second_began.set()
-            return decoding(job, window)
+            return decoding(job, setting, window)
 
         def prepare(*args: Any) -> Any:
             assert second_began.wait(30), "the second window did not start decoding while the first was packed"
             return packing(*args)
 
-        model._decode, model._prepare = decode, prepare  # type: ignore[method-assign]
+        model._stage.decode, model._stage.prepare = decode, prepare  # type: ignore[method-assign]
         modalities, contents = served["modalities"] * 2, served["contents"] * 2
         got = model.encode(modalities, contents)
         assert torch.allclose(got[:8], served["arena"], atol=1e-4, rtol=0)

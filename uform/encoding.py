@@ -41,6 +41,7 @@ from .media.limits import MediaError
 from .notices import MediaWarning
 from .runtime.executor import Executor
 from .serve import Model, load
+from .serve_args import check_width
 from .sources.fields import Fields, read_record
 from .sources.record import Record
 from .sources.source import Shard, open_source
@@ -359,9 +360,7 @@ def encode_file(
                 executor.close()
             raise
     try:
-        chosen = model.hidden if width is None else width
-        if isinstance(chosen, bool) or not isinstance(chosen, int) or not 1 <= chosen <= model.hidden:
-            raise ValueError(f"width: must be an int in [1, hidden = {model.hidden}], got {width!r}")
+        chosen = model.hidden if width is None else check_width(width, model.hidden)
         writer = open_writer(target, chosen, scalar)
         bar = tqdm(desc="uform encode", unit="records", disable=not progress, dynamic_ncols=True)
         try:

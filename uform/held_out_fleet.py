@@ -26,9 +26,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from .maxsim import maxsim_scores
 from .media.decode import MediaPolicy
 from .runtime.workers import first_failure
-from .serve import Model, maxsim_scores
+from .serve import Model
 
 __all__ = ["FleetWork", "LocalWork", "Work", "answer_work"]
 

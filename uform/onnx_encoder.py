@@ -36,6 +36,7 @@ from .replica.capacity import warn_truncated
 from .replica.checkpoint import CheckpointError
 from .replica.stored_model import ONNX_FILE, file_digest, read_model
 from .runtime.decoders import DecodePool
+from .serve_args import check_width
 
 __all__ = ["OnnxEncoder"]
 
@@ -98,9 +99,7 @@ class OnnxEncoder:
         answer, f32 only; a media item that cannot be decoded raises `MediaError` naming it)."""
         mods = parse_modalities(modalities)
         items = parse_contents(contents, len(mods))
-        width = self.hidden if width is None else width
-        if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= self.hidden:
-            raise ValueError(f"width: must be an int in [1, hidden = {self.hidden}], got {width!r}")
+        width = self.hidden if width is None else check_width(width, self.hidden)
         n = len(mods)
         out = torch.zeros(n, width)
         cut = 0
