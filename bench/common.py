@@ -35,18 +35,24 @@ def pair_relations(count: int) -> Any:
     return u.Relations(attract=u.Edges(offsets=list(range(count + 1)), ids=[i ^ 1 for i in range(count)]))
 
 
-def decode_in_pool(pool: Any, images: list[bytes], geometry: dict[str, int], keyed: bool = True) -> None:
+def decode_in_pool(
+    pool: Any, images: list[bytes], geometry: dict[str, int], keyed: bool = True, window: int = 0
+) -> None:
     """`images` (JPEG bytes) through `media.decode.decode_items` on `pool` (a `DecodePool`), in chunks of images a
     decoder job as serving and the trainer decode them, at the image `geometry` (patch_side, channels), with the
-    items' keys or without (`keyed`); the units, views of the decoders' slabs, dropped at once so the next call
-    reuses those bytes."""
+    items' keys or without (`keyed`); `window` items at a time (0: all at once), as a serving call decodes its
+    windows. The units, views of the decoders' slabs, are dropped after each window so the next reuses those
+    bytes: units held for 8,192 images at once grew the slabs and decoded ~25% slower on two cores."""
     import uform as u
     from uform.media.decode import MediaPolicy, decode_items
 
     shape = u.BatchShape(image=u.ImageShape(**geometry))
     policy = MediaPolicy(workers=pool.workers)
-    units, _ = decode_items(pool, policy, shape, ["image"] * len(images), images, range(len(images)), 1023, keyed)
-    del units
+    step = window or max(1, len(images))
+    for first in range(0, len(images), step):
+        items = range(first, min(first + step, len(images)))
+        units, _ = decode_items(pool, policy, shape, ["image"] * len(images), images, items, 1023, keyed)
+        del units
 
 
 def bench_config(args: Any, *, objective: Any = None, batch: dict[str, Any] | None = None, **fields: Any) -> Any:

@@ -201,19 +201,23 @@ def profiled(name: str, call: Any, folder: str) -> dict[str, float]:
 
 def decode_rates(args: argparse.Namespace, images: list[bytes]) -> dict[str, Any]:
     """The media stage's own ceiling: the JPEGs through `media.decode.decode_items` (chunks of images a decoder
-    job, as serving and the trainer decode them) on a pool of each size of `--pool-workers` (the first 0:
-    `--workers`), and `decode_item` in this process (one core's rate)."""
+    job, a window of the model's at a time, as serving decodes them) on a pool of each size of `--pool-workers`
+    (the first 0: `--workers`), and `decode_item` in this process (one core's rate)."""
     from uform.media.decode import decode_item
     from uform.media.limits import MediaLimits
     from uform.runtime.decoders import DecodePool
 
     geometry = {"patch_side": args.patch_side, "channels": 4}
-    out: dict[str, Any] = {"items": len(images), "pools": []}
+    window = args.window or 2 * args.segments  # `Model.window`'s default: twice its segments
+    out: dict[str, Any] = {"items": len(images), "window": window, "pools": []}
     for workers in [int(w) for w in str(args.pool_workers).split(",")]:
         with DecodePool(workers or args.workers) as pool:
-            _, best = timed(lambda pool=pool: decode_in_pool(pool, images, geometry), args.repeats)
+            _, best = timed(lambda pool=pool: decode_in_pool(pool, images, geometry, window=window), args.repeats)
             out["pools"].append({"workers": pool.workers, "items_per_s": len(images) / best})
-        print(f"{'decode':<6} {len(images) / best:>12,.1f} items/s  ({pool.workers} decoder processes)", flush=True)
+        print(
+            f"{'decode':<6} {len(images) / best:>12,.1f} items/s  ({pool.workers} decoder processes, {window} a window)",
+            flush=True,
+        )
     alone = images[: min(len(images), 256)]
     _, best = timed(lambda: [decode_item("image", d, geometry, 1023, MediaLimits()) for d in alone], args.repeats)
     out["in_process_ms_per_item"] = best / len(alone) * 1e3

@@ -57,6 +57,7 @@ def test_encode_bench_smoke(tmp_path: Path) -> None:
     decode = results["decode"]
     assert decode["items"] == 3 and decode["pools"][0]["workers"] == 1 and decode["pools"][0]["items_per_s"] > 0
     assert decode["in_process_ms_per_item"] > 0 and decode["plan_us_per_item"] > 0
+    assert decode["window"] == 16  # a window of the model's, twice its 8 segments, as serving decodes
     written = json.loads((tmp_path / "bench-encode.json").read_text())
     assert written["text"]["items"] == 12
     assert written["uform_from"] == str(BENCH.parent / "uform")  # the checkout the bench sits in ran
