@@ -125,10 +125,12 @@ def in_flight(submit: Callable[[int], Future], indices: Iterable[int], pending: 
         future.result()
 
 
-def random_checkpoint(args: Any, path: str, *, patch_side: int = 16, widths: tuple[int, ...] = ()) -> str:
+def random_checkpoint(
+    args: Any, path: str, *, patch_side: int = 16, channels: int = 0, widths: tuple[int, ...] = ()
+) -> str:
     """Writes a trainer checkpoint of a freshly initialised Contrastive network (seed 42) at `path` and answers it:
     `args.depth` x `args.hidden` over `args.rows` x `args.columns` with `args.segments` segments, images in patches
-    of `patch_side`, Matryoshka `widths`."""
+    of `patch_side` with `channels` a pixel (0: the seed's four, RGBA), Matryoshka `widths`."""
     import uform as u
     from uform.config import resolve, to_json
     from uform.model.network import Network
@@ -138,7 +140,7 @@ def random_checkpoint(args: Any, path: str, *, patch_side: int = 16, widths: tup
         bench_config(
             args,
             objective=u.Objective.Contrastive,
-            batch={"image": u.ImageShape(patch_side=patch_side)},
+            batch={"image": u.ImageShape(patch_side=patch_side, channels=channels)},
             contrastive=u.Contrastive(matryoshka_dimensions=widths),
             schedule=u.Schedule(steps=1),
         )

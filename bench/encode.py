@@ -30,6 +30,10 @@ under FlexAttention), for an A/B of the two.
 the serving process; default: the model's own choice); `N,M` times each kind through both, side by side (N, M, N
 again; "<kind>_host_M" in the table).
 
+`--channels 3` trains the random run's images as RGB (the seed derives 4 channels, RGBA: a JPEG's alpha is always
+opaque, yet a quarter of every image batch's bytes is that alpha, decoded, packed and copied; open_clip's ViT takes
+RGB).
+
 `--jpeg-device` (CUDA only) times the same JPEGs again through `load(jpeg="device")` (nvJPEG takes every plain
 JPEG).
 
@@ -118,7 +122,7 @@ def build_model(args: argparse.Namespace, folder: str, jpeg: str = "host", host_
 
     path = os.path.join(folder, "bench-encode.safetensors")
     if not os.path.exists(path):
-        random_checkpoint(args, path, patch_side=args.patch_side)
+        random_checkpoint(args, path, patch_side=args.patch_side, channels=args.channels)
     executor = u.Executor.for_vram([0]) if args.device == "cuda" else u.Executor.cpu()
     if host_processes is None and jpeg == "host" and args.host_processes != "auto":
         host_processes = int(args.host_processes.partition(",")[0])
@@ -207,7 +211,7 @@ def decode_rates(args: argparse.Namespace, images: list[bytes]) -> dict[str, Any
     from uform.media.limits import MediaLimits
     from uform.runtime.decoders import DecodePool
 
-    geometry = {"patch_side": args.patch_side, "channels": 4}
+    geometry = {"patch_side": args.patch_side, "channels": args.channels or 4}
     window = args.window or 2 * args.segments  # `Model.window`'s default: twice its segments
     out: dict[str, Any] = {"items": len(images), "window": window, "pools": []}
     for workers in [int(w) for w in str(args.pool_workers).split(",")]:
@@ -361,6 +365,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     add_geometry(parser)
     parser.add_argument("--patch-side", type=int, default=16)
+    parser.add_argument(
+        "--channels", type=int, default=0, help="an image pixel's channels in the run (0: the seed's 4, RGBA; 3: RGB)"
+    )
     parser.add_argument("--texts", type=int, default=8192)
     parser.add_argument("--text-bytes", type=int, default=255)
     parser.add_argument("--images", type=int, default=2048)

@@ -25,6 +25,9 @@ open_clip is imported only for its side (`--skip-open-clip` leaves it out; it is
 GPU machine carry open_clip_torch, ftfy and wcwidth as wheels). Writes bench-pairs.json under $OUT (or the current
 folder).
 
+`--channels 3` runs uform's images as RGB, as open_clip's are (the seed derives 4 channels, RGBA, so a quarter of
+every image's bytes is a JPEG's always-opaque alpha).
+
 With `--devices N` (N > 1) uform runs alone, on one device and then on N (`Executor.for_vram`, a worker process
 a GPU; `--cpu`: CPU workers), `--pairs` pairs a device, each image and its caption one bag (routed whole to one
 device; a device's step carries `--pairs` bags), and prints both rates and the weak scaling, pairs/s(N) / (N x
@@ -70,7 +73,7 @@ def uform_rates(args: argparse.Namespace, devices: int = 1) -> dict[str, Any]:
     from uform.fitting import steps_in_flight
 
     scaling = args.devices > 1
-    batch: dict[str, Any] = {"image": u.ImageShape(patch_side=16)}
+    batch: dict[str, Any] = {"image": u.ImageShape(patch_side=16, channels=args.channels)}
     if scaling:  # a device's step carries its `--pairs` bags, not the default 128
         batch["max_bags_per_device"] = args.pairs
     config = bench_config(args, objective=u.Objective.Contrastive, batch=batch)
@@ -279,6 +282,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_geometry(parser, rows=0, columns=2048, segments=0)  # --rows 0: sized to the step; --segments 0: two per pair
     parser.add_argument("--pairs", type=int, default=192)
+    parser.add_argument(
+        "--channels",
+        type=int,
+        default=0,
+        help="an image pixel's channels in uform's run (0: the seed's 4, RGBA; 3: RGB)",
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--cpu", action="store_true", help="uform on the CPU (a smoke run; open_clip needs CUDA)")
@@ -312,7 +321,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     result: dict[str, Any] = {
-        "geometry": {k: getattr(args, k) for k in ("depth", "hidden", "pairs", "rows", "columns", "segments")},
+        "geometry": {
+            k: getattr(args, k) for k in ("depth", "hidden", "pairs", "rows", "columns", "segments", "channels")
+        },
         "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
         "cpus": os.cpu_count(),
         "torch": torch.__version__,

@@ -132,9 +132,10 @@ def test_pairs_bench_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caps
     assert result["uform_fed_ms"] > 0 and result["uform_prepare_ms"] > 0 and result["uform_prepare_one_ms"] > 0
     assert result["uform_decode_one_ms"] > 0 and result["uform_prepare_at_once"] == 2  # fit's depth on the CPU
     assert result["uform_data_wait"] == pytest.approx(1 - result["uform_fed_ms"] / result["uform_step_ms"])
-    stage = bench.main([*tiny.split(), "--prepare-only", "--rows", "0"])  # the same stage, no step taken
+    stage = bench.main([*tiny.split(), "--prepare-only", "--rows", "0", "--channels", "3"])  # no step taken, RGB
     assert stage["uform_prepare_ms"] > 0 and "uform_pairs_per_second" not in stage
     assert stage["geometry"]["rows"] == 2  # --rows 0: as many as 4 pairs of 318 positions fill at 640 columns
+    assert stage["geometry"]["channels"] == 3
     scaled = [*tiny.split(), "--devices", "2"]
     scaling = bench.main(scaled)  # two CPU workers, each pair routed whole to one
     assert scaling["devices"] == 2 and scaling["one"]["dropped"] == scaling["many"]["dropped"] == 0
