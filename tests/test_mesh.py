@@ -18,7 +18,9 @@ from conftest import assert_same, make_config, snapshot, step_with
 
 import uform
 from uform import Executor, GPUClass, Mesh, MeshError, MeshOptions, MultimemTier, Trainer
-from uform.runtime.mesh import _resolve, check_job, effective_tier, rendezvous
+from uform.runtime.mesh import _resolve
+from uform.runtime.process_group import effective_tier
+from uform.runtime.rendezvous import check_job, rendezvous
 
 FACTS = {"devices": 1, "kind": "cpu", "capabilities": [], "multimem": 0, "nvls": "", "hostname": "h", "pid": 1}
 
@@ -273,7 +275,7 @@ def test_one_mesh_per_process(lone_mesh: Mesh, executor: Executor) -> None:
 def test_a_rank_that_never_joins_the_store_is_named(tmp_path: Path) -> None:
     """Past the rendezvous, every rank announces itself in the run's store before the process group forms:
     one that never does is named with its host at the deadline (here rank 1 of host 1 never comes)."""
-    from uform.runtime.mesh import join
+    from uform.runtime.process_group import join
 
     (tmp_path / "run-1").mkdir()
     world = {"run": "run-1", "root": str(tmp_path), "store": {"kind": "file"}}

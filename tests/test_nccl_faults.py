@@ -19,7 +19,7 @@ from conftest import make_config, step_with
 
 import uform.runtime.world
 from uform import Executor, Mesh, MeshError, MeshOptions, MultimemTier, Trainer
-from uform.runtime.mesh import ASYNC_ERROR_HANDLING, GROUP_SLACK, group_timeout, nccl_defaults
+from uform.runtime.process_group import ASYNC_ERROR_HANDLING, GROUP_SLACK, group_timeout, nccl_defaults
 from uform.runtime.world import World, WorldAborted, wait_event
 
 

@@ -2,20 +2,11 @@
 
 Each host's process calls `Mesh.bootstrap(executor, MeshOptions(host_domain_index=h, host_domain_count=n,
 directory=..., job=...))`. The hosts meet in files under `directory/job` (a directory every host sees, as
-the `/shared/exchange` of UForm 4's trainer API's example):
-
-1. Host 0 picks a fresh run id, creates `job/<run>/`, and publishes the id in `job/current.json` (written
-   whole and renamed into place). Run directories of earlier runs of the job are removed.
-2. Every host writes `job/<run>/host-<h>.json`: a fresh nonce, its device count, kind and compute
-   capabilities; while it waits it rewrites `job/beat-<h>.json` every half second (its heartbeat).
-3. Once every host is there, host 0 writes `job/<run>/world.json` naming each host's nonce. A host is in
-   when world.json names its own nonce; a world.json naming other nonces is an earlier run's.
-4. Every rank then meets in the run's store (a `FileStore` at `job/<run>/store`, or a `TCPStore` whose
-   address world.json publishes) and forms the process group.
-
-So files an earlier, killed run left behind never satisfy a new one (their nonces are not its, and their
-heartbeats do not move), every wait has the options' deadline, and a host that never arrives makes every
-other host fail with a `MeshError` naming the missing host indices.
+the `/shared/exchange` of UForm 4's trainer API's example; `uform.runtime.rendezvous`: a fresh run id, each
+host's nonce and heartbeat, one world.json), then every rank meets in the run's store and forms the process
+group (`uform.runtime.process_group`). Files an earlier, killed run left behind never satisfy a new one, every
+wait has the options' deadline, and a host that never arrives makes every other host fail with a `MeshError`
+naming the missing host indices.
 
 A process started by `torchrun` (one device per process) takes its mesh from the environment instead:
 `Mesh.from_env()`, or `Mesh.bootstrap` with no directory, reads RANK, WORLD_SIZE, LOCAL_RANK,
@@ -26,15 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
-import json
 import os
-import re
-import secrets
 import shutil
 import socket
 import tempfile
-import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +31,8 @@ import torch.distributed as dist
 
 from ..enums import GPUClass, MultimemTier
 from .executor import Executor
+from .process_group import effective_tier, group_timeout, join, nccl_defaults, world_member
+from .rendezvous import check_job, rendezvous
 from .world import MeshError, World
 
 __all__ = ["Mesh", "MeshDescription", "MeshError", "MeshOptions"]
@@ -52,16 +40,8 @@ __all__ = ["Mesh", "MeshDescription", "MeshError", "MeshOptions"]
 DEFAULT_TIMEOUT = 600.0
 """Seconds any wait of the mesh takes at most (the rendezvous, the store, every collective), unless set."""
 
-HEARTBEAT = 0.5
-"""Seconds between the rewrites of a waiting host's file."""
-
-POLL = 0.05
-"""Seconds between looks at the exchange directory."""
-
 ABORT_SETTLE = 30.0
 """Seconds `Mesh.close` waits for the aborts of a failed NCCL world before it forgets its groups."""
-
-_JOB = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 @dataclass(kw_only=True)
@@ -152,37 +132,6 @@ def _resolve(options: MeshOptions) -> MeshOptions:
     )
 
 
-def check_job(job: object) -> None:
-    """A job names a directory on every host: letters, digits, '-', '_' and '.', not only dots."""
-    if not isinstance(job, str):
-        raise TypeError(f"job: expected a str, got {type(job).__name__}")
-    if not _JOB.fullmatch(job) or set(job) == {"."}:
-        raise ValueError(
-            f"job: {job!r} is not a job name; use 1 to 128 letters, digits, '-', '_' and '.' (not only dots)"
-        )
-
-
-# --------------------------------------------------------------------------------------------------
-# Files of the exchange directory
-
-
-def _write_json(path: Path, value: dict[str, Any]) -> None:
-    """Writes `path` whole: a temporary name in the same directory, then a rename over it."""
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    with open(temporary, "w") as f:
-        json.dump(value, f)
-    os.replace(temporary, path)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        with open(path) as f:
-            value = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
 def _host_facts(executor: Executor, multimem: MultimemTier) -> dict[str, Any]:
     devices = executor.devices
     kind = devices[0].type
@@ -196,282 +145,6 @@ def _host_facts(executor: Executor, multimem: MultimemTier) -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "pid": os.getpid(),
     }
-
-
-def _missing(hosts: range, present: set[int]) -> str:
-    missing = [h for h in hosts if h not in present]
-    return ", ".join(str(h) for h in missing)
-
-
-def rendezvous(
-    root: Path, host: int, hosts: int, facts: dict[str, Any], timeout: float, store: str, address: str
-) -> dict[str, Any]:
-    """Meets the other hosts of the job whose directory is `root`; answers world.json's contents.
-
-    Raises `MeshError` naming the missing hosts when the deadline passes first, or host 0's complaint when
-    the hosts disagree (device counts, kinds, options)."""
-    deadline = time.monotonic() + timeout
-    nonce = secrets.token_hex(8)
-    root.mkdir(parents=True, exist_ok=True)
-    if host == 0:
-        return _lead(root, hosts, facts, nonce, deadline, timeout, store, address)
-    return _follow(root, host, hosts, facts, nonce, deadline, timeout)
-
-
-class _Beat:
-    """This host's heartbeat, `root/beat-<h>.json`, rewritten every HEARTBEAT seconds while it waits; and
-    the others': a host is alive when its beat file changes while this one watches (a file an earlier run
-    left behind never does)."""
-
-    def __init__(self, root: Path, host: int, hosts: int, nonce: str) -> None:
-        self.root, self.host, self.hosts, self.nonce = root, host, hosts, nonce
-        self.count = 0
-        self.last = -HEARTBEAT
-        self.first: dict[int, Any] = {}
-        self.alive = {host}
-
-    def tick(self) -> None:
-        now = time.monotonic()
-        if now - self.last < HEARTBEAT:
-            return
-        self.last = now
-        with contextlib.suppress(OSError):
-            _write_json(self.root / f"beat-{self.host}.json", {"nonce": self.nonce, "beat": self.count})
-        self.count += 1
-        for h in range(self.hosts):
-            if h in self.alive:
-                continue
-            record = _read_json(self.root / f"beat-{h}.json")
-            value = None if record is None else (record.get("nonce"), record.get("beat"))
-            if h not in self.first:
-                self.first[h] = value
-            elif value is not None and value != self.first[h]:
-                self.alive.add(h)
-
-
-def _lead(
-    root: Path,
-    hosts: int,
-    facts: dict[str, Any],
-    nonce: str,
-    deadline: float,
-    timeout: float,
-    store: str,
-    address: str,
-) -> dict[str, Any]:
-    run = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(6)}"
-    here = root / run
-    here.mkdir()
-    for entry in root.iterdir():  # earlier runs of this job: their files can only confuse a late host
-        if entry.is_dir() and entry.name != run:
-            shutil.rmtree(entry, ignore_errors=True)
-    beat = _Beat(root, 0, hosts, nonce)
-    beat.tick()
-    _write_json(here / "host-0.json", {"nonce": nonce, **facts})
-    _write_json(root / "current.json", {"run": run, "hosts": hosts})
-    arrived: dict[int, dict[str, Any]] = {0: {"nonce": nonce, **facts}}
-    while len(arrived) < hosts:
-        for h in range(1, hosts):
-            if h not in arrived:
-                record = _read_json(here / f"host-{h}.json")
-                if record is not None and "nonce" in record:
-                    arrived[h] = record
-        if len(arrived) == hosts:
-            break
-        if time.monotonic() > deadline:
-            raise MeshError(
-                f"mesh: hosts {_missing(range(hosts), set(arrived))} of {hosts} never arrived in "
-                f"{os.fsdecode(root)} within {timeout:g} s (host 0 waited for them)"
-            )
-        beat.tick()
-        time.sleep(POLL)
-    world: dict[str, Any] = {
-        "run": run,
-        "nonces": [arrived[h]["nonce"] for h in range(hosts)],
-        "hosts": [{k: v for k, v in arrived[h].items() if k != "nonce"} for h in range(hosts)],
-        "error": _disagreement(arrived, hosts),
-        "store": {"kind": store},
-    }
-    if store == "tcp" and world["error"] is None:
-        host_name = address or socket.gethostname()
-        server = dist.TCPStore(
-            host_name, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
-        )
-        world["store"] = {"kind": "tcp", "address": host_name, "port": server.port}
-        world["_server"] = server
-    _write_json(here / "world.json", {k: v for k, v in world.items() if not k.startswith("_")})
-    if world["error"] is not None:
-        raise MeshError(world["error"])
-    world["root"] = str(root)
-    return world
-
-
-def _disagreement(arrived: dict[int, dict[str, Any]], hosts: int) -> str | None:
-    first = arrived[0]
-    for h in range(1, hosts):
-        other = arrived[h]
-        for key, what in (
-            ("devices", "devices"),
-            ("kind", "device kind"),
-            ("multimem", "multimem option"),
-            ("nvls", "NCCL_NVLS_ENABLE"),
-        ):
-            if other.get(key) != first.get(key):
-                return (
-                    f"mesh: host {h} has {what} {other.get(key)!r} but host 0 has {first.get(key)!r}; every host "
-                    "of a run needs the same number and kind of devices and the same options"
-                )
-    return None
-
-
-def _follow(
-    root: Path, host: int, hosts: int, facts: dict[str, Any], nonce: str, deadline: float, timeout: float
-) -> dict[str, Any]:
-    joined: str | None = None
-    beat = _Beat(root, host, hosts, nonce)
-    while True:
-        beat.tick()
-        current = _read_json(root / "current.json")
-        run = current.get("run") if current else None
-        if isinstance(run, str) and re.fullmatch(r"[A-Za-z0-9-]+", run):
-            if run != joined:
-                with contextlib.suppress(OSError):  # host 0 may be removing a stale run's directory
-                    (root / run).mkdir(exist_ok=True)
-                    _write_json(root / run / f"host-{host}.json", {"nonce": nonce, **facts})
-                    joined = run
-            world = _read_json(root / run / "world.json")
-            nonces = None if world is None else world.get("nonces")
-            if isinstance(nonces, list) and len(nonces) == hosts and nonces[host] == nonce:
-                assert world is not None
-                if world.get("error"):
-                    raise MeshError(world["error"])
-                world["root"] = str(root)
-                return world
-        if time.monotonic() > deadline:
-            raise MeshError(
-                f"mesh: hosts {_missing(range(hosts), beat.alive)} of {hosts} never arrived in "
-                f"{os.fsdecode(root)} within {timeout:g} s (host {host} waited for them)"
-            )
-        time.sleep(POLL)
-
-
-# --------------------------------------------------------------------------------------------------
-# The process group
-
-
-def _store(world: dict[str, Any], ranks: int, timeout: float) -> Any:
-    spec = world["store"]
-    if spec["kind"] == "tcp":
-        if "_server" in world:
-            return world["_server"]
-        return dist.TCPStore(
-            spec["address"], int(spec["port"]), is_master=False, timeout=datetime.timedelta(seconds=timeout)
-        )
-    path = Path(world["root"]) / world["run"] / "store"
-    store = dist.FileStore(str(path), ranks)
-    store.set_timeout(datetime.timedelta(seconds=timeout))
-    return store
-
-
-GROUP_SLACK = 90.0
-"""Seconds an NCCL process group's own timeout exceeds the mesh's deadline. The world's watch aborts a
-collective still unfinished at the deadline (`World.mark`); after the abort torch's watchdog finds it
-finished. Were the group's timeout the deadline itself, the watchdog would time out every collective then
-in flight, and for each one sleep 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (60 s at its default; pytorch PR
-#150652) holding the group's work list, which any later destruction of the group waits for. 90 s is that
-60 s and a margin: a communication error torch sees first costs one such sleep, after which the works
-still listed must not yet have timed out."""
-
-
-def group_timeout(backend: str, timeout: float) -> datetime.timedelta:
-    """The process groups' own timeout for a mesh deadline of `timeout` seconds: the deadline on gloo (its
-    collectives raise by themselves); on NCCL the deadline and GROUP_SLACK (the world's watch keeps the
-    deadline)."""
-    return datetime.timedelta(seconds=timeout + (GROUP_SLACK if backend == "nccl" else 0.0))
-
-
-ASYNC_ERROR_HANDLING = "2"
-"""The library's TORCH_NCCL_ASYNC_ERROR_HANDLING: 2, torch's CleanUpOnly (abort the communicators of a failed
-or timed-out collective, leave the process alive). torch's default, 3 (SkipCleanUp), ends the whole process
-from its watchdog thread when a collective times out, so a survivor of a dead peer would die instead of
-raising `MeshError`, should torch see a failure before the world's own watch does (`World.watch`: a
-communication error torch reads from NCCL, a collective the world did not launch); 0 would leave such a
-collective's kernels waiting. Sources: docs/decisions.md ("NCCL faults")."""
-
-
-def nccl_defaults(tier: MultimemTier) -> None:
-    """The library's NCCL settings, each only where the user did not set the variable: NVLink multicast
-    off unless asked for (NCCL_NVLS_ENABLE=0), and failed collectives cleaned up without ending the process
-    (TORCH_NCCL_ASYNC_ERROR_HANDLING=2). torch reads the latter when a process group is made, so this runs
-    before every `init_process_group` / `new_group` of an NCCL world."""
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "1" if tier != MultimemTier.Off else "0")
-    if tier == MultimemTier.Domain:
-        os.environ.setdefault("NCCL_MNNVL_ENABLE", "1")
-    if "NCCL_ASYNC_ERROR_HANDLING" not in os.environ:  # torch's older spelling, which it still reads
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", ASYNC_ERROR_HANDLING)
-
-
-def effective_tier(requested: MultimemTier, backend: str, gpu_class: GPUClass, hosts: int) -> MultimemTier:
-    """The tier the run's collectives use: none off CUDA or below Hopper, none when NCCL_NVLS_ENABLE is 0;
-    the environment turning it on reaches one host; a one-host run's Domain is its Host."""
-    if backend != "nccl" or gpu_class < GPUClass.Hopper:
-        return MultimemTier.Off
-    setting = os.environ.get("NCCL_NVLS_ENABLE", "0")
-    if setting == "0":
-        return MultimemTier.Off
-    tier = requested if requested != MultimemTier.Off else MultimemTier.Host
-    if hosts == 1:
-        tier = min(tier, MultimemTier.Host)
-    return tier
-
-
-def join(
-    world: dict[str, Any], rank: int, ranks: int, device: torch.device, timeout: float, hosts_of: list[int]
-) -> World:
-    """Forms (in this process) the process group of the rendezvous `world` as `rank` of `ranks`, on
-    `device`; answers this process's `World`. Waits for every rank in the store first, so that a rank that
-    never comes is named (with its host) instead of timing out anonymously."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(device)
-    store = _store(world, ranks, timeout)
-    prefixed = dist.PrefixStore(f"uform/{world['run']}/", store)
-    prefixed.set(f"arrived/{rank}", "1")
-    keys = [f"arrived/{r}" for r in range(ranks)]
-    try:
-        prefixed.wait(keys, datetime.timedelta(seconds=timeout))
-    except Exception as error:
-        missing = [r for r in range(ranks) if not prefixed.check([f"arrived/{r}"])]
-        hosts = sorted({hosts_of[r] for r in missing})
-        raise MeshError(
-            f"mesh: ranks {missing} (hosts {hosts}) never joined the world within {timeout:g} s ({error})"
-        ) from None
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore("pg/", prefixed),
-        rank=rank,
-        world_size=ranks,
-        timeout=group_timeout(backend, timeout),
-        device_id=device if backend == "nccl" else None,
-    )
-    return _world_member(backend, device, timeout)
-
-
-def _world_member(backend: str, device: torch.device, timeout: float) -> World:
-    """This process's `World` over the default process group just formed: a second group of the same ranks for
-    the gradient buckets, and its watch started (NCCL only)."""
-    gradients = dist.new_group(backend=backend, timeout=group_timeout(backend, timeout))
-    member = World(
-        rank=dist.get_rank(),
-        size=dist.get_world_size(),
-        backend=backend,
-        device=device,
-        timeout=timeout,
-        group=None,
-        gradients=gradients,
-    )
-    member.watch()
-    return member
 
 
 def _torchrun_environment() -> dict[str, int] | None:
@@ -582,7 +255,7 @@ class Mesh:
             dist.init_process_group(
                 backend, init_method="env://", timeout=timeout, device_id=device if backend == "nccl" else None
             )
-        world = _world_member(backend, device, options.timeout_seconds)
+        world = world_member(backend, device, options.timeout_seconds)
         rank, size = world.rank, world.size
         # Every process's device class, gathered, so the run dispatches as the lowest.
         mine = 0
