@@ -21,7 +21,8 @@ from uform.cli import main
 from uform.config import resolve, to_json
 from uform.media.decode import MediaPolicy
 from uform.model.network import Network
-from uform.replica.checkpoint import MOMENTS, read_layout, write_checkpoint
+from uform.replica.checkpoint import read_layout, write_checkpoint
+from uform.replica.run_schema import MOMENTS
 from uform.replica.stored_model import MODEL_FILE
 
 torch.set_num_threads(2)

@@ -19,7 +19,8 @@ import uform
 from uform import Executor, Trainer, TrainerInitVramConfig
 from uform.cli import main
 from uform.fitting import FitStep
-from uform.replica.checkpoint import DATA_KEY, CheckpointError, read_checkpoint, read_metadata
+from uform.replica.checkpoint import CheckpointError, read_checkpoint, read_metadata
+from uform.replica.run_schema import DATA_KEY
 from uform.replica.stored_run import read_data_state
 from uform.run_config import read_run_config
 from uform.run_dir import read_metrics
@@ -216,7 +217,7 @@ def test_the_data_slot_round_trips_is_bounded_and_is_absent_from_a_plain_save(tm
 
 
 def test_a_stored_data_slot_of_another_format_is_refused_from_the_header(tmp_path: Path) -> None:
-    from uform.replica.checkpoint import DATA_FORMAT, stored_data
+    from uform.replica.run_schema import DATA_FORMAT, stored_data
 
     assert stored_data({DATA_KEY: json.dumps({"format": DATA_FORMAT, "state": {"a": 1}})}, "f") == {"a": 1}
     for text in ("{", json.dumps({"format": "uform.data.9", "state": {}}), json.dumps([1]), "x" * 1_000_001):

@@ -22,7 +22,7 @@ from .config import to_json
 from .model.network import Network
 from .model_card import model_card
 from .onnx_export import write_onnx
-from .replica.checkpoint import stored_weights
+from .replica.run_schema import stored_weights
 from .replica.stored_model import CONFIG_FILE, ONNX_FILE, write_model
 from .replica.stored_run import read_run_tensors, read_stored_run
 from .run_dir import CHECKPOINTS_NAME, CONFIG_NAME, METRICS_NAME, read_metrics

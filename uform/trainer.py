@@ -22,10 +22,10 @@ from .media.decode import MediaPolicy
 from .model.network import Network
 from .notices import MediaWarning as MediaWarning  # re-exported: where callers met it first
 from .notices import Notices
-from .replica.checkpoint import data_slot
 from .replica.init_from import StartingWeights, plan_starting_weights
 from .replica.optim import Optimizer
 from .replica.replica import WORLD_COMPILES, Replica, Weights
+from .replica.run_schema import data_slot
 from .runtime.executor import Executor
 from .runtime.mesh import Mesh
 from .runtime.preparation import Preparation, default_host_processes
@@ -289,7 +289,7 @@ class On:
     def save(self, config: Any, *, data_state: dict[str, Any] | None = None) -> None:
         """Writes the checkpoint; `config` is a path or a `TrainerSaveConfig`. `data_state` (a JSON-able dict,
         such as `uform.sources.Loader.state()`) is stored beside the run (the checkpoint's `uform.data`, at most
-        `checkpoint.MAX_DATA_BYTES`), for `stored_run.read_data_state` to hand a resume."""
+        `run_schema.MAX_DATA_BYTES`), for `stored_run.read_data_state` to hand a resume."""
         self.trainer._save(config, data_state).result()
 
 

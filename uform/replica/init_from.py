@@ -20,7 +20,8 @@ import torch
 
 from ..config import TrainerInitVramConfig
 from ..model.network import Network
-from .checkpoint import DIGEST_KEY, WEIGHTS, CheckpointError
+from .checkpoint import DIGEST_KEY, CheckpointError
+from .run_schema import WEIGHTS
 from .stored_run import read_run_tensors, read_stored_run
 
 __all__ = ["StartingWeights", "load_starting_weights", "plan_starting_weights"]

@@ -44,10 +44,11 @@ from ..runtime.world import GradientReducer, MeshError, World, WorldAborted, red
 from .agreement import compare_runs
 from .capacity import warn_step_capacity
 from .checked_step import CheckedStep, check_step
-from .checkpoint import restore_moments, run_metadata, run_tensors, stored_weights, write_checkpoint
+from .checkpoint import write_checkpoint
 from .init_from import StartingWeights, load_starting_weights
 from .memory import check_memory
 from .optim import LATE, Optimizer, build_optimizer, learning_rate, nonfinite, rate_overflows, reach
+from .run_schema import restore_moments, run_metadata, run_tensors, stored_weights
 from .stored_run import StoredRun, read_run_tensors, resolve_run
 
 __all__ = ["WORLD_COMPILES", "Replica", "Stage", "Weights"]
@@ -325,7 +326,7 @@ class Replica:
     def save(self, config: TrainerSaveConfig, data: str | None = None) -> Future:
         """Queues a checkpoint of the run after every step called before it (only rank 0 writes, in a world);
         `config` is taken as checked (`trainer.save_config`), `data` is the data slot's text
-        (`checkpoint.data_slot`) or None."""
+        (`run_schema.data_slot`) or None."""
         self.check_open()
         return self._queue.submit(self._run_save, config, data)
 

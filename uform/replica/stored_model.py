@@ -35,17 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import TrainerInitVramConfig, from_dict, resolve, to_json
-from .checkpoint import (
-    CONFIG_KEY,
-    FORMAT_KEY,
-    STEP_KEY,
-    CheckpointError,
-    ProgressCallback,
-    read_checkpoint,
-    read_layout,
-    stored_weights,
-    write_checkpoint,
-)
+from .checkpoint import CheckpointError, ProgressCallback, read_checkpoint, read_layout, write_checkpoint
+from .run_schema import CONFIG_KEY, FORMAT_KEY, STEP_KEY, stored_weights
 from .stored_run import check_finite, check_weights, read_run_tensors, read_stored_run
 
 __all__ = [

@@ -33,7 +33,8 @@ import torch
 
 from ..config import TrainerInitVramConfig, from_dict, resolve
 from ..model.network import Network
-from .checkpoint import (
+from .checkpoint import CheckpointError, Layout, ProgressCallback, read_checkpoint, read_layout
+from .run_schema import (
     CONFIG_KEY,
     COUNTER_KEYS,
     FORMAT,
@@ -43,12 +44,7 @@ from .checkpoint import (
     RNG_DRAWS,
     RNG_KEY,
     WEIGHTS,
-    CheckpointError,
-    Layout,
-    ProgressCallback,
     over_stored,
-    read_checkpoint,
-    read_layout,
     same_run,
     stored_data,
 )
@@ -85,7 +81,7 @@ class StoredRun:
     nonfinite: int
     """Steps skipped whole because their loss or gradients were not finite (numbered, but no update applied)."""
     data: dict[str, Any] | None = None
-    """Where the run's data stood at the save (`checkpoint.DATA_KEY`, a loader's state), None where not stored."""
+    """Where the run's data stood at the save (`run_schema.DATA_KEY`, a loader's state), None where not stored."""
 
 
 def read_stored_run(path: str | bytes | os.PathLike) -> StoredRun:
