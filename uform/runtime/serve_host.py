@@ -18,7 +18,7 @@ request, answered in the order sent:
   pipe), with their modalities, sides and spans and the model's `Packing`. A share whose contents outgrow the area
   goes in parts, each packed as a call of its own.
 - ``next`` into an output area: the share's next message, ("batch", `Packed`) with the batch's media arrays built
-  in that area in the first place (`uform.runtime.preparers.Built`), ("skipped", [(item, reason)]) for a window's
+  in that area in the first place (`uform.runtime.slots.Built`), ("skipped", [(item, reason)]) for a window's
   media that did not decode, or ("done",). The owner keeps one request in flight per area, and asks for the
   next batch into an area only once the batch before it there was copied out (`ServeHost.batches`).
 - ``close``: the share ends (its decoding thread joins). Being answered after every request before it, it also
@@ -59,7 +59,7 @@ from ..media.units import Units
 from .decoders import DecodePool, decode_parallelism
 from .heap import keep_heap
 from .helper import BOOT_SECONDS, Endpoint, Frame, Helper, Link, NotDelivered, ProcessDied, close_all
-from .preparers import (
+from .slots import (
     DECODER_CONTEXT,
     DECODER_PRELOAD,
     Built,
