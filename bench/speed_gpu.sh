@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Issue 12's side-by-side figures on one CUDA device, each part a few minutes; each run's printout and JSON under
+# $OUT/<run> (default $OUT: the current folder), every bench's JSON naming the uform it ran (`uform_from`).
+#   bash bench/speed_gpu.sh cuda      # tests/test_cuda.py whole (serving bitwise, streams, page-locked copies, ...)
+#   bash bench/speed_gpu.sh serving   # JPEG serving against open_clip's ViT and BertModel: 4,096 a call, a stream of 4
+#                                     # such calls, as RGBA (the seed's 4 channels) and as RGB (--channels 3)
+#   bash bench/speed_gpu.sh pairs     # the image-text step against open_clip's SigLIP; then uform alone as RGB
+#   bash bench/speed_gpu.sh file      # uform encode of 16,384 JPEG files at its default batch
+#   bash bench/speed_gpu.sh text      # the text Joint step against HF BERT, at the seed geometry and at 24 x 1024
+#   bash bench/speed_gpu.sh owed      # cuda, serving, pairs (what the nineteenth and twentieth days left owed)
+# The machine lacks uform's media decoders and the peers' packages: where a folder .whl holds their wheels (the
+# device README's `pip download` line, Python 3.12, manylinux x86_64: simplejpeg av soundfile soxr open_clip_torch
+# ftfy wcwidth py-spy), they are installed into /tmp/site first.
+set -euo pipefail
+OUT=${OUT:-.}
+export OUT NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+mkdir -p "$OUT"
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
+fi
+
+# `run NAME COMMAND...`: COMMAND with $OUT set to $OUT/NAME (each bench names its JSON alone), printed to NAME.txt;
+# a run that fails is named in $OUT/failed.txt and the runs after it go on.
+run() {
+  local name=$1 code=0
+  shift
+  mkdir -p "$OUT/$name"
+  OUT="$OUT/$name" "$@" 2>&1 | tee "$OUT/$name/$name.txt" || code=$?
+  if [ "$code" -ne 0 ]; then
+    echo "$name: exit $code" | tee -a "$OUT/failed.txt"
+  fi
+}
+
+part() {
+  case "$1" in
+    cuda) run cuda-tests python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_cuda.py -x -rs ;;
+    serving)
+      local serve=(python3 bench/encode.py --device cuda --texts 0 --images 4096 --host-processes 2 --repeats 3 --stream 4)
+      run serving-rgba "${serve[@]}" --peers
+      run serving-rgb "${serve[@]}" --channels 3
+      ;;
+    pairs)
+      run pairs-rgba python3 bench/pairs.py --steps 20 --warmup 8
+      run pairs-rgb python3 bench/pairs.py --steps 20 --warmup 8 --skip-open-clip --channels 3
+      ;;
+    file) run file python3 bench/encode.py --device cuda --texts 0 --images 16384 --repeats 2 --file ;;
+    text)
+      run text-seed python3 bench/step.py --steps 20
+      run text-large python3 bench/step.py --depth 24 --hidden 1024 --rows 32 --segments 128 --steps 20
+      ;;
+    owed) part cuda; part serving; part pairs ;;
+    *) echo "usage: bash bench/speed_gpu.sh cuda|serving|pairs|file|text|owed" >&2; exit 2 ;;
+  esac
+}
+part "${1:-owed}"
