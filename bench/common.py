@@ -42,7 +42,8 @@ def decode_in_pool(
     decoder job as serving and the trainer decode them, at the image `geometry` (patch_side, channels), with the
     items' keys or without (`keyed`); `window` items at a time (0: all at once), as a serving call decodes its
     windows. The units, views of the decoders' slabs, are dropped after each window so the next reuses those
-    bytes: units held for 8,192 images at once grew the slabs and decoded ~25% slower on two cores."""
+    bytes: held for every image at once, they overflowed the decoders' 64 MiB result slabs past 256 RGBA images a
+    decoder, the rest crossed the pipe, and the same JPEGs decoded 25-35% slower on two cores."""
     import uform as u
     from uform.media.decode import MediaPolicy, decode_items
 
@@ -95,6 +96,16 @@ def add_geometry(
         ("segments", segments),
     ):
         parser.add_argument(f"--{name}", type=int, default=default)
+
+
+def add_channels(parser: argparse.ArgumentParser) -> None:
+    """--channels: an image pixel's channels in uform's run (0: the seed's four, RGBA; 3: RGB, as open_clip's)."""
+    parser.add_argument(
+        "--channels",
+        type=int,
+        default=0,
+        help="an image pixel's channels in uform's run (0: the seed's 4, RGBA; 3: RGB)",
+    )
 
 
 def write_json(name: str, data: Any, folder: str | None = None) -> str:

@@ -86,6 +86,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (
+    add_channels,
     add_geometry,
     bert_config,
     decode_in_pool,
@@ -365,9 +366,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     add_geometry(parser)
     parser.add_argument("--patch-side", type=int, default=16)
-    parser.add_argument(
-        "--channels", type=int, default=0, help="an image pixel's channels in the run (0: the seed's 4, RGBA; 3: RGB)"
-    )
+    add_channels(parser)
     parser.add_argument("--texts", type=int, default=8192)
     parser.add_argument("--text-bytes", type=int, default=255)
     parser.add_argument("--images", type=int, default=2048)

@@ -54,7 +54,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from common import Fed, add_geometry, bench_config, topic_slices, write_json  # sibling scripts, not a package
+from common import (  # sibling scripts, not a package
+    Fed,
+    add_channels,
+    add_geometry,
+    bench_config,
+    topic_slices,
+    write_json,
+)
 from kernel_trace import load_events, report, summarize
 from spy import sampling
 from train_shards import jpeg
@@ -282,12 +289,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_geometry(parser, rows=0, columns=2048, segments=0)  # --rows 0: sized to the step; --segments 0: two per pair
     parser.add_argument("--pairs", type=int, default=192)
-    parser.add_argument(
-        "--channels",
-        type=int,
-        default=0,
-        help="an image pixel's channels in uform's run (0: the seed's 4, RGBA; 3: RGB)",
-    )
+    add_channels(parser)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--cpu", action="store_true", help="uform on the CPU (a smoke run; open_clip needs CUDA)")

@@ -180,13 +180,14 @@ def encode_records(
     for entry in first:
         if entry[1] is None:
             entry[1] = _reason(model, entry[2], entry[3], width)
-    for k in range(failed):
-        record, reason = (first[k][0], first[k][1]) if k < len(first) else ("", "")
-        model.notices.warn(  # shown for the first, counted for every one
+    if failed:  # the first shown, every one counted
+        record, reason = first[0][0], first[0][1]
+        model.notices.warn(
             "encode.failed",
             f"encode: record {record} could not be embedded ({reason}); its row is written null (Parquet null; "
             ".npy NaN, -128 under i8, valid False). Further ones are counted, not shown",
             MediaWarning,
+            count=failed,
             stacklevel=3,
         )
     return total, failed, [(entry[0], entry[1]) for entry in first]
@@ -326,8 +327,8 @@ def encode_file(
     on `executor`: None picks the first CUDA device where there is one, else the CPU). `input`: a JSONL, CSV or
     Parquet path (or glob), or any iterable of records. `output`: `.parquet` or `.npy`. `fields`: the mapping
     (default `DEFAULT_FIELDS`). `width`: a Matryoshka width (default the full width); `dtype`: "f32", "f16",
-    "bf16" or "i8"; `batch`: records embedded at once (fewer once their bytes reach `BATCH_BYTES`); `progress`: a tqdm bar on stderr; `jpeg`: where a model
-    loaded here decodes JPEGs ("host" or "device", as `uform.load` takes it; a `Model` keeps its own).
+    "bf16" or "i8"; `batch`: records embedded at once (fewer once their bytes reach `BATCH_BYTES`); `progress`: a
+    tqdm bar on stderr; `jpeg`: where a model loaded here decodes JPEGs ("host" or "device", as `uform.load` takes it; a `Model` keeps its own).
 
     Every argument is checked before anything is read or written; the output appears whole, or not at all.
     """

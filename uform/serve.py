@@ -160,9 +160,7 @@ def load(
     if not isinstance(media, MediaPolicy):
         raise TypeError(f"media: expected a MediaPolicy, got {type(media).__name__}")
     rows, segments = natural(rows, "rows"), natural(segments, "segments")
-    steps = natural(progress_steps, "progress_steps") or 10
-    if progress is not None and not callable(progress):
-        raise TypeError(f"progress: expected a callable or None, got {type(progress).__name__}")
+    steps = check_progress(progress, progress_steps)
     device = executor.device
     bf16 = precision_bf16(precision, device)
     compiled = device.type == "cuda" if compiled is None else compiled
