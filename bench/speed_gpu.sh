@@ -10,7 +10,8 @@
 #   bash bench/speed_gpu.sh owed      # cuda, serving, pairs (what the nineteenth and twentieth days left owed)
 # The machine lacks uform's media decoders and the peers' packages: where a folder .whl holds their wheels (the
 # device README's `pip download` line, Python 3.12, manylinux x86_64: simplejpeg av soundfile soxr open_clip_torch
-# ftfy wcwidth py-spy), they are installed into /tmp/site first.
+# ftfy wcwidth py-spy cffi pycparser; cffi is soundfile's, without which audio cannot load), they are installed into
+# /tmp/site first.
 set -euo pipefail
 OUT=${OUT:-.}
 export OUT NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1

@@ -159,3 +159,22 @@ def test_the_prepare_stage_keys_its_media_only_where_the_step_masks_media(object
     units, failed = decode_media(config, MediaPolicy(), lambda: InProcess(2), job)
     assert failed == [] and sorted(units) == [0, 1, 2]
     assert all((u.key is not None) == (objective != "Contrastive") for u in units.values())
+
+
+def test_an_image_decodes_where_the_audio_and_video_libraries_cannot_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoder loads only the library of the kind it decodes: with PyAV and libsndfile unloadable (an install
+    missing cffi's backend, as the H200's first run found), images still decode, and an audio item fails alone,
+    naming what is missing."""
+    import sys
+
+    image = encode_image(photo("astronaut.png").convert("RGB").resize((64, 48)), "JPEG", quality=90)
+    geometry = {"patch_side": 16, "channels": 3}
+    want = decode_item("image", image, geometry, 64, MediaPolicy().limits)
+    for name in ("uform.media.audio", "uform.media.video"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it now raises ImportError
+    got = decode_item("image", image, geometry, 64, MediaPolicy().limits)
+    assert np.array_equal(got.values, want.values) and np.array_equal(got.positions, want.positions)
+    ((units, error),) = decode_chunk(
+        [("audio", b"RIFF....", {"chunk_samples": 320, "sample_rate": 16000}, 8, MediaPolicy().limits)]
+    )
+    assert units is None and error is not None and "uform.media.audio" in error

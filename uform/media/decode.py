@@ -65,17 +65,18 @@ _MODALITY = {"image": Modality.Image, "video": Modality.Video, "audio": Modality
 
 
 def _decoded(kind: str, data: bytes, geometry: dict[str, Any], max_units: int, limits: MediaLimits) -> Units:
-    # Local: the decoding libraries (optional, heavy) load here, in the worker processes, not where a trainer is
-    # merely built, and text-only use never needs them installed.
-    from .audio import audio_units
-    from .image import image_units
-    from .video import video_units
-
+    # Local, and only the kind's own: the decoding libraries (heavy) load here, in the worker processes, not where
+    # a trainer is merely built; text-only use never needs them, and images never need PyAV or libsndfile (a
+    # broken audio install must not fail every image).
     if kind == "image":
+        from .image import image_units
+
         return image_units(
             data, patch_side=geometry["patch_side"], channels=geometry["channels"], max_units=max_units, limits=limits
         )
     if kind == "video":
+        from .video import video_units
+
         return video_units(
             data,
             patch_side=geometry["patch_side"],
@@ -86,6 +87,8 @@ def _decoded(kind: str, data: bytes, geometry: dict[str, Any], max_units: int, l
             limits=limits,
         )
     if kind == "audio":
+        from .audio import audio_units
+
         return audio_units(
             data,
             chunk_samples=geometry["chunk_samples"],
