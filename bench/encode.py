@@ -70,6 +70,7 @@ a table and writes bench-encode.json under $OUT (or the current folder).
 from __future__ import annotations
 
 import argparse
+import gzip
 import io
 import json
 import os
@@ -96,6 +97,7 @@ from common import (
     topic_slices,
     write_json,
 )  # sibling modules, not a package
+from kernel_trace import load_events, report, summarize
 from spy import sampling
 
 
@@ -179,9 +181,11 @@ def cpu_use(before: tuple, after: tuple) -> dict[str, float]:
     return out
 
 
-def profiled(name: str, call: Any, folder: str) -> dict[str, float]:
+def profiled(name: str, call: Any, folder: str) -> dict[str, Any]:
     """One more (warm) call under torch.profiler: its wall time against the sum of its kernels (where the two part,
-    the device idles), the table of the host's costliest operators written to `folder`/encode-profile-`name`.txt."""
+    the device idles), the table of the host's costliest operators written to `folder`/encode-profile-`name`.txt,
+    its Chrome trace to encode-trace-`name`.json.gz, and on CUDA where the device waited between its kernels and
+    which host calls overlapped the longest waits (bench/kernel_trace.py)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -200,8 +204,18 @@ def profiled(name: str, call: Any, folder: str) -> dict[str, float]:
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, f"encode-profile-{name}.txt"), "w") as out:
         out.write(table)
+    path = os.path.join(folder, f"encode-trace-{name}.json")
+    trace.export_chrome_trace(path)
     print(f"profile {name}: wall {wall * 1e3:.1f} ms, kernels {kernels * 1e3:.1f} ms", flush=True)
-    return {"wall_s": wall, "kernels_s": kernels}
+    result: dict[str, Any] = {"wall_s": wall, "kernels_s": kernels}
+    if torch.cuda.is_available():  # where the device waited, and on what (bench/kernel_trace.py)
+        summary = summarize(load_events(path), steps=1)
+        print(report(summary, "call"), flush=True)
+        result["trace"] = summary
+    with open(path, "rb") as raw, gzip.open(path + ".gz", "wb") as packed:
+        packed.write(raw.read())
+    os.remove(path)
+    return result
 
 
 def decode_rates(args: argparse.Namespace, images: list[bytes]) -> dict[str, Any]:
@@ -461,6 +475,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     rate = args.stream * len(contents) / took
                     results[f"{kind}_stream"] = {"calls": args.stream, "items": len(contents), "items_per_s": rate}
                     print(f"{kind}_stream {rate:>8,.1f} items/s  ({args.stream} calls of {len(contents)}, one stream)")
+                    if args.profile:
+                        call = lambda c=calls: sum(1 for _ in model.encode_stream(c))  # noqa: E731
+                        results[f"{kind}_stream"]["profile"] = profiled(f"{kind}_stream", call, args.out)
                 if twin is not None:  # side by side: the twin, then the model again
                     warm, alone = timed(lambda m=modalities, c=contents: twin.encode(m, c), args.repeats)
                     _, again = timed(lambda m=modalities, c=contents: model.encode(m, c), args.repeats)
