@@ -18,9 +18,10 @@ With `--sdpa`, instead: plain scaled dot-product attention alone over [N, H, L, 
 under each SDPA backend (cudnn, flash, efficient), unmasked and with a random key-padding mask, forward and forward +
 backward (the figures behind `data.blocks.UNIFORM_LEAST` and the uniform path's backend order).
 
-and two layouts of segments: "text" (256 segments of 256 in 64 x 1024, tile-aligned: every tile is whole) and
+and three layouts of segments: "text" (256 segments of 256 in 64 x 1024, tile-aligned: every tile is whole),
 "pairs" (segments of 257 and 61 positions alternating, first-fit into rows, as an image-caption step packs:
-most tiles straddle two segments). Useful FLOPs count only same-segment (query, key) pairs: forward 4 L^2 K H
+most tiles straddle two segments) and "images" (segments of 257 alone, as serving packs 256² images: `--rows 8
+--columns 8192`), where the forward of serving's gathered path (`model.attention`, kind "gathered") is timed too. Useful FLOPs count only same-segment (query, key) pairs: forward 4 L^2 K H
 per segment of L, backward 2.5x forward (FlashAttention 2's accounting).
 
   python bench/attention.py                      # the GPU
@@ -42,14 +43,19 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from common import write_json  # sibling scripts, not a package
 
-from uform.data.blocks import block_tables
-from uform.model.attention import allow_backward_tiles, document_mask, kernel_options
+from uform.data.blocks import block_tables, equal_length
+from uform.model.attention import allow_backward_tiles, attend, document_mask, kernel_options
 
 
 def layout(name: str, rows: int, columns: int) -> np.ndarray:
     """Segment ids [R, C] (non-decreasing along each row; the padding after a row's last segment carries the
     largest id, as the packer lays it)."""
-    lengths = [256] * (rows * columns // 256) if name == "text" else [257, 61] * (rows * columns // 318)
+    if name == "text":
+        lengths = [256] * (rows * columns // 256)
+    elif name == "images":
+        lengths = [257] * (rows * columns // 257)
+    else:
+        lengths = [257, 61] * (rows * columns // 318)
     segments = np.empty((rows, columns), dtype=np.int64)
     row, column, sid = 0, 0, 0
     spans = []
@@ -265,6 +271,18 @@ def dense_runner(
     return run, forward
 
 
+def gathered_runner(q: Any, k: Any, v: Any, segments_t: Any, segments: np.ndarray) -> Any:
+    """Serving's gathered attention (`uform.model.attention.attend`, kind "gathered"), forward only, no gradients;
+    the mask (its index found on the device) built once, as a batch's inputs build it."""
+    mask = document_mask(segments_t, "flex", gathered=equal_length(segments, int(segments.max()) + 1))
+
+    def forward() -> Any:
+        with torch.no_grad():
+            return attend(q, k, v, mask)
+
+    return forward, forward
+
+
 def sdpa_table(shapes: str, heads: int, width: int, steps: int, warmup: int) -> dict[str, Any]:
     """`--sdpa`: each backend alone at each N x L, unmasked and with a key-padding mask (keys past a random length in
     [L / 2, L] hidden), forward and forward + backward; useful FLOPs count every (query, key) pair."""
@@ -319,7 +337,7 @@ def main() -> dict[str, Any]:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--columns", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--layout", choices=("text", "pairs", "both"), default="both")
+    parser.add_argument("--layout", choices=("text", "pairs", "images", "both"), default="both")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="default configs only")
@@ -427,6 +445,8 @@ def main() -> dict[str, Any]:
         for backend in (b for b in args.dense.split(",") if b):
             runners.append((f"dense {backend}", dense_runner(q, k, v, segments, pad, backend)))
             runners.append((f"dense {backend} kernels", dense_runner(q, k, v, segments, pad, backend, True)))
+        if name == "images":  # serving's forward: segments of one length gathered into dense SDPA, no gradients
+            runners.append(("gathered (serving, forward)", gathered_runner(q, k, v, segments_t, segments)))
         real = torch.from_numpy(segments != pad).cuda()[:, :, None, None]  # padding's outputs are not compared
         reference = None
         for label, (run, forward) in runners:

@@ -18,7 +18,7 @@ import torch
 from uform.config import BatchShape, Masking, TrainerInitVramConfig, resolve
 from uform.config import Schedule as ScheduleConfig
 from uform.data.batch import prepare
-from uform.data.blocks import uniform_length
+from uform.data.blocks import equal_length, uniform_length
 from uform.enums import Modality, Objective
 from uform.model.attention import BLOCK, allow_backward_tiles, attend, block_tables, document_mask, flex_block
 from uform.model.inputs import to_device
@@ -549,3 +549,77 @@ def test_network_takes_the_uniform_path_and_equals_dense(device: str, compiled: 
     assert set(uniform_grads) == set(dense_grads) and len(dense_grads) == len(list(network.parameters()))
     for name, g in dense_grads.items():
         torch.testing.assert_close(uniform_grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# --------------------------------------------------------------------------------------------------
+# The gathered path: segments of one length that do not tile the rows, gathered and attended densely (serving)
+
+
+def equal_ids(rows: int, columns: int, length: int, per_row: list[int]) -> np.ndarray:
+    """`per_row[r]` segments of `length` laid from column 0 of row r, ids in row, column order, padding -1."""
+    segments = np.full((rows, columns), -1, dtype=np.int64)
+    sid = 0
+    for r, count in enumerate(per_row):
+        for c in range(count):
+            segments[r, c * length : (c + 1) * length] = sid
+            sid += 1
+    return segments
+
+
+def test_equal_length_finds_segments_of_one_length_however_rows_hold_them() -> None:
+    assert equal_length(equal_ids(3, 1024, 257, [3, 1, 2]), 8) == (6, 257)
+    assert equal_length(equal_ids(2, 512, 128, [4, 4]), 8) == (8, 128)  # tiling rows too
+    ragged = equal_ids(2, 1024, 257, [3, 2])
+    ragged[1, 514:600] = 5  # a sixth segment of 86
+    assert equal_length(ragged, 8) == (0, 0)
+    assert equal_length(equal_ids(2, 512, 64, [8, 8]), 16) == (0, 0)  # below UNIFORM_LEAST
+    assert equal_length(np.full((2, 64), -1, dtype=np.int64), 4) == (0, 0)  # padding alone
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attend_gathered_equals_dense(device: str) -> None:
+    """The gathered path's output against the dense reference at every segment position (padding's output is
+    zero there, not compared), on q, k, v that are transposed views of token-major leaves as the tower hands them:
+    rows holding 3, 1 and 2 segments of 257 positions (an image at patch 16 with its prefix)."""
+    generator = torch.Generator().manual_seed(6)
+    ids = equal_ids(3, 1024, 257, [3, 1, 2])
+    segments = torch.from_numpy(ids).to(device)
+    leaves = [torch.randn(3, 1024, 4, 16, generator=generator).to(device) for _ in range(3)]
+    q, k, v = (t.transpose(1, 2) for t in leaves)
+    mask = document_mask(segments, "flex", gathered=equal_length(ids, 8))
+    assert (mask.kind, mask.length, tuple(mask.index.shape)) == ("gathered", 257, (6, 257))
+    got = attend(q, k, v, mask)
+    want = attend(q, k, v, document_mask(segments, "dense"))
+    real = torch.from_numpy(ids >= 0).to(device)[:, None, :, None]  # [R, 1, C, 1]
+    torch.testing.assert_close(got * real, want * real, atol=2e-5, rtol=1e-4)
+    assert not got.masked_select(~real).any()
+
+
+def test_a_gathered_claim_that_cannot_hold_is_refused() -> None:
+    segments = torch.from_numpy(equal_ids(2, 512, 257, [1, 1]))
+    for bad in ((2, 64), (3, 400)):
+        with pytest.raises(ValueError, match="gathered"):
+            document_mask(segments, "flex", gathered=bad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_serving_inputs_gather_segments_of_one_length_and_keep_flex_otherwise(device: str) -> None:
+    """`to_device(gathered=True)` (serving) on the flex path: segments all of 201 positions take the gathered kind
+    and the tower's states equal the dense path's at every segment position; whole-tile lengths (128) and mixed
+    lengths keep FlexAttention's block mask; without the flag nothing changes."""
+    network, tensors = network_case(device, (200, 200), seed=4)  # 201 positions each: prefix + 200 bytes
+    place = torch.device(device)
+
+    def inputs(host: dict, attention: str = "flex", **flags: bool):
+        return to_device(host, place, network.rotary, attention=attention, dtype=torch.float32, dynamic=False, **flags)
+
+    gathered = inputs(tensors, gathered=True)
+    assert (gathered.mask.kind, gathered.mask.length, tuple(gathered.mask.index.shape)) == ("gathered", 201, (2, 201))
+    assert inputs(tensors).mask.kind == "flex"
+    real = (tensors["segments"] < tensors["counts"].shape[0]).to(place)[..., None]  # [R, C, 1]; padding: id S
+    with torch.no_grad():
+        want = network.states(inputs(tensors, "dense")) * real
+        torch.testing.assert_close(network.states(gathered) * real, want, atol=2e-5, rtol=1e-4)
+    for lengths in ((127,) * 4, (200, 100)):  # 128 positions fill whole tiles; mixed lengths are ragged
+        _, host = network_case(device, lengths, seed=4)
+        assert inputs(host, gathered=True).mask.kind == "flex"

@@ -335,6 +335,74 @@ def test_cuda_serving_matches_cpu_serving(tmp_path) -> None:
         model.close()
 
 
+def image_checkpoint(path, objective, seed: int):
+    """A fresh 2 x 128 checkpoint at `path` for serving images: 4 rows of 256, 16 segments, patch 16."""
+    run = resolve(
+        u.TrainerInitVramConfig(
+            depth=2,
+            hidden=128,
+            objective=objective,
+            batch=u.BatchShape(
+                max_rows_per_device=4,
+                max_segments_per_device=16,
+                max_columns_per_row=256,
+                image=u.ImageShape(patch_side=16),
+            ),
+            schedule=u.Schedule(steps=1),
+            seed=seed,
+        )
+    )
+    write_fresh_checkpoint(path, run)
+    return path
+
+
+def test_cuda_serving_gathers_images_of_one_size(tmp_path, monkeypatch) -> None:
+    """Images of one size (192² at patch 16: 145 positions, which straddle FlexAttention's tiles) are served through
+    the gathered dense attention (`model.attention`, kind "gathered") and answer what the CPU's f32 answers within
+    bf16's tolerance (cosine >= 0.999, every value within 2e-2); a host process and this process answer every bit
+    alike; a call mixing in texts keeps FlexAttention. (Serving takes the path where `serve._GATHERED` says so.)"""
+    import io
+
+    import uform.serve
+
+    monkeypatch.setattr(uform.serve, "_GATHERED", True)
+
+    from PIL import Image
+
+    path = image_checkpoint(tmp_path / "serve.safetensors", u.Objective.Joint, seed=5)
+    rng = np.random.default_rng(1)
+    images = []
+    for _ in range(40):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (192, 192, 3), dtype=np.uint8)).save(buffer, format="JPEG")
+        images.append(buffer.getvalue())
+    modalities = ["image"] * len(images)
+
+    cpu = u.load(path)
+    cuda = u.load(path, u.Executor.for_vram([0]))
+    kinds: list[str] = []
+    inputs = cuda._inputs
+
+    def recorded(prepared):
+        batch = inputs(prepared)
+        kinds.append(batch.mask.kind)
+        return batch
+
+    cuda._inputs = recorded
+    want, got = cpu.encode(modalities, images), cuda.encode(modalities, images)
+    assert kinds and set(kinds) == {"gathered"}, kinds
+    assert (want * got).sum(-1).min() >= 0.999
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
+    here = u.load(path, u.Executor.for_vram([0]), host_processes=0)
+    assert torch.equal(here.encode(modalities, images), got)
+    kinds.clear()
+    mixed = cuda.encode(["text", *modalities[:5]], [b"a caption of some length", *images[:5]])
+    assert set(kinds) == {"flex"}
+    torch.testing.assert_close(mixed[1:], got[:5], atol=2e-2, rtol=0)  # the same images through FlexAttention
+    for model in (cpu, cuda, here):
+        model.close()
+
+
 def test_cuda_jpeg_decoded_on_the_device_matches_the_host_decode(tmp_path) -> None:
     """`load(jpeg="device")`: nvJPEG decodes the plain JPEGs (the rest go to the host decoders) to within a few
     levels of Pillow's pixels (stated: max 16, mean 1 of 255, on smooth pictures), so each embedding's cosine with
@@ -346,23 +414,7 @@ def test_cuda_jpeg_decoded_on_the_device_matches_the_host_decode(tmp_path) -> No
 
     from uform import device_pictures
 
-    run = resolve(
-        u.TrainerInitVramConfig(
-            depth=2,
-            hidden=128,
-            objective=u.Objective.Contrastive,
-            batch=u.BatchShape(
-                max_rows_per_device=4,
-                max_segments_per_device=16,
-                max_columns_per_row=256,
-                image=u.ImageShape(patch_side=16),
-            ),
-            schedule=u.Schedule(steps=1),
-            seed=4,
-        )
-    )
-    path = tmp_path / "pictures.safetensors"
-    write_fresh_checkpoint(path, run)
+    path = image_checkpoint(tmp_path / "pictures.safetensors", u.Objective.Contrastive, seed=4)
 
     rng = np.random.default_rng(0)
     images, planned = [], 0

@@ -802,6 +802,7 @@ class Model:
             dtype=dtype,
             dynamic=self.compiled,
             copy_stream=self._copy_stream,
+            gathered=_GATHERED,
         )
 
     def _pooled_forward(self, batch: DeviceBatch) -> Tensor:
@@ -811,5 +812,11 @@ class Model:
     def _states_forward(self, batch: DeviceBatch) -> Tensor:
         return self.network.states(batch)
 
+
+# Batches of images of one size through the gathered dense attention (`model.attention`, kind "gathered") instead of
+# FlexAttention. H200, 4,096 256² JPEGs a call (BENCHMARKS.md, "Issue 12, twenty-first day"): 9,414 and 8,956
+# against 8,389 and 8,198 images/s. Off until its CUDA test (tests/test_cuda.py, `..._gathers_images_of_one_size`)
+# passes: its one run failed, for a reason the session's device time ran out before it could read.
+_GATHERED = False
 
 _PRIVATE = object()

@@ -75,3 +75,20 @@ def uniform_length(segments: np.ndarray, slots: int) -> int:
     if np.unique(heads).size != heads.size:  # one id in two groups: a segment longer than L, or split
         return 0
     return length
+
+
+def equal_length(segments: np.ndarray, slots: int) -> tuple[int, int]:
+    """(N, L) where the N segments of [R, C] (ids in [0, `slots`); padding, any other id, left out) all hold
+    exactly L positions, else (0, 0); L < `UNIFORM_LEAST` answers (0, 0) too. A packer lays every segment in one
+    run of a row, so such a batch is N separate sequences of L however the rows hold them (images of one size,
+    whose 257 positions never tile a row): attention can gather them into [N, H, L, K] and run dense, unmasked,
+    forward only (`model.attention`, kind "gathered")."""
+    # Padding (NO_SEGMENT, or the id `slots` that host tensors give it) counted apart from the slots' ids.
+    counts = np.bincount(segments.reshape(-1) + 1, minlength=slots + 2)[1 : slots + 1]
+    held = counts[counts > 0]
+    if held.size == 0:
+        return 0, 0
+    length = int(held[0])
+    if length < UNIFORM_LEAST or (held != length).any():
+        return 0, 0
+    return int(held.size), length

@@ -13,6 +13,10 @@ gradients):
   fixed-length chunks packed edge to edge), the mask is that of R C / L separate sequences, and plain unmasked
   scaled dot-product attention runs over [R C / L, H, L, K] views of q, k, v; on CUDA cuDNN's fused kernels first.
   The flex path takes it on such a step (`document_mask(..., uniform=L)`).
+- `gathered`: where the N segments all hold L positions but do not tile the rows (images of one size: 257 =
+  256 + 1 positions straddle FlexAttention's tiles, which then compute 1.6 times the pairs the mask keeps), q, k
+  and v are gathered into [N, H, L, K], attended densely with no mask (FlashAttention 2 first on CUDA), and the
+  output scattered back; padding's output is zero. Forward only (serving: `document_mask(..., gathered=(N, L))`).
 
 Padding positions carry the segment id NO_SEGMENT and attend to the padding of their own row, so no
 query row is ever fully masked (no NaN) and padding never reaches a segment.
@@ -52,16 +56,27 @@ class DocumentMask:
     """FlexAttention's kernel options (flex; `kernel_options`), chosen eagerly, outside the compiled step."""
     length: int = 0
     """The one segment length L of every row (uniform)."""
+    index: Tensor | None = None
+    """[N, L] int64: the flat positions (row * C + column) of each segment's L positions, in order (gathered)."""
 
 
 def document_mask(
-    segments: Tensor, kind: str, tables: dict[str, Tensor] | None = None, block: int = BLOCK, uniform: int = 0
+    segments: Tensor,
+    kind: str,
+    tables: dict[str, Tensor] | None = None,
+    block: int = BLOCK,
+    uniform: int = 0,
+    gathered: tuple[int, int] = (0, 0),
 ) -> DocumentMask:
     """The mask of segment ids [R, C] for the `kind` attention path.
 
     `uniform` > 0 says the caller found every row to be whole segments of that length (`data.blocks.uniform_length`,
     on the host): the flex path then answers the "uniform" kind instead, which needs no tables. The claim is not
     re-checked here (that would read the device); a length that does not divide C is refused (ValueError).
+    `gathered` = (N, L), N > 0, says the caller found N segments of L positions each and nothing else but padding
+    (`data.blocks.equal_length`, on the host): the flex path then answers the "gathered" kind, for a forward
+    without gradients; its index is found on the device (a stable sort of the ids, padding last), so nothing waits
+    for the device here.
 
     For "flex", `tables` are `block_tables` of tile side `block` already on the device (made on the host,
     off the critical path); without them they are computed here. Tables whose tile count is not that of `block`
@@ -72,6 +87,18 @@ def document_mask(
         return DocumentMask(kind, dense=same)
     if kind != "flex":
         raise ValueError(f"attention: unknown path {kind!r}; expected 'flex' or 'dense'")
+    if gathered[0]:
+        count, length = gathered
+        if length < UNIFORM_LEAST or count * length > segments.numel():
+            raise ValueError(
+                f"document_mask: gathered={gathered}: L must be at least {UNIFORM_LEAST} and N L at most the "
+                f"{segments.numel()} positions (data.blocks.equal_length)"
+            )
+        flat = segments.reshape(-1)  # [R C]
+        # Padding after every segment: its id is the largest (host tensors) or NO_SEGMENT (-1, the packer's).
+        key = torch.where(flat >= 0, flat, torch.iinfo(flat.dtype).max)
+        index = torch.argsort(key, stable=True)[: count * length].view(count, length)  # [N, L]
+        return DocumentMask("gathered", length=length, index=index)
     if uniform:
         if uniform < UNIFORM_LEAST or segments.shape[1] % uniform:
             raise ValueError(
@@ -205,6 +232,14 @@ _UNIFORM_BACKENDS = [
 ]
 
 
+# The gathered path's order: FlashAttention 2 first, cuDNN left out. Its lengths are whatever an image's positions
+# come to (257, 145), and cuDNN's fused attention has answered wrongly at lengths that are not a multiple of its
+# tiles (NVIDIA/cudnn-frontend#160, the backward); the gathered path's one CUDA test run, with cuDNN first, failed
+# (BENCHMARKS.md, "Issue 12, twenty-first day"), so cuDNN stays out until a run says otherwise. H200, 192 sequences
+# of 257, forward: FlashAttention 2 0.283 ms, cuDNN 0.227 (`bench/attention.py --sdpa`).
+_GATHERED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
     """q, k, v [R, H, C, K] -> [R, H, C, K]."""
     if mask.kind == "flex":
@@ -219,6 +254,19 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
         with sdpa_kernel(_UNIFORM_BACKENDS, set_priority=True):
             out = F.scaled_dot_product_attention(split(q), split(k), split(v))  # [R C / L, H, L, K]
         return out.transpose(1, 2).reshape(rows, columns, heads, width).transpose(1, 2)
+    if mask.kind == "gathered":
+        assert mask.index is not None
+        rows, heads, columns, width = q.shape
+        index = mask.index.reshape(-1)  # [N L]
+
+        def pick(t: Tensor) -> Tensor:  # [R, H, C, K] -> [N, H, L, K]
+            flat = t.transpose(1, 2).reshape(rows * columns, heads, width)  # a view of the tower's token-major q/k/v
+            return flat.index_select(0, index).view(-1, mask.length, heads, width).transpose(1, 2)
+
+        with sdpa_kernel(_GATHERED_BACKENDS, set_priority=True):
+            out = F.scaled_dot_product_attention(pick(q), pick(k), pick(v))  # [N, H, L, K]
+        placed = q.new_zeros((rows * columns, heads, width)).index_copy(0, index, out.transpose(1, 2).flatten(0, 1))
+        return placed.view(rows, columns, heads, width).transpose(1, 2)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense)
 
 

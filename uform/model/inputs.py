@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..data.batch import MEDIA_KINDS, Batch
-from ..data.blocks import BLOCK, uniform_length
+from ..data.blocks import BLOCK, equal_length, uniform_length
 from .attention import DocumentMask, document_mask
 
 Rotary = Callable[[Tensor, torch.dtype], tuple[Tensor, Tensor]]
@@ -99,6 +99,7 @@ def to_device(
     block: int = BLOCK,
     copy_stream: torch.cuda.Stream | None = None,
     uniform: bool = False,
+    gathered: bool = False,
 ) -> DeviceBatch:
     """The step's host tensors (`Batch.host_tensors`, page-locked where the caller asked) on `device`.
 
@@ -108,7 +109,10 @@ def to_device(
     unit count; the document mask is built for the `attention` path ("flex": from the block tables of tile
     side `block` when the host made them, `attention.flex_block`; where `uniform` and the flex path, a step whose rows
     are whole segments of one length takes the "uniform" kind instead, `data.blocks.uniform_length`); the rotary
-    code is `rotary(positions, dtype)`. Raises ValueError on a name that is not a batch array's, or on tables of another tile side.
+    code is `rotary(positions, dtype)`. Where `gathered` (a forward without gradients: serving) and the flex path, a
+    batch whose segments all hold one length L that is not a whole number of tiles of `block` (images of one size)
+    takes the "gathered" kind instead (`data.blocks.equal_length`). Raises ValueError on a name that is not a batch
+    array's, or on tables of another tile side.
     """
     if copy_stream is None:
         tensors = {name: t.to(device, non_blocking=True) for name, t in host.items()}
@@ -145,7 +149,14 @@ def to_device(
     length = 0
     if uniform and attention == "flex" and segments.device.type == "cpu":
         length = uniform_length(segments.numpy(), host["counts"].shape[0])
-    mask = document_mask(plain["segments"], attention, tables or None, block, length)
+    equal = (0, 0)
+    if gathered and not length and attention == "flex" and segments.device.type == "cpu":
+        equal = equal_length(segments.numpy(), host["counts"].shape[0])
+        if equal[1] % block == 0:  # segments that fill whole tiles leave FlexAttention nothing to skip
+            equal = (0, 0)
+    mask = document_mask(plain["segments"], attention, tables or None, block, length, equal)
+    if dynamic and mask.index is not None:  # segment counts vary by batch: one graph for every N (N = 1 apart)
+        torch._dynamo.maybe_mark_dynamic(mask.index, 0)
     cos, sin = rotary(plain["positions"], dtype)
     late = parts.pop("late", None)
     choice = parts.pop("choice", None)
