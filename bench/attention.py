@@ -21,8 +21,9 @@ backward (the figures behind `data.blocks.UNIFORM_LEAST` and the uniform path's 
 and three layouts of segments: "text" (256 segments of 256 in 64 x 1024, tile-aligned: every tile is whole),
 "pairs" (segments of 257 and 61 positions alternating, first-fit into rows, as an image-caption step packs:
 most tiles straddle two segments) and "images" (segments of 257 alone, as serving packs 256² images: `--rows 8
---columns 8192`), where the forward of serving's gathered path (`model.attention`, kind "gathered") is timed too. Useful FLOPs count only same-segment (query, key) pairs: forward 4 L^2 K H
-per segment of L, backward 2.5x forward (FlashAttention 2's accounting).
+--columns 8192`), where the forward of serving's gathered path (`model.attention`, kind "gathered") is timed too.
+Useful FLOPs count only same-segment (query, key) pairs: forward 4 L^2 K H per segment of L, backward 2.5x forward
+(FlashAttention 2's accounting).
 
   python bench/attention.py                      # the GPU
   python bench/attention.py --layout pairs --quick

@@ -318,6 +318,21 @@ def wait_gone(pids: set[int], seconds: float = 10.0) -> set[int]:
     return {p for p in pids if alive(p)}
 
 
+def record_mask_kinds(model: Any) -> list[str]:
+    """The attention kind (`model.attention.DocumentMask.kind`) of every batch a served `model` launches from now on,
+    appended to the list answered: its `_inputs` wrapped on this instance."""
+    kinds: list[str] = []
+    inputs = model._inputs
+
+    def recorded(prepared: Any) -> Any:
+        batch = inputs(prepared)
+        kinds.append(batch.mask.kind)
+        return batch
+
+    model._inputs = recorded
+    return kinds
+
+
 def media_batch(columns: int = 128) -> BatchShape:
     """The serving tests' tiny media batch: 4 rows of `columns`, 8 segments, images in 16-pixel patches, audio in
     320-sample chunks."""

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import write_fresh_checkpoint
+from conftest import record_mask_kinds, write_fresh_checkpoint
 
 import uform as u
 from uform.config import resolve
@@ -363,12 +363,11 @@ def test_cuda_serving_gathers_images_of_one_size(tmp_path, monkeypatch) -> None:
     alike; a call mixing in texts keeps FlexAttention. (Serving takes the path where `serve._GATHERED` says so.)"""
     import io
 
+    from PIL import Image
+
     import uform.serve
 
     monkeypatch.setattr(uform.serve, "_GATHERED", True)
-
-    from PIL import Image
-
     path = image_checkpoint(tmp_path / "serve.safetensors", u.Objective.Joint, seed=5)
     rng = np.random.default_rng(1)
     images = []
@@ -380,15 +379,7 @@ def test_cuda_serving_gathers_images_of_one_size(tmp_path, monkeypatch) -> None:
 
     cpu = u.load(path)
     cuda = u.load(path, u.Executor.for_vram([0]))
-    kinds: list[str] = []
-    inputs = cuda._inputs
-
-    def recorded(prepared):
-        batch = inputs(prepared)
-        kinds.append(batch.mask.kind)
-        return batch
-
-    cuda._inputs = recorded
+    kinds = record_mask_kinds(cuda)
     want, got = cpu.encode(modalities, images), cuda.encode(modalities, images)
     assert kinds and set(kinds) == {"gathered"}, kinds
     assert (want * got).sum(-1).min() >= 0.999

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import media_batch, write_fresh_checkpoint
+from conftest import media_batch, record_mask_kinds, write_fresh_checkpoint
 from media_samples import mixed_items, photo_jpeg, recording_wav
 
 from uform import (
@@ -417,16 +417,8 @@ def test_images_of_one_size_through_the_gathered_attention_answer_what_dense_ans
     modalities = ["image"] * len(images)
     dense = load(path, media=MediaPolicy(workers=2))
     flex = load(path, media=MediaPolicy(workers=2), host_processes=1)
-    kinds: list[str] = []
-    inputs = flex._inputs
-
-    def recorded(prepared: Any) -> Any:
-        batch = inputs(prepared)
-        kinds.append(batch.mask.kind)
-        return batch
-
+    kinds = record_mask_kinds(flex)
     try:
-        flex._inputs = recorded  # type: ignore[method-assign]
         flex.attention, flex.compiled, flex.packing = "flex", True, (1, 4 * flex.columns)
         want = dense.encode(modalities, images)
         got = flex.encode(modalities, images)

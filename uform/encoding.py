@@ -328,7 +328,8 @@ def encode_file(
     Parquet path (or glob), or any iterable of records. `output`: `.parquet` or `.npy`. `fields`: the mapping
     (default `DEFAULT_FIELDS`). `width`: a Matryoshka width (default the full width); `dtype`: "f32", "f16",
     "bf16" or "i8"; `batch`: records embedded at once (fewer once their bytes reach `BATCH_BYTES`); `progress`: a
-    tqdm bar on stderr; `jpeg`: where a model loaded here decodes JPEGs ("host" or "device", as `uform.load` takes it; a `Model` keeps its own).
+    tqdm bar on stderr; `jpeg`: where a model loaded here decodes JPEGs ("host" or "device", as `uform.load` takes
+    it; a `Model` keeps its own).
 
     Every argument is checked before anything is read or written; the output appears whole, or not at all.
     """
