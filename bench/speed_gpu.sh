@@ -7,8 +7,8 @@
 #   bash bench/speed_gpu.sh pairs     # the image-text step against open_clip's SigLIP; then uform alone as RGB
 #   bash bench/speed_gpu.sh file      # uform encode of 16,384 JPEG files at its default batch
 #   bash bench/speed_gpu.sh text      # the text Joint step against HF BERT, at the seed geometry and at 24 x 1024
-#   bash bench/speed_gpu.sh gathered  # serving's gathered attention: its CUDA test, the attention alone on serving's
-#                                     # image rows, then JPEG serving with it off (as committed) and on, alternating
+#   bash bench/speed_gpu.sh gathered  # serving's gathered attention: its CUDA test, then the attention alone on
+#                                     # serving's image rows (FlexAttention's tiles against cuDNN's and FlashAttention's)
 #   bash bench/speed_gpu.sh owed      # cuda, serving, pairs (what the nineteenth and twentieth days left owed)
 # The machine lacks uform's media decoders and the peers' packages: where a folder .whl holds their wheels (the
 # device README's `pip download` line, Python 3.12, manylinux x86_64: simplejpeg av soundfile soxr open_clip_torch
@@ -59,18 +59,6 @@ part() {
       run gathered-test python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_cuda.py -k gathers --tb=short
       run gathered-attention env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 bench/attention.py --layout images \
         --rows 8 --columns 8192 --quick --blocks 128 --dense cudnn,flash
-      # The same tree with serving's switch on, beside the tree as committed (each bench imports its own checkout).
-      local on=/tmp/uform-gathered
-      rm -rf "$on" && mkdir -p "$on" && cp -r uform bench pyproject.toml "$on"/
-      sed -i 's/^_GATHERED = False$/_GATHERED = True/' "$on/uform/serve.py"
-      grep -q '^_GATHERED = True$' "$on/uform/serve.py" || { echo "gathered: the switch was not found" | tee -a "$OUT/failed.txt"; return; }
-      local serve=(bench/encode.py --device cuda --texts 0 --images 4096 --host-processes 2 --repeats 3 --stream 4)
-      local at=$PWD
-      run gathered-on-1 bash -c "cd $on && python3 ${serve[*]} --peers --out \$OUT"
-      run gathered-off-1 python3 "${serve[@]}"
-      run gathered-on-2 bash -c "cd $on && python3 ${serve[*]} --out \$OUT"
-      run gathered-off-2 python3 "${serve[@]}"
-      cd "$at"
       ;;
     owed) part cuda; part serving; part pairs ;;
     *) echo "usage: bash bench/speed_gpu.sh cuda|serving|pairs|file|text|gathered|owed" >&2; exit 2 ;;

@@ -320,13 +320,15 @@ def wait_gone(pids: set[int], seconds: float = 10.0) -> set[int]:
 
 def record_mask_kinds(model: Any) -> list[str]:
     """The attention kind (`model.attention.DocumentMask.kind`) of every batch a served `model` launches from now on,
-    appended to the list answered: its `_inputs` wrapped on this instance."""
+    appended to the list answered, with " +tables" after it where the batch came with FlexAttention's block tables
+    from the host stage: its `_inputs` wrapped on this instance."""
     kinds: list[str] = []
     inputs = model._inputs
 
     def recorded(prepared: Any) -> Any:
         batch = inputs(prepared)
-        kinds.append(batch.mask.kind)
+        tables = any(name.startswith("block.") for name in prepared.tensors)
+        kinds.append(batch.mask.kind + (" +tables" if tables else ""))
         return batch
 
     model._inputs = recorded

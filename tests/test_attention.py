@@ -18,7 +18,7 @@ import torch
 from uform.config import BatchShape, Masking, TrainerInitVramConfig, resolve
 from uform.config import Schedule as ScheduleConfig
 from uform.data.batch import prepare
-from uform.data.blocks import equal_length, uniform_length
+from uform.data.blocks import equal_length, gathered_shape, uniform_length
 from uform.enums import Modality, Objective
 from uform.model.attention import BLOCK, allow_backward_tiles, attend, block_tables, document_mask, flex_block
 from uform.model.inputs import to_device
@@ -574,6 +574,14 @@ def test_equal_length_finds_segments_of_one_length_however_rows_hold_them() -> N
     assert equal_length(ragged, 8) == (0, 0)
     assert equal_length(equal_ids(2, 512, 64, [8, 8]), 16) == (0, 0)  # below UNIFORM_LEAST
     assert equal_length(np.full((2, 64), -1, dtype=np.int64), 4) == (0, 0)  # padding alone
+
+
+def test_gathered_shape_leaves_whole_tiles_to_flex_attention() -> None:
+    """Serving's host stage and `to_device` read one rule: equal lengths that straddle tiles are gathered."""
+    assert gathered_shape(equal_ids(3, 1024, 257, [3, 1, 2]), 8) == (6, 257)
+    assert gathered_shape(equal_ids(2, 512, 128, [4, 4]), 8) == (0, 0)  # 128 fills tiles of 128
+    assert gathered_shape(equal_ids(2, 512, 128, [4, 4]), 8, block=96) == (8, 128)
+    assert gathered_shape(equal_ids(2, 512, 64, [8, 8]), 16) == (0, 0)  # too short to gather at all
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -190,6 +191,34 @@ def test_attention_bench_dense_buckets_equal_the_document_mask() -> None:
         found.append([(out * (weight != 0)).detach(), *(t.grad.clone() for t in leaves)])
     for a, b in zip(*found, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_attention_bench_gathered_row_gathers_the_images_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/attention.py's "gathered" row runs serving's gathered path over the "images" layout (padding carries
+    the largest id, which is no segment's) and answers the document-masked reference at every real position; a
+    layout whose segments differ in length is refused rather than timed as something else."""
+    bench = load("attention")
+    kinds = []
+    made = bench.document_mask
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        mask = made(*args, **kwargs)
+        kinds.append(mask.kind)
+        return mask
+
+    monkeypatch.setattr(bench, "document_mask", recorded)
+    segments = bench.layout("images", 2, 1024)
+    pad = int(segments.max())
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 1024, 2, 16, generator=generator).transpose(1, 2) for _ in range(3))
+    _, forward = bench.gathered_runner(q, k, v, torch.from_numpy(segments), segments)
+    assert kinds == ["gathered"]
+    real = torch.from_numpy(segments != pad)[:, None, :, None]
+    want = attend(q, k, v, document_mask(torch.from_numpy(segments), "dense"))
+    torch.testing.assert_close(forward() * real, want * real, atol=1e-5, rtol=1e-4)
+    pairs = bench.layout("pairs", 2, 1024)
+    with pytest.raises(ValueError, match="one length"):
+        bench.gathered_runner(q, k, v, torch.from_numpy(pairs), pairs)
 
 
 def test_attention_bench_reads_kernel_options_from_the_command_line() -> None:

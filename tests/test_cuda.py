@@ -356,18 +356,15 @@ def image_checkpoint(path, objective, seed: int):
     return path
 
 
-def test_cuda_serving_gathers_images_of_one_size(tmp_path, monkeypatch) -> None:
+def test_cuda_serving_gathers_images_of_one_size(tmp_path) -> None:
     """Images of one size (192² at patch 16: 145 positions, which straddle FlexAttention's tiles) are served through
     the gathered dense attention (`model.attention`, kind "gathered") and answer what the CPU's f32 answers within
     bf16's tolerance (cosine >= 0.999, every value within 2e-2); a host process and this process answer every bit
-    alike; a call mixing in texts keeps FlexAttention. (Serving takes the path where `serve._GATHERED` says so.)"""
+    alike; a call mixing in texts keeps FlexAttention."""
     import io
 
     from PIL import Image
 
-    import uform.serve
-
-    monkeypatch.setattr(uform.serve, "_GATHERED", True)
     path = image_checkpoint(tmp_path / "serve.safetensors", u.Objective.Joint, seed=5)
     rng = np.random.default_rng(1)
     images = []
@@ -388,7 +385,7 @@ def test_cuda_serving_gathers_images_of_one_size(tmp_path, monkeypatch) -> None:
     assert torch.equal(here.encode(modalities, images), got)
     kinds.clear()
     mixed = cuda.encode(["text", *modalities[:5]], [b"a caption of some length", *images[:5]])
-    assert set(kinds) == {"flex"}
+    assert set(kinds) == {"flex +tables"}, kinds
     torch.testing.assert_close(mixed[1:], got[:5], atol=2e-2, rtol=0)  # the same images through FlexAttention
     for model in (cpu, cuda, here):
         model.close()

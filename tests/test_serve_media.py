@@ -399,17 +399,12 @@ def test_a_call_from_inside_a_stream_is_refused_not_a_hang(served: dict[str, Any
     assert model.encode(["text"], [b"e"], progress=progress).shape == (1, 128) and seen == [1]
 
 
-def test_images_of_one_size_through_the_gathered_attention_answer_what_dense_answers(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Serving's gathered attention (`model.attention`, kind "gathered"; `serve._GATHERED`) through the whole
-    serving path on the CPU: a model set to the flex path as on CUDA (wide rows, the full capacity packed, here
-    with FlexAttention's eager reference and no compile), its batches of 192² images (145 positions each, which
-    straddle tiles) all gathered, answers what the dense path answers; in a host process too; a call that mixes
-    in a text keeps the block mask. (tests/test_cuda.py runs it compiled, in bf16.)"""
-    import uform.serve
-
-    monkeypatch.setattr(uform.serve, "_GATHERED", True)
+def test_images_of_one_size_through_the_gathered_attention_answer_what_dense_answers(tmp_path: Path) -> None:
+    """Serving's gathered attention (`model.attention`, kind "gathered") through the whole serving path on the CPU:
+    a model set to the flex path as on CUDA (wide rows, the full capacity packed, here with FlexAttention's eager
+    reference and no compile), its batches of 192² images (145 positions each, which straddle tiles) all gathered
+    and sent by the host process without block tables, answers what the dense path answers; a call that mixes in a
+    text keeps the block mask and its tables. (tests/test_cuda.py runs it compiled, in bf16.)"""
     path = tmp_path / "serve.safetensors"
     write_fresh_checkpoint(path, resolve(config(depth=2, batch=media_batch(256), seed=5)))
     names = ("astronaut.png", "coffee.png", "chelsea.png")
@@ -426,7 +421,7 @@ def test_images_of_one_size_through_the_gathered_attention_answer_what_dense_ans
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         kinds.clear()
         mixed = flex.encode(["text", *modalities[:3]], [b"a caption", *images[:3]])
-        assert set(kinds) == {"flex"}
+        assert set(kinds) == {"flex +tables"}, kinds
         torch.testing.assert_close(mixed[1:], want[:3], atol=1e-5, rtol=0)
     finally:
         dense.close()

@@ -791,7 +791,9 @@ class Model:
 
     def _inputs(self, prepared: Prepared) -> DeviceBatch:
         """A prepared batch's host tensors on the device (`model.inputs.to_device`, as the trainer's step);
-        the media units' counts dynamic where the forward is compiled."""
+        the media units' counts dynamic where the forward is compiled; a batch of images of one size gathered into
+        dense attention on the flex path (kind "gathered": H200, 4,096 256² JPEGs a call, 8,716 and 8,415 against
+        8,330 and 7,975 images/s with FlexAttention; BENCHMARKS.md, "Issue 12, twenty-second day")."""
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         rotary = self.network.rotary
         return to_device(
@@ -802,7 +804,7 @@ class Model:
             dtype=dtype,
             dynamic=self.compiled,
             copy_stream=self._copy_stream,
-            gathered=_GATHERED,
+            gathered=True,
         )
 
     def _pooled_forward(self, batch: DeviceBatch) -> Tensor:
@@ -812,11 +814,5 @@ class Model:
     def _states_forward(self, batch: DeviceBatch) -> Tensor:
         return self.network.states(batch)
 
-
-# Batches of images of one size through the gathered dense attention (`model.attention`, kind "gathered") instead of
-# FlexAttention. H200, 4,096 256² JPEGs a call (BENCHMARKS.md, "Issue 12, twenty-first day"): 9,414 and 8,956
-# against 8,389 and 8,198 images/s. Off until its CUDA test (tests/test_cuda.py, `..._gathers_images_of_one_size`)
-# passes: its one run failed, for a reason the session's device time ran out before it could read.
-_GATHERED = False
 
 _PRIVATE = object()

@@ -92,3 +92,13 @@ def equal_length(segments: np.ndarray, slots: int) -> tuple[int, int]:
     if length < UNIFORM_LEAST or (held != length).any():
         return 0, 0
     return int(held.size), length
+
+
+def gathered_shape(segments: np.ndarray, slots: int, block: int = BLOCK) -> tuple[int, int]:
+    """(N, L) where a forward without gradients on the flex path gathers a batch into dense attention
+    (`model.attention`, kind "gathered"): `equal_length`'s N segments of one length L, L not a whole number of tiles
+    of `block` (segments that fill whole tiles leave FlexAttention nothing to skip); else (0, 0). The one rule both
+    sides read: serving's host stage makes no block tables for such a batch (`data.windows`), and
+    `model.inputs.to_device` takes the kind."""
+    count, length = equal_length(segments, slots)
+    return (0, 0) if length % block == 0 else (count, length)

@@ -27,7 +27,7 @@ from ..config import TrainerInitVramConfig
 from ..enums import LateInteractionSide, Modality
 from ..media.units import Units
 from .batch import Alloc, Batch, prepare
-from .blocks import block_tables
+from .blocks import block_tables, gathered_shape
 from .pack import first_fit
 
 __all__ = [
@@ -91,7 +91,8 @@ class Packed:
     """[n] the call's items, in packing order."""
     batch: Batch
     tables: dict[str, np.ndarray]
-    """FlexAttention's block tables (empty off that path)."""
+    """FlexAttention's block tables (empty off that path, and for a batch the forward gathers into dense attention:
+    `data.blocks.gathered_shape`)."""
     picks: np.ndarray
     """The rows the readout takes: encode, each member's segment slot [n]; tokens, the flat positions of every
     member's vectors [T]; choose, each MASK's [n]."""
@@ -255,10 +256,12 @@ def pack_batch(
         gather = start + content - 1  # the placeholder after the text
         batch.tokens.reshape(-1)[gather] = vocab.MASK
     picks = layout.slot.copy() if items.verb == "encode" else np.ascontiguousarray(gather)
+    # A batch the forward gathers into dense attention reads no block tables (`model.inputs.to_device`, same rule).
+    gathered = shape.flex and gathered_shape(batch.segments, batch.counts.shape[0])[0] > 0
     return Packed(
         members=np.asarray(members, dtype=np.int64),
         batch=batch,
-        tables=block_tables(batch.segments) if shape.flex else {},
+        tables=block_tables(batch.segments) if shape.flex and not gathered else {},
         picks=picks,
         counts=counts,
         truncated=batch.truncated + cut,

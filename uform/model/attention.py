@@ -232,11 +232,12 @@ _UNIFORM_BACKENDS = [
 ]
 
 
-# The gathered path's order: FlashAttention 2 first, cuDNN left out. Its lengths are whatever an image's positions
-# come to (257, 145), and cuDNN's fused attention has answered wrongly at lengths that are not a multiple of its
-# tiles (NVIDIA/cudnn-frontend#160, the backward); the gathered path's one CUDA test run, with cuDNN first, failed
-# (BENCHMARKS.md, "Issue 12, twenty-first day"), so cuDNN stays out until a run says otherwise. H200, 192 sequences
-# of 257, forward: FlashAttention 2 0.283 ms, cuDNN 0.227 (`bench/attention.py --sdpa`).
+# The gathered path's order: FlashAttention 2 first, cuDNN left out. On the H200 (BENCHMARKS.md, "Issue 12,
+# twenty-second day") both answer within bf16's tolerance of the CPU's f32, but with cuDNN first a host process's
+# answers differed in their bits from the same call's in this process (tests/test_cuda.py,
+# `..._gathers_images_of_one_size`), which serving guarantees; with FlashAttention 2 first they agree bit for bit.
+# Serving's image rows, 8 x 8,192 of 257-position images, a forward (`bench/attention.py --layout images`): the dense
+# kernels alone (gather and scatter apart) cuDNN 0.287 ms, FlashAttention 2 0.351; FlexAttention's 0.480.
 _GATHERED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

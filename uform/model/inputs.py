@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..data.batch import MEDIA_KINDS, Batch
-from ..data.blocks import BLOCK, equal_length, uniform_length
+from ..data.blocks import BLOCK, gathered_shape, uniform_length
 from .attention import DocumentMask, document_mask
 
 Rotary = Callable[[Tensor, torch.dtype], tuple[Tensor, Tensor]]
@@ -111,7 +111,7 @@ def to_device(
     are whole segments of one length takes the "uniform" kind instead, `data.blocks.uniform_length`); the rotary
     code is `rotary(positions, dtype)`. Where `gathered` (a forward without gradients: serving) and the flex path, a
     batch whose segments all hold one length L that is not a whole number of tiles of `block` (images of one size)
-    takes the "gathered" kind instead (`data.blocks.equal_length`). Raises ValueError on a name that is not a batch
+    takes the "gathered" kind instead (`data.blocks.gathered_shape`; it needs no tables). Raises ValueError on a name that is not a batch
     array's, or on tables of another tile side.
     """
     if copy_stream is None:
@@ -151,9 +151,7 @@ def to_device(
         length = uniform_length(segments.numpy(), host["counts"].shape[0])
     equal = (0, 0)
     if gathered and not length and attention == "flex" and segments.device.type == "cpu":
-        equal = equal_length(segments.numpy(), host["counts"].shape[0])
-        if equal[1] % block == 0:  # segments that fill whole tiles leave FlexAttention nothing to skip
-            equal = (0, 0)
+        equal = gathered_shape(segments.numpy(), host["counts"].shape[0], block)
     mask = document_mask(plain["segments"], attention, tables or None, block, length, equal)
     if dynamic and mask.index is not None:  # segment counts vary by batch: one graph for every N (N = 1 apart)
         torch._dynamo.maybe_mark_dynamic(mask.index, 0)
