@@ -45,7 +45,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from common import write_json  # sibling scripts, not a package
 
 from uform.data.blocks import block_tables, equal_length
-from uform.model.attention import allow_backward_tiles, attend, document_mask, kernel_options
+from uform.model.attention import (
+    DocumentMask,
+    allow_backward_tiles,
+    attend,
+    document_mask,
+    gather_rows,
+    kernel_options,
+    scatter_rows,
+)
 
 
 def layout(name: str, rows: int, columns: int) -> np.ndarray:
@@ -273,19 +281,28 @@ def dense_runner(
 
 
 def gathered_runner(q: Any, k: Any, v: Any, segments_t: Any, segments: np.ndarray) -> Any:
-    """Serving's gathered attention (`uform.model.attention.attend`, kind "gathered"), forward only, no gradients;
-    the mask (its index found on the device) built once, as a batch's inputs build it. `segments` pad with the
-    largest id (`layout`), which is no segment's: the slots are the ids below it."""
+    """Serving's attention of the gathered kind (`uform.model.attention`), forward only, no gradients: the mask (its
+    index found on the device) built and q, k, v gathered once, as the tower does for all its blocks
+    (`gather_rows`); `run`, which the bench times, is one block's attention over those rows, each one segment;
+    `forward` answers it scattered back (`scatter_rows`) for the comparison. `segments` pad with the largest id
+    (`layout`), which is no segment's: the slots are the ids below it."""
     shape = equal_length(segments, int(segments.max()))
     if not shape[0]:
         raise ValueError("gathered_runner: the layout's segments do not share one length (data.blocks.equal_length)")
     mask = document_mask(segments_t, "flex", gathered=shape)
+    rows, _, columns, _ = q.shape
+    gathered = [gather_rows(t.transpose(1, 2), mask.index).transpose(1, 2) for t in (q, k, v)]  # [N, H, L, K]
+    each = DocumentMask("gathered", length=mask.length)
+
+    def run() -> Any:
+        with torch.no_grad():
+            return attend(*gathered, each)
 
     def forward() -> Any:
-        with torch.no_grad():
-            return attend(q, k, v, mask)
+        return scatter_rows(run().transpose(1, 2), mask.index, rows, columns).transpose(1, 2)  # [R, H, C, K]
 
-    return forward, forward
+    run.forward_only = True  # type: ignore[attr-defined]
+    return run, forward
 
 
 def sdpa_table(shapes: str, heads: int, width: int, steps: int, warmup: int) -> dict[str, Any]:
@@ -470,9 +487,9 @@ def main() -> dict[str, Any]:
                     if reference is None:
                         reference = out
                     error = float((out - reference).abs().max())
-                forward_only = run is forward  # serving's row: no backward to time
+                forward_only = getattr(run, "forward_only", False)  # serving's row: no backward to time
                 ms = float("nan") if forward_only else timed(run, args.steps, args.warmup)
-                forward_ms = timed(lambda f=forward: f(), args.steps, args.warmup)
+                forward_ms = timed(run if forward_only else lambda f=forward: f(), args.steps, args.warmup)
             except Exception as failure:  # a config the kernel refuses is reported, not fatal
                 print(f"{name:5s} {label:40s} failed: {str(failure).splitlines()[0][:120]}", flush=True)
                 continue

@@ -20,7 +20,17 @@ from uform.config import Schedule as ScheduleConfig
 from uform.data.batch import prepare
 from uform.data.blocks import equal_length, gathered_shape, uniform_length
 from uform.enums import Modality, Objective
-from uform.model.attention import BLOCK, allow_backward_tiles, attend, block_tables, document_mask, flex_block
+from uform.model.attention import (
+    BLOCK,
+    DocumentMask,
+    allow_backward_tiles,
+    attend,
+    block_tables,
+    document_mask,
+    flex_block,
+    gather_rows,
+    scatter_rows,
+)
 from uform.model.inputs import to_device
 from uform.model.network import Network
 
@@ -586,21 +596,27 @@ def test_gathered_shape_leaves_whole_tiles_to_flex_attention() -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_attend_gathered_equals_dense(device: str) -> None:
-    """The gathered path's output against the dense reference at every segment position (padding's output is
-    zero there, not compared), on q, k, v that are transposed views of token-major leaves as the tower hands them:
-    rows holding 3, 1 and 2 segments of 257 positions (an image at patch 16 with its prefix)."""
+    """The gathered kind as the tower applies it (`gather_rows`, attention over rows that are each one segment,
+    `scatter_rows`) against the dense reference at every segment position (padding's output is zero there, not
+    compared), on q, k, v that are transposed views of token-major leaves as the blocks hand them: rows holding 3,
+    1 and 2 segments of 257 positions (an image at patch 16 with its prefix). A mask that still holds its index is
+    refused by attention itself: it would attend across the segments of a row."""
     generator = torch.Generator().manual_seed(6)
     ids = equal_ids(3, 1024, 257, [3, 1, 2])
     segments = torch.from_numpy(ids).to(device)
-    leaves = [torch.randn(3, 1024, 4, 16, generator=generator).to(device) for _ in range(3)]
-    q, k, v = (t.transpose(1, 2) for t in leaves)
+    leaves = [torch.randn(3, 1024, 4, 16, generator=generator).to(device) for _ in range(3)]  # [R, C, H, K]
     mask = document_mask(segments, "flex", gathered=equal_length(ids, 8))
     assert (mask.kind, mask.length, tuple(mask.index.shape)) == ("gathered", 257, (6, 257))
-    got = attend(q, k, v, mask)
-    want = attend(q, k, v, document_mask(segments, "dense"))
+    gathered = [gather_rows(t, mask.index) for t in leaves]  # [N, L, H, K]
+    each = DocumentMask("gathered", length=mask.length)
+    out = attend(*(t.transpose(1, 2) for t in gathered), each)  # [N, H, L, K]
+    got = scatter_rows(out.transpose(1, 2), mask.index, 3, 1024).transpose(1, 2)  # [R, H, C, K]
+    want = attend(*(t.transpose(1, 2) for t in leaves), document_mask(segments, "dense"))
     real = torch.from_numpy(ids >= 0).to(device)[:, None, :, None]  # [R, 1, C, 1]
     torch.testing.assert_close(got * real, want * real, atol=2e-5, rtol=1e-4)
     assert not got.masked_select(~real).any()
+    with pytest.raises(ValueError, match="gather_rows"):
+        attend(*(t.transpose(1, 2) for t in leaves), mask)
 
 
 def test_a_gathered_claim_that_cannot_hold_is_refused() -> None:

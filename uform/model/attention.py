@@ -14,9 +14,10 @@ gradients):
   scaled dot-product attention runs over [R C / L, H, L, K] views of q, k, v; on CUDA cuDNN's fused kernels first.
   The flex path takes it on such a step (`document_mask(..., uniform=L)`).
 - `gathered`: where the N segments all hold L positions but do not tile the rows (images of one size: 257 =
-  256 + 1 positions straddle FlexAttention's tiles, which then compute 1.6 times the pairs the mask keeps), q, k
-  and v are gathered into [N, H, L, K], attended densely with no mask (FlashAttention 2 first on CUDA), and the
-  output scattered back; padding's output is zero. Forward only (serving: `document_mask(..., gathered=(N, L))`).
+  256 + 1 positions straddle FlexAttention's tiles, which then compute 1.6 times the pairs the mask keeps), the
+  tower gathers every segment's positions once into [N, L] (`gather_rows`, padding left out), runs its blocks over
+  them as N sequences whose attention is dense with no mask (FlashAttention 2 first on CUDA), and scatters the
+  states back (`scatter_rows`; padding's are zero). Forward only (serving: `document_mask(..., gathered=(N, L))`).
 
 Padding positions carry the segment id NO_SEGMENT and attend to the padding of their own row, so no
 query row is ever fully masked (no NaN) and padding never reaches a segment.
@@ -57,7 +58,8 @@ class DocumentMask:
     length: int = 0
     """The one segment length L of every row (uniform)."""
     index: Tensor | None = None
-    """[N, L] int64: the flat positions (row * C + column) of each segment's L positions, in order (gathered)."""
+    """[N, L] int64: the flat positions (row * C + column) of each segment's L positions, in order (gathered: the
+    tower's to apply; the mask its blocks' attention reads has none, its rows being the segments)."""
 
 
 def document_mask(
@@ -256,19 +258,29 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
             out = F.scaled_dot_product_attention(split(q), split(k), split(v))  # [R C / L, H, L, K]
         return out.transpose(1, 2).reshape(rows, columns, heads, width).transpose(1, 2)
     if mask.kind == "gathered":
-        assert mask.index is not None
-        rows, heads, columns, width = q.shape
-        index = mask.index.reshape(-1)  # [N L]
-
-        def pick(t: Tensor) -> Tensor:  # [R, H, C, K] -> [N, H, L, K]
-            flat = t.transpose(1, 2).reshape(rows * columns, heads, width)  # a view of the tower's token-major q/k/v
-            return flat.index_select(0, index).view(-1, mask.length, heads, width).transpose(1, 2)
-
+        if mask.index is not None:  # rows that still hold several segments would attend across them
+            raise ValueError(
+                "attend: a 'gathered' mask with its index is the tower's to apply (gather_rows, then a mask without "
+                "it): attention reads rows that are each one segment"
+            )
         with sdpa_kernel(_GATHERED_BACKENDS, set_priority=True):
-            out = F.scaled_dot_product_attention(pick(q), pick(k), pick(v))  # [N, H, L, K]
-        placed = q.new_zeros((rows * columns, heads, width)).index_copy(0, index, out.transpose(1, 2).flatten(0, 1))
-        return placed.view(rows, columns, heads, width).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, k, v)  # [N, H, L, K]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense)
+
+
+def gather_rows(t: Tensor, index: Tensor) -> Tensor:
+    """[R, C, ...] -> [N, L, ...]: the positions `index` [N, L] names (`DocumentMask.index`, flat row * C + column),
+    each segment's L in order; what a tower of the "gathered" kind runs its blocks over."""
+    count, length = index.shape
+    flat = t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])  # [R C, ...]
+    return flat.index_select(0, index.reshape(-1)).view(count, length, *t.shape[2:])
+
+
+def scatter_rows(t: Tensor, index: Tensor, rows: int, columns: int) -> Tensor:
+    """`gather_rows` undone: [N, L, ...] -> [R, C, ...], zeros at the positions `index` does not name (padding)."""
+    flat = t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])  # [N L, ...]
+    placed = t.new_zeros((rows * columns, *t.shape[2:])).index_copy(0, index.reshape(-1), flat)
+    return placed.view(rows, columns, *t.shape[2:])
 
 
 def compiled_flex_available(device: torch.device) -> bool:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import HEAD_DIM
-from .attention import DocumentMask, attend
+from .attention import DocumentMask, attend, gather_rows, scatter_rows
 from .embed import AxialRotary
 from .mlp import mlp
 from .qk_rotation import rotate_qkv
@@ -84,9 +84,27 @@ class Tower(nn.Module):
             # norms, the residual adds and their casts move twice the bytes (H200, BENCHMARKS.md "Issue 12,
             # sixth day": 3.6 ms of a 49.5 ms reference step). Evaluation and serving (eval mode) keep float32.
             x = x.to(torch.get_autocast_dtype(device))
+        if mask.kind == "gathered":
+            return self._gathered(x, cos, sin, mask)
         for block in self.blocks:
             x = block(x, cos, sin, mask)
         return self.norm(x)
+
+    def _gathered(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
+        """The "gathered" kind (`model.attention`; serving's images of one size): the N segments' positions
+        gathered once into [N, L] rows, the blocks run over them as N sequences with no mask, the final-norm states
+        scattered back into [R, C, D] (padding's zero). Every operation but attention acts on one position at a
+        time, so this answers what gathering around each block's attention did, without a gather and a scatter in
+        every block or the padding's share of the projections. H200 (BENCHMARKS.md, "Issue 12, twenty-second day"):
+        the scatters alone were 65 of a serving stream's 1,251 ms of kernels when every block gathered."""
+        assert mask.index is not None
+        rows, columns, _ = x.shape
+        index = mask.index  # [N, L]
+        x, cos, sin = gather_rows(x, index), gather_rows(cos, index), gather_rows(sin, index)  # [N, L, ...]
+        each = DocumentMask("gathered", length=mask.length)  # rows that are each one segment
+        for block in self.blocks:
+            x = block(x, cos, sin, each)
+        return scatter_rows(self.norm(x), index, rows, columns)  # [R, C, D]
 
     def fuse_mlp(self, fused: bool) -> None:
         """Every block's `fused_mlp`: whether a training step's MLP runs GELU in cuBLASLt's epilogues."""
