@@ -792,8 +792,8 @@ class Model:
     def _inputs(self, prepared: Prepared) -> DeviceBatch:
         """A prepared batch's host tensors on the device (`model.inputs.to_device`, as the trainer's step);
         the media units' counts dynamic where the forward is compiled; a batch of images of one size gathered into
-        dense attention on the flex path (kind "gathered": H200, 4,096 256² JPEGs a call, 8,716 and 8,415 against
-        8,330 and 7,975 images/s with FlexAttention; BENCHMARKS.md, "Issue 12, twenty-second day")."""
+        dense attention on the flex path (kind "gathered"). H200, 4,096 256² JPEGs a call (BENCHMARKS.md, "Issue 12,
+        twenty-second day"): faster than FlexAttention in eight same-call pairs of eight, by 1-9%."""
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         rotary = self.network.rotary
         return to_device(

@@ -111,8 +111,8 @@ def to_device(
     are whole segments of one length takes the "uniform" kind instead, `data.blocks.uniform_length`); the rotary
     code is `rotary(positions, dtype)`. Where `gathered` (a forward without gradients: serving) and the flex path, a
     batch whose segments all hold one length L that is not a whole number of tiles of `block` (images of one size)
-    takes the "gathered" kind instead (`data.blocks.gathered_shape`; it needs no tables). Raises ValueError on a name that is not a batch
-    array's, or on tables of another tile side.
+    takes the "gathered" kind instead (`data.blocks.gathered_shape`; it needs no tables). Raises ValueError on a
+    name that is not a batch array's, or on tables of another tile side.
     """
     if copy_stream is None:
         tensors = {name: t.to(device, non_blocking=True) for name, t in host.items()}
