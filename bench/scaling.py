@@ -15,6 +15,10 @@ figure holds process zero's peak GPU memory of its steps too (`peak_gib`).
 NCCL_NVLS_ENABLE stays 0 unless set (the library's default); --world-compile blocks (or UFORM_WORLD_COMPILE=blocks
 in the environment) compiles the world's step block by block (the gradient reduction overlaps backward) instead
 of as one graph (the default; `Trainer.init_vram(..., world_compile=...)`).
+--term (issue 16, item 2) runs every world a second time with the objective `Masked` (the same items, no
+contrastive term) and reports the term's cost: the Joint step's time less the masked one's (`term_ms`, the pooled
+all-gather and the loss over every item of the world, forward and backward) and its share of the Joint step
+(`term_share`; the bar is 5% at 8 GPUs), and under torchrun the peak memory it adds (`term_peak_gib`).
 Writes bench-scaling-<launcher>[-blocks].json under $OUT (or the current folder).
 """
 
@@ -85,6 +89,23 @@ def measure(args: argparse.Namespace, trainer: Any, executor: Any, devices: int,
     }
 
 
+def objectives(args: argparse.Namespace) -> list[Any]:
+    """The objectives each world runs: Joint, then (with --term) Masked, the same step less the contrastive term."""
+    import uform as u
+
+    return [u.Objective.Joint, u.Objective.Masked] if args.term else [u.Objective.Joint]
+
+
+def with_term(joint: dict[str, Any], masked: dict[str, Any]) -> dict[str, Any]:
+    """The Joint run's figures with the contrastive term's cost beside them: the masked run's time, the difference
+    and its share of the Joint step (and the peak memory the term adds, where both runs measured it)."""
+    term = {"masked_ms": masked["ms"], "term_ms": joint["ms"] - masked["ms"]}
+    term["term_share"] = term["term_ms"] / joint["ms"]
+    if "peak_gib" in joint and "peak_gib" in masked:
+        term["term_peak_gib"] = joint["peak_gib"] - masked["peak_gib"]
+    return {**joint, **term}
+
+
 # --------------------------------------------------------------------------------------------------
 # torchrun: one process per GPU
 
@@ -95,19 +116,24 @@ def child(args: argparse.Namespace) -> None:
 
     mesh = u.Mesh.from_env()
     d = mesh.describe()
-    trainer = u.Trainer.init_vram(mesh.executor, bench_config(args, mesh=mesh), world_compile=args.world_compile)
-    if not args.cpu:
-        torch.cuda.reset_peak_memory_stats(trainer.device)
-    result = measure(args, trainer, mesh.executor, 1, offset=d.ranks[0] * args.segments)
-    if not args.cpu:  # issue 16, item 2: a world's step must not grow with the world's items squared
-        result["peak_gib"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
-    if args.profile:
-        profile(args, trainer, mesh.executor, d.ranks[0], offset=d.ranks[0] * args.segments)
+    offset = d.ranks[0] * args.segments
+    result: dict[str, Any] = {}
+    for objective in objectives(args):
+        config = bench_config(args, mesh=mesh, objective=objective)
+        trainer = u.Trainer.init_vram(mesh.executor, config, world_compile=args.world_compile)
+        if not args.cpu:
+            torch.cuda.reset_peak_memory_stats(trainer.device)
+        found = measure(args, trainer, mesh.executor, 1, offset=offset)
+        if not args.cpu:  # issue 16, item 2: a world's step must not grow with the world's items squared
+            found["peak_gib"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
+        if args.profile and not result:
+            profile(args, trainer, mesh.executor, d.ranks[0], offset=offset)
+        trainer.close()
+        result = with_term(result, found) if result else found
     result["tokens_per_s"] *= d.world_size
     result["world_size"] = d.world_size
     result["gpu_class"] = str(d.gpu_class)
     result["multimem_tier"] = str(d.multimem_tier)
-    trainer.close()
     if d.ranks[0] == 0:
         Path(args.child).write_text(json.dumps(result))
     mesh.close()
@@ -152,10 +178,15 @@ def with_executor(args: argparse.Namespace, devices: int) -> dict[str, Any]:
         executor = u.Executor.cpu(workers=devices) if devices > 1 else u.Executor.cpu()
     else:
         executor = u.Executor.for_vram(list(range(devices)))
-    trainer = u.Trainer.init_vram(executor, bench_config(args), world_compile=args.world_compile)
-    result = measure(args, trainer, executor, devices, offset=0)
+    result: dict[str, Any] = {}
+    for objective in objectives(args):
+        trainer = u.Trainer.init_vram(
+            executor, bench_config(args, objective=objective), world_compile=args.world_compile
+        )
+        found = measure(args, trainer, executor, devices, offset=0)
+        trainer.close()
+        result = with_term(result, found) if result else found
     result["world_size"] = devices
-    trainer.close()
     executor.close()
     return result
 
@@ -173,6 +204,9 @@ def main() -> None:
         choices=("whole", "blocks"),
         default=os.environ.get("UFORM_WORLD_COMPILE", "whole"),
         help="how the world's step compiles (Trainer.init_vram's world_compile)",
+    )
+    parser.add_argument(
+        "--term", action="store_true", help="also run each world without the contrastive term; report the term's cost"
     )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)  # a smoke test of the script
@@ -203,9 +237,11 @@ def main() -> None:
     }
     mode = "-blocks" if results["world_compile"] == "blocks" else ""
     write_json(f"bench-scaling-{args.launcher}{mode}.json", results)
-    print(f"\n{'GPUs':>5} {'ms/step':>9} {'tokens/s':>14}")
+    term = f" {'term ms':>9} {'term share':>11}" if args.term else ""
+    print(f"\n{'GPUs':>5} {'ms/step':>9} {'tokens/s':>14}{term}")
     for count, r in ((1, one), (args.devices, many)):
-        print(f"{count:>5} {r['ms']:>9.2f} {r['tokens_per_s']:>14,.0f}")
+        term = f" {r['term_ms']:>9.2f} {r['term_share']:>11.1%}" if args.term else ""
+        print(f"{count:>5} {r['ms']:>9.2f} {r['tokens_per_s']:>14,.0f}{term}")
     verdict = "meets" if efficiency >= BAR else "misses"
     print(f"weak-scaling efficiency: {efficiency:.1%} ({verdict} the {BAR:.0%} bar)")
 

@@ -103,11 +103,15 @@ def test_maxsim_bench_smoke(tmp_path: Path) -> None:
 def test_scaling_bench_smoke(tmp_path: Path) -> None:
     tiny = "--cpu --launcher executor --devices 2 --depth 1 --hidden 128 --rows 2 --columns 128 --segments 8"
     command = [sys.executable, str(BENCH / "scaling.py"), *tiny.split(), "--steps", "2", "--warmup", "1"]
-    command += ["--world-compile", "blocks"]
+    command += ["--world-compile", "blocks", "--term"]
     subprocess.run(command, check=True, env={**os.environ, "OUT": str(tmp_path)}, timeout=300, capture_output=True)
     results = json.loads((tmp_path / "bench-scaling-executor-blocks.json").read_text())
     assert results["world_compile"] == "blocks" and results["many"]["world_size"] == 2
     assert results["one"]["tokens_per_s"] > 0 and results["many"]["tokens_per_s"] > 0 and results["efficiency"] > 0
+    for world in ("one", "many"):  # --term: each world again without the contrastive term, the difference its cost
+        r = results[world]
+        assert r["masked_ms"] > 0 and r["term_ms"] == pytest.approx(r["ms"] - r["masked_ms"])
+        assert r["term_share"] == pytest.approx(r["term_ms"] / r["ms"])
 
 
 def test_train_shards_bench_smoke(tmp_path: Path) -> None:
