@@ -10,6 +10,9 @@
 #   bash bench/speed_gpu.sh gathered  # serving's gathered attention: its CUDA test, then the attention alone on
 #                                     # serving's image rows (FlexAttention's tiles against cuDNN's and FlashAttention's)
 #   bash bench/speed_gpu.sh owed      # cuda, serving, pairs (what the nineteenth and twentieth days left owed)
+#   bash bench/speed_gpu.sh trees DIR...  # JPEG serving from each tree DIR (a folder holding uform/ and bench/, such as
+#                                     # `git archive REF uform bench pyproject.toml | tar -x -C DIR`, carried), the trees
+#                                     # taking turns, twice round; --peers on the first; each JSON names the uform it ran
 # The machine lacks uform's media decoders and the peers' packages: where a folder .whl holds their wheels (the
 # device README's `pip download` line, Python 3.12, manylinux x86_64: simplejpeg av soundfile soxr open_clip_torch
 # ftfy wcwidth py-spy cffi pycparser; cffi is soundfile's, without which audio cannot load), they are installed into
@@ -61,7 +64,29 @@ part() {
         --rows 8 --columns 8192 --quick --blocks 128 --dense cudnn,flash
       ;;
     owed) part cuda; part serving; part pairs ;;
-    *) echo "usage: bash bench/speed_gpu.sh cuda|serving|pairs|file|text|gathered|owed" >&2; exit 2 ;;
+    *) echo "usage: bash bench/speed_gpu.sh cuda|serving|pairs|file|text|gathered|owed|trees DIR..." >&2; exit 2 ;;
   esac
 }
-part "${1:-owed}"
+
+# `trees DIR...`: the same serving command from each tree in turn (each bench imports the checkout it sits in), so
+# builds compare within one call on one machine; run names are <round>-<folder's name>.
+trees() {
+  local serve=(bench/encode.py --device cuda --texts 0 --images 4096 --host-processes 2 --repeats 3 --stream 4)
+  local peers="--peers" dir name
+  for round in 1 2; do
+    for dir in "$@"; do
+      [ -f "$dir/bench/encode.py" ] || { echo "trees: $dir holds no bench/encode.py" | tee -a "$OUT/failed.txt"; return; }
+      name="$round-$(basename "$dir")"
+      run "$name" bash -c "cd '$dir' && python3 ${serve[*]} $peers --out \"\$OUT\""
+      peers=""
+    done
+  done
+}
+
+if [ "${1:-}" = trees ]; then
+  shift
+  [ "$#" -gt 0 ] || { echo "usage: bash bench/speed_gpu.sh trees DIR..." >&2; exit 2; }
+  trees "$@"
+else
+  part "${1:-owed}"
+fi
