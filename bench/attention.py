@@ -286,7 +286,7 @@ def gathered_runner(q: Any, k: Any, v: Any, segments_t: Any, segments: np.ndarra
     (`gather_rows`); `run`, which the bench times, is one block's attention over those rows, each one segment;
     `forward` answers it scattered back (`scatter_rows`) for the comparison. `segments` pad with the largest id
     (`layout`), which is no segment's: the slots are the ids below it."""
-    shape = equal_length(segments, int(segments.max()))
+    shape = equal_length(np.bincount(segments.reshape(-1))[: int(segments.max())])  # positions per slot
     if not shape[0]:
         raise ValueError("gathered_runner: the layout's segments do not share one length (data.blocks.equal_length)")
     mask = document_mask(segments_t, "flex", gathered=shape)

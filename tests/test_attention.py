@@ -576,22 +576,27 @@ def equal_ids(rows: int, columns: int, length: int, per_row: list[int]) -> np.nd
     return segments
 
 
+def slot_counts(segments: np.ndarray, slots: int) -> np.ndarray:
+    """Positions per slot [S], as `Batch.counts` holds them (padding, id -1 here, left out)."""
+    return np.bincount(segments[segments >= 0], minlength=slots)[:slots]
+
+
 def test_equal_length_finds_segments_of_one_length_however_rows_hold_them() -> None:
-    assert equal_length(equal_ids(3, 1024, 257, [3, 1, 2]), 8) == (6, 257)
-    assert equal_length(equal_ids(2, 512, 128, [4, 4]), 8) == (8, 128)  # tiling rows too
+    assert equal_length(slot_counts(equal_ids(3, 1024, 257, [3, 1, 2]), 8)) == (6, 257)
+    assert equal_length(slot_counts(equal_ids(2, 512, 128, [4, 4]), 8)) == (8, 128)  # tiling rows too
     ragged = equal_ids(2, 1024, 257, [3, 2])
     ragged[1, 514:600] = 5  # a sixth segment of 86
-    assert equal_length(ragged, 8) == (0, 0)
-    assert equal_length(equal_ids(2, 512, 64, [8, 8]), 16) == (0, 0)  # below UNIFORM_LEAST
-    assert equal_length(np.full((2, 64), -1, dtype=np.int64), 4) == (0, 0)  # padding alone
+    assert equal_length(slot_counts(ragged, 8)) == (0, 0)
+    assert equal_length(slot_counts(equal_ids(2, 512, 64, [8, 8]), 16)) == (0, 0)  # below UNIFORM_LEAST
+    assert equal_length(slot_counts(np.full((2, 64), -1, dtype=np.int64), 4)) == (0, 0)  # padding alone
 
 
 def test_gathered_shape_leaves_whole_tiles_to_flex_attention() -> None:
     """Serving's host stage and `to_device` read one rule: equal lengths that straddle tiles are gathered."""
-    assert gathered_shape(equal_ids(3, 1024, 257, [3, 1, 2]), 8) == (6, 257)
-    assert gathered_shape(equal_ids(2, 512, 128, [4, 4]), 8) == (0, 0)  # 128 fills tiles of 128
-    assert gathered_shape(equal_ids(2, 512, 128, [4, 4]), 8, block=96) == (8, 128)
-    assert gathered_shape(equal_ids(2, 512, 64, [8, 8]), 16) == (0, 0)  # too short to gather at all
+    assert gathered_shape(slot_counts(equal_ids(3, 1024, 257, [3, 1, 2]), 8)) == (6, 257)
+    assert gathered_shape(slot_counts(equal_ids(2, 512, 128, [4, 4]), 8)) == (0, 0)  # 128 fills tiles of 128
+    assert gathered_shape(slot_counts(equal_ids(2, 512, 128, [4, 4]), 8), block=96) == (8, 128)
+    assert gathered_shape(slot_counts(equal_ids(2, 512, 64, [8, 8]), 16)) == (0, 0)  # too short to gather at all
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -605,7 +610,7 @@ def test_attend_gathered_equals_dense(device: str) -> None:
     ids = equal_ids(3, 1024, 257, [3, 1, 2])
     segments = torch.from_numpy(ids).to(device)
     leaves = [torch.randn(3, 1024, 4, 16, generator=generator).to(device) for _ in range(3)]  # [R, C, H, K]
-    mask = document_mask(segments, "flex", gathered=equal_length(ids, 8))
+    mask = document_mask(segments, "flex", gathered=equal_length(slot_counts(ids, 8)))
     assert (mask.kind, mask.length, tuple(mask.index.shape)) == ("gathered", 257, (6, 257))
     gathered = [gather_rows(t, mask.index) for t in leaves]  # [N, L, H, K]
     each = DocumentMask("gathered", length=mask.length)

@@ -77,14 +77,12 @@ def uniform_length(segments: np.ndarray, slots: int) -> int:
     return length
 
 
-def equal_length(segments: np.ndarray, slots: int) -> tuple[int, int]:
-    """(N, L) where the N segments of [R, C] (ids in [0, `slots`); padding, any other id, left out) all hold
-    exactly L positions, else (0, 0); L < `UNIFORM_LEAST` answers (0, 0) too. A packer lays every segment in one
-    run of a row, so such a batch is N separate sequences of L however the rows hold them (images of one size,
-    whose 257 positions never tile a row): attention can gather them into [N, H, L, K] and run dense, unmasked,
-    forward only (`model.attention`, kind "gathered")."""
-    # Padding (NO_SEGMENT, or the id `slots` that host tensors give it) counted apart from the slots' ids.
-    counts = np.bincount(segments.reshape(-1) + 1, minlength=slots + 2)[1 : slots + 1]
+def equal_length(counts: np.ndarray) -> tuple[int, int]:
+    """(N, L) where the N slots that hold positions all hold exactly L, from a batch's positions per slot
+    (`Batch.counts` [S], padding not among them), else (0, 0); L < `UNIFORM_LEAST` answers (0, 0) too. A packer
+    lays every segment in one run of a row, so such a batch is N separate sequences of L however the rows hold them
+    (images of one size, whose 257 positions never tile a row): attention can gather them into [N, H, L, K] and
+    run dense, unmasked, forward only (`model.attention`, kind "gathered")."""
     held = counts[counts > 0]
     if held.size == 0:
         return 0, 0
@@ -94,11 +92,11 @@ def equal_length(segments: np.ndarray, slots: int) -> tuple[int, int]:
     return int(held.size), length
 
 
-def gathered_shape(segments: np.ndarray, slots: int, block: int = BLOCK) -> tuple[int, int]:
+def gathered_shape(counts: np.ndarray, block: int = BLOCK) -> tuple[int, int]:
     """(N, L) where a forward without gradients on the flex path gathers a batch into dense attention
-    (`model.attention`, kind "gathered"): `equal_length`'s N segments of one length L, L not a whole number of tiles
+    (`model.attention`, kind "gathered"): `equal_length`'s N slots of one length L, L not a whole number of tiles
     of `block` (segments that fill whole tiles leave FlexAttention nothing to skip); else (0, 0). The one rule both
     sides read: serving's host stage makes no block tables for such a batch (`data.windows`), and
     `model.inputs.to_device` takes the kind."""
-    count, length = equal_length(segments, slots)
+    count, length = equal_length(counts)
     return (0, 0) if length % block == 0 else (count, length)

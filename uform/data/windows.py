@@ -257,7 +257,7 @@ def pack_batch(
         batch.tokens.reshape(-1)[gather] = vocab.MASK
     picks = layout.slot.copy() if items.verb == "encode" else np.ascontiguousarray(gather)
     # A batch the forward gathers into dense attention reads no block tables (`model.inputs.to_device`, same rule).
-    gathered = shape.flex and gathered_shape(batch.segments, batch.counts.shape[0])[0] > 0
+    gathered = shape.flex and gathered_shape(batch.counts)[0] > 0
     return Packed(
         members=np.asarray(members, dtype=np.int64),
         batch=batch,

@@ -151,7 +151,7 @@ def to_device(
         length = uniform_length(segments.numpy(), host["counts"].shape[0])
     equal = (0, 0)
     if gathered and not length and attention == "flex" and segments.device.type == "cpu":
-        equal = gathered_shape(segments.numpy(), host["counts"].shape[0], block)
+        equal = gathered_shape(host["counts"].numpy(), block)
     mask = document_mask(plain["segments"], attention, tables or None, block, length, equal)
     if dynamic and mask.index is not None:  # segment counts vary by batch: one graph for every N (N = 1 apart)
         torch._dynamo.maybe_mark_dynamic(mask.index, 0)
