@@ -96,9 +96,13 @@ def objectives(args: argparse.Namespace) -> list[Any]:
     return [u.Objective.Joint, u.Objective.Masked] if args.term else [u.Objective.Joint]
 
 
-def with_term(joint: dict[str, Any], masked: dict[str, Any]) -> dict[str, Any]:
-    """The Joint run's figures with the contrastive term's cost beside them: the masked run's time, the difference
-    and its share of the Joint step (and the peak memory the term adds, where both runs measured it)."""
+def joined(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One world's figures from its runs of `objectives`: the Joint run's, and with a masked run beside it the
+    contrastive term's cost: the masked run's time, the difference and its share of the Joint step (and the peak
+    memory the term adds, where both runs measured it)."""
+    if len(runs) == 1:
+        return runs[0]
+    joint, masked = runs
     term = {"masked_ms": masked["ms"], "term_ms": joint["ms"] - masked["ms"]}
     term["term_share"] = term["term_ms"] / joint["ms"]
     if "peak_gib" in joint and "peak_gib" in masked:
@@ -117,8 +121,8 @@ def child(args: argparse.Namespace) -> None:
     mesh = u.Mesh.from_env()
     d = mesh.describe()
     offset = d.ranks[0] * args.segments
-    result: dict[str, Any] = {}
-    for objective in objectives(args):
+
+    def run(objective: Any) -> dict[str, Any]:
         config = bench_config(args, mesh=mesh, objective=objective)
         trainer = u.Trainer.init_vram(mesh.executor, config, world_compile=args.world_compile)
         if not args.cpu:
@@ -126,10 +130,12 @@ def child(args: argparse.Namespace) -> None:
         found = measure(args, trainer, mesh.executor, 1, offset=offset)
         if not args.cpu:  # issue 16, item 2: a world's step must not grow with the world's items squared
             found["peak_gib"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
-        if args.profile and not result:
+        if args.profile and objective == u.Objective.Joint:
             profile(args, trainer, mesh.executor, d.ranks[0], offset=offset)
         trainer.close()
-        result = with_term(result, found) if result else found
+        return found
+
+    result = joined([run(objective) for objective in objectives(args)])
     result["tokens_per_s"] *= d.world_size
     result["world_size"] = d.world_size
     result["gpu_class"] = str(d.gpu_class)
@@ -178,14 +184,15 @@ def with_executor(args: argparse.Namespace, devices: int) -> dict[str, Any]:
         executor = u.Executor.cpu(workers=devices) if devices > 1 else u.Executor.cpu()
     else:
         executor = u.Executor.for_vram(list(range(devices)))
-    result: dict[str, Any] = {}
-    for objective in objectives(args):
-        trainer = u.Trainer.init_vram(
-            executor, bench_config(args, objective=objective), world_compile=args.world_compile
-        )
+
+    def run(objective: Any) -> dict[str, Any]:
+        config = bench_config(args, objective=objective)
+        trainer = u.Trainer.init_vram(executor, config, world_compile=args.world_compile)
         found = measure(args, trainer, executor, devices, offset=0)
         trainer.close()
-        result = with_term(result, found) if result else found
+        return found
+
+    result = joined([run(objective) for objective in objectives(args)])
     result["world_size"] = devices
     executor.close()
     return result
