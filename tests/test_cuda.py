@@ -325,6 +325,8 @@ def test_cuda_serving_matches_cpu_serving(tmp_path) -> None:
     assert cuda.host_processes == 2 and len(cuda._stage.serve_host.processes) == 1  # 45 items: one share
     here = u.load(path, u.Executor.for_vram([0]), host_processes=0)
     assert torch.equal(here.encode(modalities, contents), got) and here._stage.serve_host is None
+    # The host process's image batches crossed from its output areas, page-locked in place (`page_locks`).
+    assert cuda._stage.locks is not None and cuda._stage.locks._extents
     # Calls as one stream (the next prepared and launched behind this one's last batches) answer every bit that
     # each call answers alone.
     calls = [(modalities, contents), (modalities[::-1], contents[::-1]), (modalities[:7], contents[:7])]
@@ -333,6 +335,39 @@ def test_cuda_serving_matches_cpu_serving(tmp_path) -> None:
     assert torch.equal(streamed[2], cuda.encode(modalities[:7], contents[:7]))
     for model in (cpu, cuda, exact, here):
         model.close()
+
+
+def test_cuda_page_locks_register_an_area_as_far_as_its_arrays_reach_and_unlock_undoes_it() -> None:
+    """`PageLocks` on a shared mapping like a host process's slab: arrays in an area read as page-locked memory
+    (so their copies to the GPU are asynchronous and need no staging copy), the registration grows with a batch
+    that reaches further, arrays outside the area are left alone, and `unlock` undoes every registration."""
+    import mmap
+
+    from uform.page_locks import PageLocks, copies_done
+
+    slab = mmap.mmap(-1, 64 << 20)
+    area = 16 << 20
+    view = np.frombuffer(slab, dtype=np.uint8)
+    small, large, outside = view[area : area + 5000], view[area : area + (3 << 20) + 7], view[:4096]
+    small[:] = np.arange(5000) % 251
+    locks = PageLocks(torch.device("cuda", 0))
+    assert locks.lock(slab, area, 2 * area, [small, outside])
+    (extent,) = locks._extents.values()
+    assert extent[1] == mmap.PAGESIZE * 2  # 5000 bytes: two pages, no more
+    assert torch.from_numpy(small).is_pinned() and not torch.from_numpy(outside).is_pinned()
+    assert locks.lock(slab, area, 2 * area, [large])
+    (extent,) = locks._extents.values()
+    assert extent[1] >= large.nbytes and torch.from_numpy(large).is_pinned()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        on_device = torch.from_numpy(small).to("cuda", non_blocking=True)
+    copies_done(stream)()  # returns once the copy is done: the area may be written again
+    small[:] = 0
+    assert torch.equal(on_device.cpu(), torch.from_numpy(np.arange(5000) % 251).to(torch.uint8))
+    locks.unlock(slab)
+    assert not locks._extents and not torch.from_numpy(small).is_pinned()
+    del small, large, outside, view
+    slab.close()
 
 
 def image_checkpoint(path, objective, seed: int):

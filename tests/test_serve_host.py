@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from uform import (
 )
 from uform.media.decode import MediaPolicy
 from uform.media.limits import MediaError
-from uform.runtime.serve_host import ServeHostError
+from uform.runtime.serve_host import SLOTS, ServeHostError
 from uform.serve import load
 
 torch.set_num_threads(2)
@@ -158,6 +159,49 @@ def test_a_broken_item_is_named_by_the_callers_index_from_any_process(served: di
     finally:
         model.close()
         strict.close()
+
+
+def test_a_leased_batch_keeps_its_bits_until_released_and_a_stop_ends_the_wait_for_it(served: dict[str, Any]) -> None:
+    """The host processes' batches are read in place (`Prepared.release`): an area is not written again while its
+    batch is held, a released area takes the call's next batch, and a stopped call whose batches were dropped
+    unreleased ends instead of waiting for them; the model's next call runs (`HostStage.release_leases`)."""
+    modalities, contents = served["modalities"] * 2, served["contents"] * 2
+    model = load(served["path"], rows=1, segments=2, media=MediaPolicy(workers=1), host_processes=1)
+    try:
+        model.window = 5
+        job = model._encode_job(modalities, contents, None, (), "mask")
+        stop = threading.Event()
+        messages = model._stage.batches(job, model._setting(), stop)
+        held: list[tuple[Any, dict[str, torch.Tensor]]] = []
+        while len(held) < SLOTS:  # every area holds a batch, none released
+            kind, value = next(messages)
+            if kind == "batch":
+                assert value.release is not None
+                held.append((value, {k: t.clone() for k, t in value.tensors.items()}))
+        seen: list[Any] = []
+        waiting = threading.Thread(target=lambda: seen.append(next(messages, None)))
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive() and not seen  # no area is free: the next batch waits for a release
+        for prepared, bits in held:  # nothing was written over a held batch
+            assert all(torch.equal(prepared.tensors[k], t) for k, t in bits.items())
+        held[0][0].release(None)
+        waiting.join(30)
+        assert not waiting.is_alive() and seen[0] is not None  # the released area took the next message
+        waiting = threading.Thread(target=lambda: seen.append(next(messages, None)))
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive() and len(seen) == 1  # every area held again
+        stop.set()  # the held batches dropped unreleased: the call ends rather than wait for them
+        waiting.join(30)
+        assert not waiting.is_alive() and seen[1] is None
+        messages.close()
+        model._stage.release_leases()
+        got, valid = model.encode(modalities[:12], contents[:12], errors="mask")
+        want, ok = served["here"].encode(modalities[:12], contents[:12], errors="mask")
+        assert torch.equal(valid, ok) and torch.equal(got[valid], want[ok])
+    finally:
+        model.close()
 
 
 def test_a_killed_process_fails_its_call_and_the_next_call_starts_a_new_one(served: dict[str, Any]) -> None:

@@ -81,6 +81,7 @@ from .model.attention import compiled_flex_available
 from .model.inputs import DeviceBatch, to_device, to_host
 from .model.network import Network
 from .notices import Notices
+from .page_locks import copies_done
 from .replica.capacity import warn_truncated
 from .replica.checkpoint import Stopped, report_points
 from .replica.stored_model import read_served
@@ -697,6 +698,7 @@ class Model:
                     with contextlib.suppress(queue.Empty):
                         handoff.get(timeout=0.05)
                 host.join()
+                self._stage.release_leases()  # the batches of a failed call that were never launched
                 self.network.train(was_training)
                 self._holder = None
 
@@ -763,8 +765,24 @@ class Model:
         """One batch's forward and readout, launched: answers the readout's host tensor and the CUDA event after
         which it holds the answer (None on the CPU, where it is ready); `landed` waits for it."""
         device = self.device
+        release = prepared.release  # where its tensors view a host process's area (`serve_stage`)
+        cuda = device.type == "cuda"
+        try:
+            inputs = self._inputs(prepared)
+        finally:
+            if release is not None and cuda:  # the area is free once the copies out of it are done
+                assert self._copy_stream is not None
+                release(copies_done(self._copy_stream))
+        try:
+            return self._launch(job, prepared, inputs)
+        finally:
+            if release is not None and not cuda:  # the forward read the area's views, and is done
+                release(None)
+
+    def _launch(self, job: Job, prepared: Prepared, inputs: DeviceBatch) -> tuple[Tensor, Any]:
+        """`_device`'s forward and readout, launched, on the batch's device inputs."""
+        device = self.device
         network = self.network
-        inputs = self._inputs(prepared)
         # From page-locked memory: a copy from pageable memory would wait for the forward launched before it,
         # so the host could not prepare the next launch meanwhile (measured: 24 ms a text batch on the H200,
         # 15 ms of kernels).

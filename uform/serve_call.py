@@ -53,6 +53,9 @@ class Prepared:
     # device and the host both refused (`jpeg="device"`), answered invalid
     owners: list[Tensor] = dataclasses.field(default_factory=list)  # the tensors whose memory the media arrays
     # of `tensors` are (`media_alloc`), held until the batch's device work is done
+    release: Callable[[Callable[[], None] | None], None] | None = None  # where `tensors` view a host process's
+    # output area (`runtime.serve_host.Lease.release`): called once nothing reads them, or with a waiter that
+    # returns once nothing does (the copies to the GPU)
 
 
 @dataclass

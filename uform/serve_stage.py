@@ -9,6 +9,7 @@ Shape legend: n members of a batch.
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -25,8 +26,9 @@ from .enums import Modality
 from .media.decode import MediaPolicy, decode_items
 from .media.limits import MediaError
 from .media.units import Units
+from .page_locks import PageLocks
 from .runtime.decoders import DecodePool
-from .runtime.serve_host import ServeHost
+from .runtime.serve_host import Lease, ServeHost
 from .serve_call import Job, Prepared, media_alloc
 
 __all__ = ["HostStage", "StageSetting", "planned_on_device"]
@@ -72,6 +74,17 @@ class HostStage:
         """The host processes, started by the first call that runs there."""
         self.decoded: dict[tuple[Modality, bytes], Units | str] = {}
         """Kept units (or why decoding failed) by (modality, bytes), where the model keeps them."""
+        self.locks: PageLocks | None = None
+        """The host processes' output areas page-locked in place (CUDA), started with the host processes."""
+        self.leases: collections.deque[Lease] = collections.deque()
+        """The leases of the batches handed on and not known released, oldest first (`release_leases`)."""
+
+    def release_leases(self) -> None:
+        """Releases every batch handed on: called once the calls that read them are over (their batches launched
+        hold their own release, which counts first), so a batch a failed call dropped unlaunched never holds its
+        area, wherever the failure's traceback keeps it alive."""
+        while self.leases:
+            self.leases.popleft().release()
 
     def close(self) -> None:
         """Stops the decoders and the host processes; the next call starts them again."""
@@ -100,27 +113,47 @@ class HostStage:
         return call_batches(setting.shape, job, decode, pack, stop)
 
     def _remote(self, job: Job, setting: StageSetting, stop: threading.Event) -> Generator[tuple[str, Any], None, None]:
-        """The call in the host processes (`runtime.serve_host`): each batch copied out of its area there."""
+        """The call in the host processes (`runtime.serve_host`): each batch's arrays read where they lie, in its
+        host process's output area, which is leased until the batch's forward (CPU) or its copies to the GPU
+        (CUDA, from the area page-locked in place: `page_locks`) are done (`Prepared.release`). Where the driver
+        refuses to lock an area, that batch is copied into page-locked memory and its area released at once."""
+        cuda = setting.device.type == "cuda"
         host = self.serve_host
         if host is None or host.count != setting.host_processes or host.policy is not setting.media:
             if host is not None:
                 host.close()
-            host = self.serve_host = ServeHost(setting.media, setting.host_processes)
-        cuda = setting.device.type == "cuda"
-        for kind, value in host.batches(setting.shape, job, stop):
+            locks = self.locks = PageLocks(setting.device) if cuda else None
+            unmapping = None if locks is None else locks.unlock
+            host = self.serve_host = ServeHost(setting.media, setting.host_processes, unmapping)
+        for kind, value in host.batches(setting.shape, job, stop, leased=True):
             if kind != "batch":
                 yield kind, value
                 continue
-            packed: Packed = value  # views of the host process's area until the next message is asked for
+            packed: Packed
+            lease: Lease
+            packed, lease = value  # views of the host process's area until the lease is released
+            arrays = [*packed.batch.arrays().values(), *packed.tables.values()]
+            in_place = not cuda or (
+                self.locks is not None and self.locks.lock(lease.slab, lease.start, lease.end, arrays)
+            )
             picks = torch.from_numpy(packed.picks)
             prepared = Prepared(
                 members=np.array(packed.members, copy=True),
-                tensors=packed.batch.host_tensors(cuda, copy=True, tables=packed.tables or None),
+                # Page-locked memory is its own `pin_memory`: the area's views stay views.
+                tensors=packed.batch.host_tensors(cuda, copy=not in_place, tables=packed.tables or None),
                 picks=picks.pin_memory() if cuda else picks.clone(),  # either way a copy of its own
                 counts=np.array(packed.counts, copy=True),
                 truncated=packed.truncated,
             )
-            del packed, value
+            del packed, value, arrays
+            if in_place:
+                prepared.release = lease.release
+                while self.leases and self.leases[0].released.done():
+                    self.leases.popleft()
+                self.leases.append(lease)
+            else:
+                lease.release()
+            del lease
             yield kind, prepared
 
     def decode(

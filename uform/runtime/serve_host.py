@@ -20,7 +20,10 @@ request, answered in the order sent:
 - ``next`` into an output area: the share's next message, ("batch", `Packed`) with the batch's media arrays built
   in that area in the first place (`uform.runtime.slots.Built`), ("skipped", [(item, reason)]) for a window's
   media that did not decode, or ("done",). The owner keeps one request in flight per area, and asks for the
-  next batch into an area only once the batch before it there was copied out (`ServeHost.batches`).
+  next batch into an area only once the batch before it there is no longer read: at once, where the caller
+  copies each batch out before it asks for the next message; else once the caller releases the batch's `Lease`
+  (`ServeHost.batches(..., leased=True)`: the serving model reads a batch where it lies, its copies to the GPU
+  made straight from the area, and releases it once they are done).
 - ``close``: the share ends (its decoding thread joins). Being answered after every request before it, it also
   says that no area is still being written.
 
@@ -47,7 +50,7 @@ import multiprocessing.util
 import os
 import signal
 import threading
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import FIRST_COMPLETED
 from typing import Any
 
@@ -69,10 +72,17 @@ from .slots import (
     write_contents,
 )
 
-__all__ = ["SLOTS", "ServeHost", "ServeHostError"]
+__all__ = ["SLOTS", "Lease", "ServeHost", "ServeHostError"]
 
 SLOTS = 4
 """Batches in flight between the process and the serving model (the in-process path's hand-off depth)."""
+
+LEASE_SECONDS = 120.0
+"""How long the next request into an area waits for the owner to release the batch there (`Lease`) before it fails
+the call instead of hanging: a batch is released once launched, a few batches' device time after it came."""
+
+_STOP_POLL_SECONDS = 0.05
+"""How often a call waiting for its areas' leases looks whether it was stopped (the owner dropped its batches)."""
 
 _INPUT_BYTES = 1 << 30
 """The input area (virtual: pages are reserved as calls reach them); a call's contents beyond it go in parts."""
@@ -85,6 +95,26 @@ class ServeHostError(RuntimeError):
     """The serving host process died (killed, out of memory) during a call; the call was not answered."""
 
 
+Waiter = Callable[[], None]
+"""Returns once nothing reads a released area any more (the owner's copies out of it done)."""
+
+
+class Lease:
+    """One batch's output area, held by the owner (`ServeHost.batches(..., leased=True)`): the process writes that
+    area's next batch only once `release` was called. `slab` is the mapped slab, and [`start`, `end`) the area's
+    bytes of it; the batch's arrays are views of them until the release."""
+
+    def __init__(self, slab: Any, start: int, end: int) -> None:
+        self.slab, self.start, self.end = slab, start, end
+        self.released: concurrent.futures.Future = concurrent.futures.Future()
+
+    def release(self, waiter: Waiter | None = None) -> None:
+        """The owner is done with the area, or will be once `waiter` returns (called before the area is written
+        again, on the thread that asks for it). Idempotent: the first release counts."""
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            self.released.set_result(waiter)
+
+
 # ---- the owner's side ------------------------------------------------------------------------------------------
 
 
@@ -94,11 +124,13 @@ class ServeHost:
     model's lock serialises its callers). A process starts with the first call that needs it; `close` ends them
     (also at interpreter exit and when the object is collected)."""
 
-    def __init__(self, policy: MediaPolicy, count: int) -> None:
+    def __init__(self, policy: MediaPolicy, count: int, unmapping: Callable[[Any], None] | None = None) -> None:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"host_processes: expected an int >= 1, got {count!r}")
         self.policy = policy
         self.count = count
+        self.unmapping = unmapping
+        """Called with a process's slab before this side unmaps it (the owner's hold on its pages undone)."""
         self.decoders = max(1, (policy.workers or decode_parallelism()) // count)
         """Decoding processes of each host process."""
         self.input_bytes = _INPUT_BYTES
@@ -116,17 +148,26 @@ class ServeHost:
 
     def close(self) -> None:
         """Ends the processes (each ends its decoders). Idempotent; the next call starts new ones."""
+        self._unmapping(self._held)
         _shutdown(self._held, self._owner)
 
+    def _unmapping(self, processes: list[_Process]) -> None:
+        if self.unmapping is not None and os.getpid() == self._owner:
+            for process in processes:
+                if process.helper.slab is not None:
+                    self.unmapping(process.helper.slab)
+
     def batches(
-        self, shape: Packing, items: CallItems, stop: threading.Event
+        self, shape: Packing, items: CallItems, stop: threading.Event, leased: bool = False
     ) -> Generator[tuple[str, Any], None, None]:
         """The call's messages, as `call_batches` answers them in process: ("skipped", [(item, reason)]) and
         ("batch", `Packed`), items by the caller's index, in the order the processes answer them. A batch's
         arrays are views of an output area until the generator is resumed: copy what you keep before asking for
-        the next message. The call's items are dealt to the processes in contiguous shares (a process only where
-        its share fills a window: a short call goes to one). `stop` ends the call between batches. Raises
-        `ServeHostError` when a process died, and what the host stage raised."""
+        the next message. Where `leased`, a batch comes as ("batch", (`Packed`, `Lease`)) and its arrays stay
+        valid until the lease is released (the area's next batch waits for that; a lease never released holds
+        its area, and a later call waits on it). The call's items are dealt to the processes in contiguous shares
+        (a process only where its share fills a window: a short call goes to one). `stop` ends the call between
+        batches. Raises `ServeHostError` when a process died, and what the host stage raised."""
         if os.getpid() != self._owner:
             raise RuntimeError("uform: a serving model's host processes cannot be used in a forked child")
         n = len(items.modalities)
@@ -140,20 +181,34 @@ class ServeHost:
         try:
             for stream in streams:
                 stream.advance()
-            live = [s for s in streams if s.in_flight]
+            live = [s for s in streams if s.in_flight or s.leased]
             while live:
-                concurrent.futures.wait([s.in_flight[0][1] for s in live], return_when=FIRST_COMPLETED)
-                stream = next(s for s in live if s.in_flight[0][1].done())
+                waits = [s.in_flight[0][1] for s in live if s.in_flight]
+                waits += [s.leased[0][1].released for s in live if s.leased]  # released in the order leased
+                # A lease is released by the owner's device thread; a call it stopped never releases the batches it
+                # dropped, so the wait looks at `stop` too.
+                concurrent.futures.wait(waits, timeout=_STOP_POLL_SECONDS, return_when=FIRST_COMPLETED)
+                if stop.is_set():
+                    return
+                for s in live:
+                    s.reclaim()  # areas whose leases were released take their next batches
+                ready = next((s for s in live if s.in_flight and s.in_flight[0][1].done()), None)
+                if ready is None:
+                    live = [s for s in streams if s.in_flight or s.leased]
+                    continue
+                stream = ready
                 try:
                     message = stream.take()
                 except MediaError as failure:  # a strict policy's: raised once every share before it is done
                     stream.fail(failure)
                     message = None
                 if message is not None and message[0] == "batch":
-                    yield message
+                    lease = stream.lease() if leased else None
+                    yield message if lease is None else ("batch", (message[1], lease))
                     if stop.is_set():
                         return
-                    stream.again()  # the batch yielded was copied out of its area: the area takes the next
+                    if lease is None:
+                        stream.again()  # the batch yielded was copied out of its area: the area takes the next
                 elif message is not None:
                     stream.skipped.append(message)
                 held, error = _in_order(streams)
@@ -163,7 +218,7 @@ class ServeHost:
                         return
                 if error is not None:
                     raise error
-                live = [s for s in streams if s.in_flight]
+                live = [s for s in streams if s.in_flight or s.leased]
         finally:
             for stream in streams:
                 stream.end()
@@ -172,6 +227,7 @@ class ServeHost:
         """The first `count` processes, live: those that died replaced, those missing started (side by side)."""
         for k, process in enumerate(self._held):
             if process.helper.died is not None:
+                self._unmapping([process])
                 close_all([process.helper], 0)
                 self._held[k] = self._start()
         while len(self._held) < count:
@@ -191,7 +247,7 @@ class ServeHost:
             name="uform-serve-host",
             slab_bytes=self.input_bytes + SLOTS * self.slot_bytes,
             slab_prefix="uform-serve-",
-            views=True,  # a batch's arrays are copied out before the area is asked for again
+            views=True,  # a batch's arrays are copied out, or its lease released, before its area is asked again
             daemon=False,  # under multiprocessing: it starts the decoder processes, which a daemonic process may not
         )
         helper.start()
@@ -199,12 +255,31 @@ class ServeHost:
 
 
 class _Process:
-    """The owner's view of one host process: its helper, and the bytes of its input area backed so far."""
+    """The owner's view of one host process: its helper, the bytes of its input area backed so far, and the
+    leases of its output areas not yet asked for again (kept across calls: a later call waits on them)."""
 
     def __init__(self, helper: Helper) -> None:
         self.helper = helper
         self.reserved = [0]
         self.ready = False
+        self.leases: dict[int, Lease] = {}
+
+    def next(self, slot: int) -> concurrent.futures.Future:
+        """Asks for the next message into area `slot`, once the owner's lease on it (if any) is released and its
+        waiter has returned."""
+        lease = self.leases.pop(slot, None)
+        if lease is not None:
+            try:
+                waiter = lease.released.result(LEASE_SECONDS)
+            except concurrent.futures.TimeoutError:
+                self.leases[slot] = lease
+                raise ServeHostError(
+                    f"uform: a batch of the serving host process (pid {self.helper.pid}) was not released within "
+                    f"{LEASE_SECONDS:.0f} s of being asked for again; this is a bug"
+                ) from None
+            if waiter is not None:
+                waiter()
+        return self.ask(("next", slot))
 
     def wait_ready(self) -> None:
         if self.ready:
@@ -260,10 +335,11 @@ class _Stream:
         self.slot = -1  # the area of the batch last taken
         self.skipped: list[tuple[str, Any]] = []  # its ("skipped", ...) messages not yet handed on (`_in_order`)
         self.error: MediaError | None = None  # what its part raised, not yet raised (`_in_order`)
+        self.leased: collections.deque[tuple[int, Lease]] = collections.deque()  # batches the owner still reads
 
     @property
     def finished(self) -> bool:
-        return not self.in_flight and not self.parts
+        return not self.in_flight and not self.leased and not self.parts
 
     def advance(self) -> None:
         """Opens the next part that has items and asks for its first batches (nothing once the parts are done)."""
@@ -279,7 +355,8 @@ class _Stream:
             )
             self.first, self.opened = first, True
             _answer(self.process.open(self.shape, part, self.host.input_bytes), first)
-            self.in_flight.extend((slot, self.process.ask(("next", slot))) for slot in range(SLOTS))
+            self.leased.clear()  # each area waits for its lease below
+            self.in_flight.extend((slot, self.process.next(slot)) for slot in range(SLOTS))
 
     def take(self) -> tuple[str, Any] | None:
         """The answer at the head (done: None); once the part is done, the next part is opened."""
@@ -302,8 +379,26 @@ class _Stream:
     def again(self) -> None:
         self.in_flight.append((self.slot, self.process.ask(("next", self.slot))))
 
+    def lease(self) -> Lease:
+        """The batch just taken's area, held until the owner releases it (`reclaim` then asks for its next)."""
+        host, slot = self.host, self.slot
+        start = host.input_bytes + slot * host.slot_bytes
+        lease = Lease(self.process.helper.slab, start, start + host.slot_bytes)
+        self.process.leases[slot] = lease
+        self.leased.append((slot, lease))
+        return lease
+
+    def reclaim(self) -> None:
+        """Asks for the next batch into each area whose lease was released (in the order they were leased)."""
+        while self.leased and self.leased[0][1].released.done():
+            slot, _ = self.leased.popleft()
+            if self.opened:
+                self.in_flight.append((slot, self.process.next(slot)))
+
     def end(self) -> None:
-        """Closes the open part: answered after every request before it, so no area is being written after."""
+        """Closes the open part: answered after every request before it, so no area is being written after.
+        Leases still held stay with the process: the next request into their areas waits for them."""
+        self.leased.clear()
         if self.opened:
             self.opened = False
             self.in_flight.clear()
