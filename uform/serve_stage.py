@@ -125,7 +125,7 @@ class HostStage:
             locks = self.locks = PageLocks(setting.device) if cuda else None
             unmapping = None if locks is None else locks.unlock
             host = self.serve_host = ServeHost(setting.media, setting.host_processes, unmapping)
-        for kind, value in host.batches(setting.shape, job, stop, leased=True):
+        for kind, value in host.batches(setting.shape, job, stop):
             if kind != "batch":
                 yield kind, value
                 continue

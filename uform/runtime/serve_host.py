@@ -20,10 +20,9 @@ request, answered in the order sent:
 - ``next`` into an output area: the share's next message, ("batch", `Packed`) with the batch's media arrays built
   in that area in the first place (`uform.runtime.slots.Built`), ("skipped", [(item, reason)]) for a window's
   media that did not decode, or ("done",). The owner keeps one request in flight per area, and asks for the
-  next batch into an area only once the batch before it there is no longer read: at once, where the caller
-  copies each batch out before it asks for the next message; else once the caller releases the batch's `Lease`
-  (`ServeHost.batches(..., leased=True)`: the serving model reads a batch where it lies, its copies to the GPU
-  made straight from the area, and releases it once they are done).
+  next batch into an area only once the caller released the batch before it there (its `Lease`): the serving
+  model reads a batch where it lies, its copies to the GPU made straight from the area, and releases it once
+  they are done.
 - ``close``: the share ends (its decoding thread joins). Being answered after every request before it, it also
   says that no area is still being written.
 
@@ -100,7 +99,7 @@ Waiter = Callable[[], None]
 
 
 class Lease:
-    """One batch's output area, held by the owner (`ServeHost.batches(..., leased=True)`): the process writes that
+    """One batch's output area, held by the owner (`ServeHost.batches`): the process writes that
     area's next batch only once `release` was called. `slab` is the mapped slab, and [`start`, `end`) the area's
     bytes of it; the batch's arrays are views of them until the release."""
 
@@ -158,16 +157,15 @@ class ServeHost:
                     self.unmapping(process.helper.slab)
 
     def batches(
-        self, shape: Packing, items: CallItems, stop: threading.Event, leased: bool = False
+        self, shape: Packing, items: CallItems, stop: threading.Event
     ) -> Generator[tuple[str, Any], None, None]:
         """The call's messages, as `call_batches` answers them in process: ("skipped", [(item, reason)]) and
-        ("batch", `Packed`), items by the caller's index, in the order the processes answer them. A batch's
-        arrays are views of an output area until the generator is resumed: copy what you keep before asking for
-        the next message. Where `leased`, a batch comes as ("batch", (`Packed`, `Lease`)) and its arrays stay
-        valid until the lease is released (the area's next batch waits for that; a lease never released holds
-        its area, and a later call waits on it). The call's items are dealt to the processes in contiguous shares
-        (a process only where its share fills a window: a short call goes to one). `stop` ends the call between
-        batches. Raises `ServeHostError` when a process died, and what the host stage raised."""
+        ("batch", (`Packed`, `Lease`)), items by the caller's index, in the order the processes answer them. A
+        batch's arrays are views of an output area and stay valid until its lease is released (the area's next
+        batch waits for that; a lease never released holds its area, and a later call waits on it). The call's
+        items are dealt to the processes in contiguous shares (a process only where its share fills a window: a
+        short call goes to one). `stop` ends the call, also while it waits for a lease. Raises `ServeHostError`
+        when a process died, and what the host stage raised."""
         if os.getpid() != self._owner:
             raise RuntimeError("uform: a serving model's host processes cannot be used in a forked child")
         n = len(items.modalities)
@@ -203,12 +201,9 @@ class ServeHost:
                     stream.fail(failure)
                     message = None
                 if message is not None and message[0] == "batch":
-                    lease = stream.lease() if leased else None
-                    yield message if lease is None else ("batch", (message[1], lease))
+                    yield "batch", (message[1], stream.lease())
                     if stop.is_set():
                         return
-                    if lease is None:
-                        stream.again()  # the batch yielded was copied out of its area: the area takes the next
                 elif message is not None:
                     stream.skipped.append(message)
                 held, error = _in_order(streams)
@@ -247,7 +242,7 @@ class ServeHost:
             name="uform-serve-host",
             slab_bytes=self.input_bytes + SLOTS * self.slot_bytes,
             slab_prefix="uform-serve-",
-            views=True,  # a batch's arrays are copied out, or its lease released, before its area is asked again
+            views=True,  # a batch's lease is released before its area is asked again
             daemon=False,  # under multiprocessing: it starts the decoder processes, which a daemonic process may not
         )
         helper.start()
@@ -375,9 +370,6 @@ class _Stream:
         self.error = error
         self.parts.clear()
         self.end()
-
-    def again(self) -> None:
-        self.in_flight.append((self.slot, self.process.ask(("next", self.slot))))
 
     def lease(self) -> Lease:
         """The batch just taken's area, held until the owner releases it (`reclaim` then asks for its next)."""
