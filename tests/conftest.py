@@ -8,7 +8,10 @@ seconds on a couple of CPU cores. Comparisons are bitwise: `torch.equal` on weig
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -354,3 +357,33 @@ def pytest_ignore_collect(collection_path: Path, config: Any) -> bool | None:
     named = os.environ.get("UFORM_TESTS_IN_LEGS", "").split()
     root = Path(__file__).resolve().parent.parent
     return True if any(collection_path.resolve() == (root / name).resolve() for name in named) else None
+
+
+MYPY_TEST = "tests/test_style.py::test_mypy"
+MYPY_RUN: pytest.StashKey[subprocess.Popen[str]] = pytest.StashKey()
+"""The mypy run that `test_mypy` reads, started once the session has collected that test."""
+
+
+def mypy_command() -> list[str]:
+    """What `test_mypy` runs from the repository root: mypy over the package, pyproject.toml's settings."""
+    return [sys.executable, "-m", "mypy", "uform"]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Starts `test_mypy`'s mypy run in the background where the session runs that test: ~30 s of one core on a
+    fresh clone (no cache), which CI's two cores absorb beside the tests before it (mostly one core's worth);
+    `test_mypy` then waits for its answer, the same command's, over the same tree."""
+    root = Path(__file__).resolve().parent.parent
+    wanted = any(item.nodeid == MYPY_TEST for item in session.items)
+    if wanted and not session.config.option.collectonly and importlib.util.find_spec("mypy") is not None:
+        session.config.stash[MYPY_RUN] = subprocess.Popen(
+            mypy_command(), cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A session that ends before `test_mypy` has read its run (stopped, -x) leaves no mypy behind."""
+    run = config.stash.get(MYPY_RUN, None)
+    if run is not None and run.poll() is None:
+        run.kill()
+        run.wait()

@@ -49,7 +49,9 @@ def last(run: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def launches(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The module's runs (under the folder answered): straight, and split by a stop after step 2 and a resume; and
+    the stopped launch, whose output shows that the lead alone prints (one launch fewer than a run of its own)."""
     root = tmp_path_factory.mktemp("torchrun")
     straight = torchrun(root, "--output", "straight")
     assert straight.returncode == 0, straight.stderr[-4000:]
@@ -57,7 +59,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert first.returncode == 0, first.stderr[-4000:]
     rest = torchrun(root, "--output", "split", "--resume", "latest")
     assert rest.returncode == 0, rest.stderr[-4000:]
-    return root
+    return root, first
+
+
+@pytest.fixture(scope="module")
+def runs(launches: tuple[Path, subprocess.CompletedProcess]) -> Path:
+    return launches[0]
 
 
 def test_stopped_and_resumed_under_torchrun_equals_the_straight_run_bitwise(runs: Path) -> None:
@@ -115,14 +122,16 @@ def test_a_torchrun_checkpoint_resumes_on_an_executor_of_two_devices(runs: Path,
     assert read_data_state(str(last(copy))) == read_data_state(str(last(runs / "straight")))
 
 
-def test_only_the_lead_prints_and_devices_are_refused_under_torchrun(runs: Path, tmp_path: Path) -> None:
+def test_only_the_lead_prints_and_devices_are_refused_under_torchrun(
+    launches: tuple[Path, subprocess.CompletedProcess], tmp_path: Path
+) -> None:
     refused = torchrun(tmp_path, "--output", "x", "--devices", "cpu:2")
     assert refused.returncode != 0
     assert "--devices: under torchrun" in refused.stderr
     assert not (tmp_path / "x").exists()
-    again = torchrun(tmp_path, "--output", "y", "--stop-after", "1")
-    assert again.returncode == 0, again.stderr[-4000:]
-    assert again.stdout.count("uform train: stopped at step 1 of 4") == 1
+    stopped = launches[1]  # the split run's first launch: `--stop-after 2`, exit status 0 (the fixture checks it)
+    assert stopped.returncode == 0, stopped.stderr[-4000:]
+    assert stopped.stdout.count("uform train: stopped at step 2 of 4") == 1
 
 
 def test_a_lead_refusal_stops_every_process(runs: Path) -> None:

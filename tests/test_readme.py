@@ -1,7 +1,8 @@
 """The README's code blocks, extracted and run, so they cannot drift from the library.
 
-Python blocks run in README order, each in a fresh interpreter, in one shared temporary folder (the serving
-block reads the checkpoint the training block wrote). Each runs as a plain script file, `python block_N.py`,
+Python blocks run each in a fresh interpreter, in one shared temporary folder (the serving, export and HTTP
+blocks read the checkpoint the training block wrote): the training block first, beside the blocks that read no
+checkpoint, then the blocks that read it, side by side (each is mostly one core's worth of imports). Each runs as a plain script file, `python block_N.py`,
 with no main guard, exactly as a user saves and runs it (tests/test_script_forms.py covers stdin, `-c` and
 notebook cells); a uform warning (a media item skipped,
 items dropped for room, a memory overshoot) is an error, so a block cannot pass by quietly doing less than it
@@ -70,21 +71,35 @@ def test_python_blocks_run_as_written(tmp_path: Path) -> None:
     assert 'export("checkpoint.safetensors"' in code[2]
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     environment["OMP_NUM_THREADS"] = "2"
-    for i, block in enumerate(code):
-        script = tmp_path / f"block_{i + 1}.py"
-        script.write_text(block)
-        result = subprocess.run(
-            [sys.executable, "-W", "error::uform.notices.UformWarning", script.name],
-            cwd=tmp_path,
-            env=environment,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert result.returncode == 0, f"README python block {i + 1}:\n{block}\n{result.stderr[-4000:]}"
-        assert result.stdout.strip(), f"README python block {i + 1} printed nothing"
-        if i == 0:
-            assert (tmp_path / "checkpoint.safetensors").is_file()
+    readers = [i for i, block in enumerate(code) if i > 0 and "checkpoint.safetensors" in block]
+    assert readers == [1, 2, 3], "the serving, export and HTTP blocks read the training block's checkpoint"
+
+    def run(indices: list[int]) -> None:
+        """Runs the blocks at these indices side by side; each must exit 0 and print."""
+        started = []
+        for i in indices:
+            script = tmp_path / f"block_{i + 1}.py"
+            script.write_text(code[i])
+            command = [sys.executable, "-W", "error::uform.notices.UformWarning", script.name]
+            pipe = subprocess.PIPE
+            started.append(
+                (i, subprocess.Popen(command, cwd=tmp_path, env=environment, stdout=pipe, stderr=pipe, text=True))
+            )
+        finished = []
+        for i, process in started:  # every block is waited for (or killed at its timeout) before any is judged
+            try:
+                stdout, stderr = process.communicate(timeout=300)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                stdout, stderr = process.communicate()
+            finished.append((i, process.returncode, stdout, stderr))
+        for i, status, stdout, stderr in finished:
+            assert status == 0, f"README python block {i + 1}:\n{code[i]}\n{stderr[-4000:]}"
+            assert stdout.strip(), f"README python block {i + 1} printed nothing"
+
+    run([i for i in range(len(code)) if i not in readers])  # the training block, beside the several-hosts block
+    assert (tmp_path / "checkpoint.safetensors").is_file()
+    run(readers)
 
 
 def layout_paths() -> set[str]:

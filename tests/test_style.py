@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import MYPY_RUN, mypy_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,7 +21,15 @@ def test_ruff(command: list[str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_mypy() -> None:
+def test_mypy(request: pytest.FixtureRequest) -> None:
+    """mypy over the package. tests/conftest.py starts the run once the session has collected this test, so
+    that it runs beside the tests before it; where the session has not started it, the test runs it here."""
     pytest.importorskip("mypy")
-    result = subprocess.run([sys.executable, "-m", "mypy", "uform"], cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
+    started = request.config.stash.get(MYPY_RUN, None)
+    if started is None:
+        result = subprocess.run(mypy_command(), cwd=ROOT, capture_output=True, text=True)
+        code, out, err = result.returncode, result.stdout, result.stderr
+    else:
+        out, err = started.communicate()
+        code = started.returncode
+    assert code == 0, out + err

@@ -6,13 +6,16 @@ One launch runs every world at once, each process running every case and writing
 for the invariance cases; a world of 4 where one process builds another run and later one dies; and, after
 it, the run restarted from the dead world's checkpoint: all four processes again under the same job name (over
 its stale files), and a world of 2 beside them.
-The tests compare the reports with one process stepping the whole global batch alone.
+The tests compare the reports with one process stepping the whole global batch alone. The processes of the
+bootstrapped worlds are forked, a world's from one interpreter that imported torch and uform for them (`Forked`);
+torchrun starts its own.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -73,6 +76,50 @@ class Launch:
         return "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in self.logs)
 
 
+class Forked(Launch):
+    """Processes of one world forked from one interpreter that imported torch and uform for all of them
+    (tests/world_cases.py `forks`), each logging to a file: the same processes, arguments and bootstrap as
+    `Launch`'s, less a fresh interpreter's imports each (~3.5 s of CPU, most of what a process of these worlds
+    costs on CI's two cores). Their exit statuses come from the forking process."""
+
+    def __init__(self, name: str, commands: list[list[str]], logs: Path) -> None:
+        self.name = name
+        self.logs = [logs / f"{name}-{i}.log" for i in range(len(commands))]
+        self.codes = logs / f"{name}-codes.json"
+        arguments = []
+        for command in commands:
+            assert command[:2] == [sys.executable, SCRIPT], command
+            arguments.append(command[2:])
+        spec = logs / f"{name}-forks.json"
+        spec.write_text(
+            json.dumps({"commands": arguments, "logs": [str(p) for p in self.logs], "codes": str(self.codes)})
+        )
+        environment = dict(os.environ, PYTHONPATH=str(Path(SCRIPT).parent.parent), OMP_NUM_THREADS="1")
+        with open(logs / f"{name}-forks.log", "w") as out:
+            self.forker = subprocess.Popen(
+                [sys.executable, SCRIPT, "forks", str(spec)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=environment,
+                start_new_session=True,  # its children in its process group, which a deadline kills whole
+            )
+        self.count = len(commands)
+
+    def wait(self, deadline: float) -> list[int]:
+        try:
+            self.forker.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.forker.pid, signal.SIGKILL)
+            self.forker.wait()
+        if self.forker.returncode == 0 and self.codes.exists():
+            return list(json.loads(self.codes.read_text()))
+        return [self.forker.returncode] * self.count
+
+    def output(self) -> str:
+        forker = self.logs[0].parent / f"{self.name}-forks.log"
+        return f"--- {forker.name}\n{forker.read_text()[-3000:]}\n{super().output()}"
+
+
 def hosts(scenario: str, reports: Path, count: int, job: str, *extra: str) -> list[list[str]]:
     exchange = str(reports.parent / "exchange")
     common = [sys.executable, SCRIPT, scenario, str(reports), "--directory", exchange, "--job", job, *extra]
@@ -91,17 +138,17 @@ def worlds(tmp_path_factory) -> dict[str, Any]:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     launches = {
         "invariance-2": Launch("invariance-2", [[*torchrun, SCRIPT, "invariance", str(reports), "--torchrun"]], logs),
-        "invariance-3": Launch(
+        "invariance-3": Forked(
             "invariance-3", hosts("invariance", reports, 3, "three", "--store", "tcp", "--timeout", "120"), logs
         ),
-        "invariance-4": Launch("invariance-4", hosts("invariance", reports, 4, "four", "--timeout", "120"), logs),
-        "fault": Launch("fault", hosts("fault", reports, 4, "fault", "--timeout", "30"), logs),
-        "nonfinite": Launch("nonfinite", hosts("nonfinite", reports, 2, "nonfinite", "--timeout", "120"), logs),
+        "invariance-4": Forked("invariance-4", hosts("invariance", reports, 4, "four", "--timeout", "120"), logs),
+        "fault": Forked("fault", hosts("fault", reports, 4, "fault", "--timeout", "30"), logs),
+        "nonfinite": Forked("nonfinite", hosts("nonfinite", reports, 2, "nonfinite", "--timeout", "120"), logs),
     }
     codes = {"fault": launches["fault"].wait(deadline)}
     restarts = {  # every process of the dead world again (its job, over its files), and a smaller world
-        "resume-4": Launch("resume-4", hosts("resume", reports, 4, "fault", "--timeout", "60"), logs),
-        "resume-2": Launch("resume-2", hosts("resume", reports, 2, "fault-smaller", "--timeout", "60"), logs),
+        "resume-4": Forked("resume-4", hosts("resume", reports, 4, "fault", "--timeout", "60"), logs),
+        "resume-2": Forked("resume-2", hosts("resume", reports, 2, "fault-smaller", "--timeout", "60"), logs),
     }
     for name, launch in restarts.items():
         codes[name] = launch.wait(deadline)

@@ -5,6 +5,10 @@
 Every process writes what it saw under REPORTS: `<name>.json` (stats, descriptions, errors and times) and
 `<name>.npz` (weights and optimizer moments), which the test compares with a run of one process.
 
+    python tests/world_cases.py forks SPEC
+
+runs several such processes, each forked from this one once it has imported torch and uform (`forks`).
+
 The global batch: BAGS bags of four captions, two pairs each (attract a1 <-> b1 and a2 <-> b2 at weights
 1 and 2, repel a1 <-> b2 and a2 <-> b1 at 0.5); process r of W takes a contiguous share of the bags, so
 every edge stays inside one process and the world's step is the one-process step split by bag.
@@ -474,5 +478,36 @@ def main() -> None:
         raise
 
 
+def forks(spec: Path) -> None:
+    """Runs the processes of a world as children forked from this process, which imports torch and uform once
+    for all of them: a fresh interpreter spends ~3.5 s of CPU on those imports, most of what a process of these
+    tiny worlds costs on the CPU. SPEC (JSON): `commands`, each process's arguments to this script (after its
+    path); `logs`, where each one's output goes; `codes`, where their exit statuses land, in order, once every
+    child has exited (as `subprocess.Popen.returncode`: -N for a signal). A child runs `main` on its arguments
+    and exits as a process started with them does: through the interpreter's own shutdown, or `os._exit`."""
+    plan = json.loads(spec.read_text())
+    import uform.runtime.mesh  # noqa: F401  (uform.Mesh, imported before the fork as uform.Trainer is above)
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children = []
+    for command, log in zip(plan["commands"], plan["logs"], strict=True):
+        pid = os.fork()
+        if pid == 0:  # the child: its output to its log, its own arguments; it never returns into this loop
+            out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            os.close(out)
+            sys.argv = [sys.argv[0], *command]
+            main()
+            sys.exit(0)
+        children.append(pid)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+    Path(plan["codes"]).write_text(json.dumps(codes))
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["forks"]:
+        forks(Path(sys.argv[2]))
+    else:
+        main()
