@@ -56,36 +56,52 @@ from uform.model.attention import (
 )
 
 
-def layout(name: str, rows: int, columns: int) -> np.ndarray:
-    """Segment ids [R, C] (non-decreasing along each row; the padding after a row's last segment carries the
-    largest id, as the packer lays it)."""
+def _spans(name: str, rows: int, columns: int) -> list[tuple[int, int, int, int]]:
+    """The segments of a layout as (row, column, length, id), ids from 0, laid end to end row by row."""
     if name == "text":
         lengths = [256] * (rows * columns // 256)
     elif name == "images":
         lengths = [257] * (rows * columns // 257)
     else:
         lengths = [257, 61] * (rows * columns // 318)
-    segments = np.empty((rows, columns), dtype=np.int64)
-    row, column, sid = 0, 0, 0
-    spans = []
+    row, column = 0, 0
+    spans: list[tuple[int, int, int, int]] = []
     for length in lengths:
         if column + length > columns:
             row, column = row + 1, 0
         if row == rows:
             break
-        spans.append((row, column, length, sid))
+        spans.append((row, column, length, len(spans)))
         column += length
-        sid += 1
-    pad = sid
-    segments[:] = pad
+    return spans
+
+
+def layout(name: str, rows: int, columns: int) -> np.ndarray:
+    """Segment ids [R, C] (non-decreasing along each row; the padding after a row's last segment carries the
+    largest id, as the packer lays it: `padding_id`)."""
+    spans = _spans(name, rows, columns)
+    segments = np.full((rows, columns), len(spans), dtype=np.int64)
     for r, c, length, s in spans:
         segments[r, c : c + length] = s
     return segments
 
 
-def useful_flops(segments: np.ndarray, heads: int, width: int) -> float:
-    _, counts = np.unique(segments, return_counts=True)
-    forward = float(np.sum(4.0 * counts.astype(np.float64) ** 2 * width * heads))
+def padding_id(name: str, rows: int, columns: int) -> int | None:
+    """The id `layout` gives its padding, None where its segments fill every row (the largest id is then a
+    segment's)."""
+    spans = _spans(name, rows, columns)
+    return None if sum(span[2] for span in spans) == rows * columns else len(spans)
+
+
+def useful_flops(segments: np.ndarray, heads: int, width: int, pad: int | None) -> float:
+    """A forward and backward's FLOPs over every (query, key) pair of a segment with itself, each segment within
+    its row (3.5 forwards: the backward's five matmuls to the forward's two); the padding (`pad`) does no useful
+    work."""
+    forward = 0.0
+    for row in segments:
+        ids, counts = np.unique(row, return_counts=True)
+        kept = counts[ids != pad].astype(np.float64)
+        forward += float(np.sum(4.0 * kept**2 * width * heads))
     return 3.5 * forward
 
 
@@ -426,7 +442,8 @@ def main() -> dict[str, Any]:
     for name in ("text", "pairs") if args.layout == "both" else (args.layout,):
         segments = layout(name, args.rows, args.columns)
         segments_t = torch.from_numpy(segments).cuda()
-        flops = useful_flops(segments, args.heads, width)
+        pad = padding_id(name, args.rows, args.columns)
+        flops = useful_flops(segments, args.heads, width, pad)
         generator = torch.Generator(device="cuda").manual_seed(0)
         # Leaves [R, C, H, K] handed over as [R, H, C, K] views, the layout the tower's blocks give attention.
         shape = (args.rows, args.columns, args.heads, width)
@@ -463,13 +480,15 @@ def main() -> dict[str, Any]:
                 runners.append(("varlen (cuDNN)", varlen_runner(q, k, v, segments, cudnn=True)))
             except (ImportError, RuntimeError) as error:
                 print(f"cudnn: not available here ({error})")
-        pad = int(segments.max())
         for backend in (b for b in args.dense.split(",") if b):
-            runners.append((f"dense {backend}", dense_runner(q, k, v, segments, pad, backend)))
-            runners.append((f"dense {backend} kernels", dense_runner(q, k, v, segments, pad, backend, True)))
+            held = -1 if pad is None else pad  # an id no position carries: nothing left out
+            runners.append((f"dense {backend}", dense_runner(q, k, v, segments, held, backend)))
+            runners.append((f"dense {backend} kernels", dense_runner(q, k, v, segments, held, backend, True)))
         if name == "images":  # serving's forward: segments of one length gathered into dense SDPA, no gradients
             runners.append(("gathered (serving, forward)", gathered_runner(q, k, v, segments_t, segments)))
-        real = torch.from_numpy(segments != pad).cuda()[:, :, None, None]  # padding's outputs are not compared
+        real = torch.from_numpy(segments != (-1 if pad is None else pad)).cuda()[
+            :, :, None, None
+        ]  # padding's: not compared
         reference = None
         for label, (run, forward) in runners:
             try:

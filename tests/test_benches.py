@@ -169,8 +169,10 @@ def test_attention_bench_layouts_and_flops() -> None:
     padding = counts[-1]
     assert counts[:-1].tolist() == [257, 61] * 12  # three image-caption pairs a row
     assert padding == 4 * (1024 - 3 * (257 + 61))
-    by_hand = sum(3.5 * 4 * n * n * 64 * 8 for n in counts.tolist())
-    assert bench.useful_flops(pairs, 8, 64) == by_hand
+    assert bench.padding_id("pairs", 4, 1024) == 24 and bench.padding_id("text", 4, 1024) is None
+    by_hand = 4 * 3 * 3.5 * 4 * (257 * 257 + 61 * 61) * 64 * 8  # 4 rows of 3 pairs; the padding does nothing useful
+    assert bench.useful_flops(pairs, 8, 64, 24) == by_hand
+    assert bench.useful_flops(text, 8, 64, None) == 16 * 3.5 * 4 * 256 * 256 * 64 * 8
 
 
 def test_attention_bench_dense_buckets_equal_the_document_mask() -> None:
