@@ -197,6 +197,21 @@ def test_a_leased_batch_keeps_its_bits_until_released_and_a_stop_ends_the_wait_f
         assert not waiting.is_alive() and seen[1] is None
         messages.close()
         model._stage.release_leases()
+        # In parts (an input area of 2,000 bytes), a part's end opens the next, whose first batch waits for an area
+        # still held: a stop ends that wait too.
+        model._stage.serve_host.input_bytes = 2000
+        stop = threading.Event()
+        messages = model._stage.batches(job, model._setting(), stop)
+        kept: list[Any] = []
+        waiting = threading.Thread(target=lambda: kept.extend(messages))  # every batch held, none released
+        waiting.start()
+        waiting.join(1.0)
+        assert waiting.is_alive() and 0 < sum(kind == "batch" for kind, _ in kept) <= SLOTS
+        stop.set()
+        waiting.join(30)
+        assert not waiting.is_alive()
+        model._stage.release_leases()
+        model._stage.serve_host.input_bytes = 1 << 30
         got, valid = model.encode(modalities[:12], contents[:12], errors="mask")
         want, ok = served["here"].encode(modalities[:12], contents[:12], errors="mask")
         assert torch.equal(valid, ok) and torch.equal(got[valid], want[ok])

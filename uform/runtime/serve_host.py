@@ -76,10 +76,6 @@ __all__ = ["SLOTS", "Lease", "ServeHost", "ServeHostError"]
 SLOTS = 4
 """Batches in flight between the process and the serving model (the in-process path's hand-off depth)."""
 
-LEASE_SECONDS = 120.0
-"""How long the next request into an area waits for the owner to release the batch there (`Lease`) before it fails
-the call instead of hanging: a batch is released once launched, a few batches' device time after it came."""
-
 _STOP_POLL_SECONDS = 0.05
 """How often a call waiting for its areas' leases looks whether it was stopped (the owner dropped its batches)."""
 
@@ -92,6 +88,10 @@ at a multiple of `uform.runtime.slab.SLAB_ALIGN`."""
 
 class ServeHostError(RuntimeError):
     """The serving host process died (killed, out of memory) during a call; the call was not answered."""
+
+
+class _Stopped(Exception):
+    """The call was stopped while it waited for an area's lease (`_Process.next`): `ServeHost.batches` returns."""
 
 
 Waiter = Callable[[], None]
@@ -173,7 +173,7 @@ class ServeHost:
         processes = self._started(count)
         shares = [(n * k // count, n * (k + 1) // count) for k in range(count)]
         streams = [
-            _Stream(self, process, shape, items, _parts(items.contents, a, b, self.input_bytes))
+            _Stream(self, process, shape, items, _parts(items.contents, a, b, self.input_bytes), stop)
             for process, (a, b) in zip(processes, shares, strict=True)
         ]
         try:
@@ -214,6 +214,8 @@ class ServeHost:
                 if error is not None:
                     raise error
                 live = [s for s in streams if s.in_flight or s.leased]
+        except _Stopped:  # stopped while an area waited for its lease
+            return
         finally:
             for stream in streams:
                 stream.end()
@@ -259,19 +261,20 @@ class _Process:
         self.ready = False
         self.leases: dict[int, Lease] = {}
 
-    def next(self, slot: int) -> concurrent.futures.Future:
+    def next(self, slot: int, stop: threading.Event) -> concurrent.futures.Future:
         """Asks for the next message into area `slot`, once the owner's lease on it (if any) is released and its
-        waiter has returned."""
+        waiter has returned: as long as the owner's forward takes, which no timeout bounds. Raises `_Stopped`
+        where the call is stopped meanwhile (the lease stays, for the calls' end to release)."""
         lease = self.leases.pop(slot, None)
         if lease is not None:
-            try:
-                waiter = lease.released.result(LEASE_SECONDS)
-            except concurrent.futures.TimeoutError:
-                self.leases[slot] = lease
-                raise ServeHostError(
-                    f"uform: a batch of the serving host process (pid {self.helper.pid}) was not released within "
-                    f"{LEASE_SECONDS:.0f} s of being asked for again; this is a bug"
-                ) from None
+            while True:
+                try:
+                    waiter = lease.released.result(_STOP_POLL_SECONDS)
+                    break
+                except concurrent.futures.TimeoutError:
+                    if stop.is_set():
+                        self.leases[slot] = lease
+                        raise _Stopped from None
             if waiter is not None:
                 waiter()
         return self.ask(("next", slot))
@@ -321,8 +324,10 @@ class _Process:
 class _Stream:
     """One process's share of a call: its parts, opened one after another, `SLOTS` requests in flight."""
 
-    def __init__(self, host: ServeHost, process: _Process, shape: Packing, items: CallItems, parts: list) -> None:
-        self.host, self.process, self.shape, self.items = host, process, shape, items
+    def __init__(
+        self, host: ServeHost, process: _Process, shape: Packing, items: CallItems, parts: list, stop: threading.Event
+    ) -> None:
+        self.host, self.process, self.shape, self.items, self.stop = host, process, shape, items, stop
         self.parts = collections.deque(parts)
         self.in_flight: collections.deque[tuple[int, concurrent.futures.Future]] = collections.deque()
         self.first = 0  # the open part's first item
@@ -351,7 +356,7 @@ class _Stream:
             self.first, self.opened = first, True
             _answer(self.process.open(self.shape, part, self.host.input_bytes), first)
             self.leased.clear()  # each area waits for its lease below
-            self.in_flight.extend((slot, self.process.next(slot)) for slot in range(SLOTS))
+            self.in_flight.extend((slot, self.process.next(slot, self.stop)) for slot in range(SLOTS))
 
     def take(self) -> tuple[str, Any] | None:
         """The answer at the head (done: None); once the part is done, the next part is opened."""
@@ -385,7 +390,7 @@ class _Stream:
         while self.leased and self.leased[0][1].released.done():
             slot, _ = self.leased.popleft()
             if self.opened:
-                self.in_flight.append((slot, self.process.next(slot)))
+                self.in_flight.append((slot, self.process.next(slot, self.stop)))
 
     def end(self) -> None:
         """Closes the open part: answered after every request before it, so no area is being written after.
