@@ -24,8 +24,9 @@ part-filled batch is packed with the next window. Each batch goes through the tr
 nothing is corrupted, and one bag so the packer's first fit is the one planned here and drops nothing), then
 one forward. A host thread prepares the next batches while the device runs this one; on CUDA, by default, a
 call with media items is decoded, sorted and packed in host processes of its own (`load(host_processes=...)`,
-`uform.runtime.serve_host`: each takes a contiguous share of the call, and the host thread copies each batch
-they pack into page-locked memory), so this process's interpreter lock is left to the device's launches.
+`uform.runtime.serve_host`: each takes a contiguous share of the call, and each batch they pack crosses to the
+GPU from their output area, page-locked in place, `page_locks`), so this process's interpreter lock is left to
+the device's launches.
 Answers land in the caller's order; an item's answer never depends on its neighbours (attention never crosses a segment and
 positions restart in every segment), so a call of many batches answers what each item alone would.
 
