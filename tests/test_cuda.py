@@ -391,14 +391,17 @@ def image_checkpoint(path, objective, seed: int):
     return path
 
 
-def test_cuda_serving_gathers_images_of_one_size(tmp_path) -> None:
+def test_cuda_serving_gathers_images_of_one_size(tmp_path, monkeypatch) -> None:
     """Images of one size (192² at patch 16: 145 positions, which straddle FlexAttention's tiles) are served through
     the gathered dense attention (`model.attention`, kind "gathered") and answer what the CPU's f32 answers within
     bf16's tolerance (cosine >= 0.999, every value within 2e-2); a host process and this process answer every bit
-    alike; a call mixing in texts keeps FlexAttention."""
+    alike, and so does a host process whose areas the driver refuses to page-lock (each batch copied out instead);
+    a call mixing in texts keeps FlexAttention."""
     import io
 
     from PIL import Image
+
+    from uform.page_locks import PageLocks
 
     path = image_checkpoint(tmp_path / "serve.safetensors", u.Objective.Joint, seed=5)
     rng = np.random.default_rng(1)
@@ -418,6 +421,12 @@ def test_cuda_serving_gathers_images_of_one_size(tmp_path) -> None:
     torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
     here = u.load(path, u.Executor.for_vram([0]), host_processes=0)
     assert torch.equal(here.encode(modalities, images), got)
+    with monkeypatch.context() as patched:
+        patched.setattr(PageLocks, "lock", lambda self, *args: False)  # the driver refuses every area
+        refused = u.load(path, u.Executor.for_vram([0]))
+        assert torch.equal(refused.encode(modalities, images), got)
+        assert refused._stage.locks is not None and not refused._stage.locks._extents
+        refused.close()
     kinds.clear()
     mixed = cuda.encode(["text", *modalities[:5]], [b"a caption of some length", *images[:5]])
     assert set(kinds) == {"flex +tables"}, kinds
