@@ -15,13 +15,14 @@ backed. `unlock` undoes a slab's registrations before that slab is unmapped (`Se
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import threading
 from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
+
+from .runtime.slab import buffer_address
 
 __all__ = ["PageLocks", "copies_done"]
 
@@ -42,9 +43,9 @@ class PageLocks:
         with self._lock:
             base = self._bases.get(id(slab))
             if base is None:
-                holder = ctypes.c_char.from_buffer(slab)  # an export of the mapping: dropped at once below
-                base = self._bases[id(slab)] = ctypes.addressof(holder)
-                del holder
+                base = buffer_address(slab)
+                assert base is not None  # a slab is a writable mapping
+                self._bases[id(slab)] = base
             low, high = base + start, base + end
             reach = low
             for array in arrays:

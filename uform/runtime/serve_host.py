@@ -355,7 +355,6 @@ class _Stream:
             )
             self.first, self.opened = first, True
             _answer(self.process.open(self.shape, part, self.host.input_bytes), first)
-            self.leased.clear()  # each area waits for its lease below
             self.in_flight.extend((slot, self.process.next(slot, self.stop)) for slot in range(SLOTS))
 
     def take(self) -> tuple[str, Any] | None:
@@ -378,9 +377,8 @@ class _Stream:
 
     def lease(self) -> Lease:
         """The batch just taken's area, held until the owner releases it (`reclaim` then asks for its next)."""
-        host, slot = self.host, self.slot
-        start = host.input_bytes + slot * host.slot_bytes
-        lease = Lease(self.process.helper.slab, start, start + host.slot_bytes)
+        slot = self.slot
+        lease = Lease(self.process.helper.slab, *_area(self.host.input_bytes, self.host.slot_bytes, slot))
         self.process.leases[slot] = lease
         self.leased.append((slot, lease))
         return lease
@@ -401,6 +399,12 @@ class _Stream:
             self.in_flight.clear()
             with contextlib.suppress(Exception):
                 self.process.ask(("close",)).result()
+
+
+def _area(input_bytes: int, slot_bytes: int, slot: int) -> tuple[int, int]:
+    """Output area `slot`'s bytes [start, end) of a slab: after the input area, `slot_bytes` each (both sides)."""
+    start = input_bytes + slot * slot_bytes
+    return start, start + slot_bytes
 
 
 def _in_order(streams: list[_Stream]) -> tuple[list[tuple[str, Any]], MediaError | None]:
@@ -553,8 +557,7 @@ class _Host:
 
     def _next(self, ident: int, slot: int) -> None:
         """The open call's next message, a batch's arrays built in output area `slot`."""
-        start = self.input_bytes + slot * self.slot_bytes
-        end = start + self.slot_bytes
+        start, end = _area(self.input_bytes, self.slot_bytes, slot)
         endpoint = self.endpoint
         built = self.alloc = Built(endpoint.slab, endpoint.slab_fd, self.reserved, slot, start, end)
         try:

@@ -39,6 +39,7 @@ __all__ = [
     "SLAB_ALIGN",
     "Areas",
     "SlabFile",
+    "buffer_address",
     "create_slab",
     "message_area",
     "read_out_of_band",
@@ -160,7 +161,7 @@ def write_out_of_band(
         return None
     end = len(slab) if end is None else end
     views = [b.raw() for b in buffers]
-    base = _address(slab) if placed is not None else None
+    base = buffer_address(slab) if placed is not None else None
     spans, copies, at = [], [], start
     for view in views:
         where = None if base is None or placed is None else _offset_in(view, base, placed)
@@ -179,7 +180,7 @@ def write_out_of_band(
     return header, spans
 
 
-def _address(buffer: Any) -> int | None:
+def buffer_address(buffer: Any) -> int | None:
     """The address of a writable buffer's first byte (None for a read-only one, which cannot lie in a slab that
     its writer built in place)."""
     try:
@@ -193,7 +194,7 @@ def _address(buffer: Any) -> int | None:
 
 def _offset_in(view: memoryview, base: int, placed: tuple[int, int]) -> int | None:
     """Where `view` lies in the slab mapped at `base`, if wholly within `placed`; else None."""
-    address = _address(view) if view.nbytes else None
+    address = buffer_address(view) if view.nbytes else None
     if address is None:
         return None
     offset = address - base
