@@ -480,15 +480,13 @@ def main() -> dict[str, Any]:
                 runners.append(("varlen (cuDNN)", varlen_runner(q, k, v, segments, cudnn=True)))
             except (ImportError, RuntimeError) as error:
                 print(f"cudnn: not available here ({error})")
+        held = -1 if pad is None else pad  # the padding's id, or one no position carries: nothing left out
         for backend in (b for b in args.dense.split(",") if b):
-            held = -1 if pad is None else pad  # an id no position carries: nothing left out
             runners.append((f"dense {backend}", dense_runner(q, k, v, segments, held, backend)))
             runners.append((f"dense {backend} kernels", dense_runner(q, k, v, segments, held, backend, True)))
         if name == "images":  # serving's forward: segments of one length gathered into dense SDPA, no gradients
             runners.append(("gathered (serving, forward)", gathered_runner(q, k, v, segments_t, segments)))
-        real = torch.from_numpy(segments != (-1 if pad is None else pad)).cuda()[
-            :, :, None, None
-        ]  # padding's: not compared
+        real = torch.from_numpy(segments != held).cuda()[:, :, None, None]  # padding's outputs are not compared
         reference = None
         for label, (run, forward) in runners:
             try:

@@ -15,6 +15,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -205,7 +206,9 @@ def test_a_leased_batch_keeps_its_bits_until_released_and_a_stop_ends_the_wait_f
         kept: list[Any] = []
         waiting = threading.Thread(target=lambda: kept.extend(messages))  # every batch held, none released
         waiting.start()
-        waiting.join(1.0)
+        deadline = time.monotonic() + 30
+        while not any(kind == "batch" for kind, _ in kept) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the first batch, however slow the machine
         assert waiting.is_alive() and 0 < sum(kind == "batch" for kind, _ in kept) <= SLOTS
         stop.set()
         waiting.join(30)
