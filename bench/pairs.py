@@ -35,6 +35,7 @@ pairs/s(1)): the image-text step at 8 GPUs, whose decoding shares one host's cor
 
   python bench/pairs.py                      # the GPU, both sides
   python bench/pairs.py --skip-open-clip --fed   # uform's data wait on the image-text step
+  python bench/pairs.py --skip-open-clip --in-flight 4  # a step more in flight than fit keeps
   python bench/pairs.py --prepare-only --steps 12  # its prepare stage alone, no steps (no compile)
   python bench/pairs.py --skip-open-clip --steps 400 --spy 8  # then its threads under py-spy (bench/spy.py)
   python bench/pairs.py --devices 8 --steps 20 --warmup 8  # uform on 1 and on 8 GPUs, --pairs each (issue 16)
@@ -103,7 +104,7 @@ def uform_rates(args: argparse.Namespace, devices: int = 1) -> dict[str, Any]:
     answer: dict[str, Any] = {}
     try:
         deferred = trainer.deferred(executor)
-        depth = steps_in_flight(trainer)
+        depth = args.in_flight or steps_in_flight(trainer)
 
         def drive(counted: Any) -> list[float]:
             """pairs/s of each of `--warmup` + `--steps` steps, `depth` in flight; the stats of the last warm-up
@@ -294,6 +295,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--cpu", action="store_true", help="uform on the CPU (a smoke run; open_clip needs CUDA)")
     parser.add_argument("--skip-open-clip", action="store_true")
+    parser.add_argument(
+        "--in-flight", type=int, default=0, help="uform steps submitted and unfinished at once (0: as uform.fit keeps)"
+    )
     parser.add_argument("--profile", type=int, default=0, help="then profile this many more uform steps")
     parser.add_argument(
         "--spy", type=float, default=0, help="then run the steps again under py-spy for this many seconds"

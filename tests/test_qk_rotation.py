@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from uform.model.embed import AxialRotary
-from uform.model.qk_rotation import rotary_qkv_backward, rotate_qkv, unrotate_reference
+from uform.model.qk_rotation import _launch, rotary_qkv_backward, rotate_qkv, unrotate_reference
 
 R, C, H, K = 3, 40, 4, 16
 
@@ -98,3 +98,5 @@ def test_cuda_kernel_matches_the_reference(dtype: torch.dtype, rows: int, column
     assert got.shape == (rows, columns, 3, heads, width) and got.is_contiguous()
     torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 2**-7, atol=1e-5)
     assert torch.equal(got[:, :, 2], dv)
+    for tokens, heads_each in ((32, 1), (64, 4), (128, 8)):  # other program shapes (bench/qk_rotation.py): same bits
+        assert torch.equal(_launch(dq, dk, dv, cos, sin, tokens, heads_each), got)
