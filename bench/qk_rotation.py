@@ -8,8 +8,8 @@ step geometries (the image-text step's 30 x 2048 rows at hidden 512, the referen
 the 24 x 1024 step's 32 x 1024 at 1024), each program shape of `--tokens` x `--heads-each` (tokens x heads a
 program handles; the rotary code read once for its heads) timed by CUDA events around `--repeats` calls back to
 back (the median of seven rounds), with the bytes moved per second (reads of dq, dk, dv and the rotary code once,
-writes of the gradient) and whether it answered every bit as the first shape did. Writes bench-qk-rotation.json under $OUT (or the current
-folder). CUDA only. Usage:
+writes of the gradient) and whether it answered every bit as the first shape did. Writes bench-qk-rotation.json
+under $OUT (or the current folder). CUDA only. Usage:
   python bench/qk_rotation.py [--tokens 32,64,128 --heads-each 1,2,4,8 --repeats 20]
 """
 
