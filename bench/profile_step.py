@@ -102,7 +102,9 @@ def main() -> None:
             f.result()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
-    trace = os.path.join(os.environ.get("OUT", "."), "step-trace.json")
+    folder = os.environ.get("OUT", ".")
+    os.makedirs(folder, exist_ok=True)  # the profiler does not make it, and would lose the steps' summary
+    trace = os.path.join(folder, "step-trace.json")
     prof.export_chrome_trace(trace)
     print(report(summarize(load_events(trace), args.steps), "fed steps" if args.fed else "steps"))
 
