@@ -366,9 +366,18 @@ def test_a_signal_saves_at_the_step_boundary_and_the_resume_is_bitwise(tmp_path:
 
 def test_a_second_signal_stops_at_once_leaving_the_last_whole_checkpoint(tmp_path: Path) -> None:
     overrides = [*TINY, "trainer.schedule.steps=6", "checkpoint.every=1"]
-    with pytest.raises(KeyboardInterrupt):
-        uform.fit(PAIRS, tmp_path / "run", overrides=overrides, progress=raise_at(3, *[signal.SIGINT] * 2), log=None)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # The second signal puts back the handler from before the run and raises again. Python's own (a
+    # KeyboardInterrupt) is what a process started from a terminal has; one started as a shell's background job
+    # inherits SIGINT ignored, which Python keeps, and there the second signal would rightly do nothing.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            uform.fit(
+                PAIRS, tmp_path / "run", overrides=overrides, progress=raise_at(3, *[signal.SIGINT] * 2), log=None
+            )
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert names(tmp_path / "run") == ["step-00000001.safetensors", "step-00000002.safetensors"]
     assert latest(tmp_path / "run") == str(tmp_path / "run" / "checkpoints" / "step-00000002.safetensors")
 
