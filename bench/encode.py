@@ -275,8 +275,8 @@ def timeline(model: Any, modalities: list[str], contents: list[bytes], label: st
 
 def phases(model: Any, modalities: list[str], contents: list[bytes], label: str, folder: str) -> dict[str, Any]:
     """One more (warm) call with serving's stages timed on the threads that run them (`HostStage.decode` on the
-    decoding thread, `HostStage.prepare` and its parts on the host thread, `Model._device` and the waits on the
-    caller's): where a call's wall time goes, printed as a table and answered as {thread: {stage: [seconds,
+    decoding thread, `HostStage.prepare` and its parts on the host thread, `Pipeline._device` and the waits on
+    the caller's): where a call's wall time goes, printed as a table and answered as {thread: {stage: [seconds,
     calls]}}."""
     import collections
     import functools
@@ -285,7 +285,7 @@ def phases(model: Any, modalities: list[str], contents: list[bytes], label: str,
 
     import uform.data.windows as windows
     import uform.device_pictures as pictures
-    import uform.serve as serve
+    import uform.serve_pipeline as serve_pipeline
     import uform.serve_stage as serve_stage
 
     spent: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
@@ -311,8 +311,8 @@ def phases(model: Any, modalities: list[str], contents: list[bytes], label: str,
     wrap(serve_stage.HostStage, "prepare", "stage.prepare")
     wrap(serve_stage, "planned_on_device")
     for name in ("_device", "_inputs"):
-        wrap(serve.Model, name)
-    wrap(serve, "landed")
+        wrap(serve_pipeline.Pipeline, name)
+    wrap(serve_pipeline, "landed")
     wrap(windows, "prepare", "data.batch.prepare")
     wrap(serve_stage, "decode_items")
     wrap(pictures, "decode_all")

@@ -324,9 +324,10 @@ def wait_gone(pids: set[int], seconds: float = 10.0) -> set[int]:
 def record_mask_kinds(model: Any) -> list[str]:
     """The attention kind (`model.attention.DocumentMask.kind`) of every batch a served `model` launches from now on,
     appended to the list answered, with " +tables" after it where the batch came with FlexAttention's block tables
-    from the host stage: its `_inputs` wrapped on this instance."""
+    from the host stage: its pipeline's `_inputs` wrapped on this instance (`serve_pipeline.Pipeline`)."""
     kinds: list[str] = []
-    inputs = model._inputs
+    pipeline = model._pipeline
+    inputs = pipeline._inputs
 
     def recorded(prepared: Any) -> Any:
         batch = inputs(prepared)
@@ -334,7 +335,7 @@ def record_mask_kinds(model: Any) -> list[str]:
         kinds.append(batch.mask.kind + (" +tables" if tables else ""))
         return batch
 
-    model._inputs = recorded
+    pipeline._inputs = recorded
     return kinds
 
 

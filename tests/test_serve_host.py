@@ -172,7 +172,7 @@ def test_a_leased_batch_keeps_its_bits_until_released_and_a_stop_ends_the_wait_f
         model.window = 5
         job = model._encode_job(modalities, contents, None, (), "mask")
         stop = threading.Event()
-        messages = model._stage.batches(job, model._setting(), stop)
+        messages = model._stage.batches(job, model._pipeline.setting(), stop)
         held: list[tuple[Any, dict[str, torch.Tensor]]] = []
         while len(held) < SLOTS:  # every area holds a batch, none released
             kind, value = next(messages)
@@ -202,7 +202,7 @@ def test_a_leased_batch_keeps_its_bits_until_released_and_a_stop_ends_the_wait_f
         # still held: a stop ends that wait too.
         model._stage.serve_host.input_bytes = 2000
         stop = threading.Event()
-        messages = model._stage.batches(job, model._setting(), stop)
+        messages = model._stage.batches(job, model._pipeline.setting(), stop)
         kept: list[Any] = []
         waiting = threading.Thread(target=lambda: kept.extend(messages))  # every batch held, none released
         waiting.start()

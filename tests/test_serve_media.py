@@ -335,7 +335,7 @@ def test_a_stream_prepares_the_next_calls_while_its_caller_holds_an_answer(serve
     # The caller holds the first answer; the preparing thread went on through the second call, without it.
     assert asked.wait(60)
     rest = list(stream)
-    assert len(rest) == 2 and not model._lock.locked()
+    assert len(rest) == 2 and not model._pipeline.lock.locked()
     assert torch.equal(first, model.encode(["text"], [b"the first"]))
     assert torch.equal(rest[0], model.encode(["image"], [served["contents"][0]]))
 
@@ -356,11 +356,11 @@ def test_a_refused_or_broken_call_raises_after_the_calls_before_it(served: dict[
     assert next(stream).shape == (1, 128)
     with pytest.raises(MediaError, match=r"^contents\[1\]: ") as caught:
         next(stream)
-    assert caught.value.item == 1 and not model._lock.locked()
+    assert caught.value.item == 1 and not model._pipeline.lock.locked()
     stream = model.encode_stream(iter([(["text"], [b"a"])] * 5))
     next(stream)
     stream.close()  # a stream closed early gives the model back
-    assert not model._lock.locked() and model.encode(["text"], [b"a"]).shape == (1, 128)
+    assert not model._pipeline.lock.locked() and model.encode(["text"], [b"a"]).shape == (1, 128)
 
 
 def test_a_streams_arguments_are_checked_before_anything_runs(served: dict[str, Any]) -> None:
@@ -376,7 +376,7 @@ def test_a_streams_arguments_are_checked_before_anything_runs(served: dict[str, 
             model.encode_stream(calls)
     with pytest.raises(TypeError, match=r"^calls\[0\]: expected a \(modalities, contents\) pair, got str"):
         next(model.encode_stream(["text"]))
-    assert list(model.encode_stream([])) == [] and not model._lock.locked()
+    assert list(model.encode_stream([])) == [] and not model._pipeline.lock.locked()
 
 
 def test_a_call_from_inside_a_stream_is_refused_not_a_hang(served: dict[str, Any]) -> None:
@@ -387,7 +387,7 @@ def test_a_call_from_inside_a_stream_is_refused_not_a_hang(served: dict[str, Any
         model.encode(["text"], [b"c"])
     with pytest.raises(RuntimeError, match=r"^Model: close while"):
         model.close()
-    assert len(list(stream)) == 1 and not model._lock.locked()
+    assert len(list(stream)) == 1 and not model._pipeline.lock.locked()
     seen = []
 
     def progress(done: int, total: int) -> bool:

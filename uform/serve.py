@@ -49,23 +49,19 @@ Items longer than a row are cut, as in training, at the run's `batch.max_columns
 `Model.notices` counts them (kind "capacity.truncated").
 
 Beside this file: the verbs' argument checks (`serve_args`), a call's job, batches and answer (`serve_call`), the
-host stage of its calls (`serve_stage`) and MaxSim's scores (`maxsim`).
+pipeline its calls run through, host thread to device to answers (`serve_pipeline`), the host stage of its calls
+(`serve_stage`) and MaxSim's scores (`maxsim`).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import dataclasses
 import os
-import queue
-import threading
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import device_pictures, vocab
@@ -73,18 +69,13 @@ from .arena import Arena
 from .config import TrainerInitVramConfig
 from .data.batch import MEDIA_KINDS, media_features
 from .data.items import parse_contents, parse_modalities, parse_sides
-from .data.windows import Packing, packing_rows
+from .data.windows import packing_rows
 from .enums import LateInteractionSide, Modality, Objective, Scalar
 from .maxsim import maxsim_scores
-from .media.decode import MediaPolicy, warn_skipped
-from .media.limits import MediaError
+from .media.decode import MediaPolicy
 from .model.attention import compiled_flex_available
-from .model.inputs import DeviceBatch, to_device, to_host
 from .model.network import Network
 from .notices import Notices
-from .page_locks import copies_done
-from .replica.capacity import warn_truncated
-from .replica.checkpoint import Stopped, report_points
 from .replica.stored_model import read_served
 from .runtime.executor import Executor
 from .serve_args import (
@@ -99,13 +90,11 @@ from .serve_args import (
     precision_bf16,
     vectors_tape,
 )
-from .serve_call import VERB_NAMES, Job, Prepared, Run, embeddings, landed
-from .serve_stage import HostStage, StageSetting
+from .serve_call import Job, embeddings
+from .serve_pipeline import Pipeline
+from .serve_stage import HostStage
 
 __all__ = ["Model", "load"]
-
-_QUEUE_DEPTH = 4
-"""Prepared batches the host thread may hold ahead of the device."""
 
 DEFAULT_HOST_PROCESSES = 2
 """Host processes of a model on CUDA that does not say (`load(host_processes=None)`); measured in BENCHMARKS.md,
@@ -271,25 +260,12 @@ class Model:
         self._late = config.late_interaction.weight > 0
         self._prefix = len(vocab.prefix(Modality.Text, LateInteractionSide.None_ if self._late else None))
         self._live = media_features(config)
-        # The run's config as packing sees it at serving: nothing corrupted, one bag per batch.
-        self._serving = dataclasses.replace(
-            config,
-            objective=Objective.Contrastive,
-            batch=dataclasses.replace(b, max_bags_per_device=0),
-        )
         self.attention = "flex" if compiled and compiled_flex_available(device) else "dense"
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # batches cross on it
         self.packing = packing_rows(self.rows, self.columns) if self.attention == "flex" else (self.rows, self.columns)
         """(rows, columns) a batch packs into: `rows` x `columns` positions, in wider rows where the forward's
         attention is FlexAttention's (`packing_rows`); the dense path's mask grows as a row's width squared."""
-        self._pooled_fn: Callable[..., Tensor] = self._pooled_forward
-        self._states_fn: Callable[..., Tensor] = self._states_forward
-        if compiled:
-            self._pooled_fn = torch.compile(self._pooled_forward, dynamic=False)
-            self._states_fn = torch.compile(self._states_forward, dynamic=False)
-        self._lock = threading.Lock()
-        self._holder: int | None = None  # the thread whose call (or stream) holds the lock
         self._stage = HostStage()  # its decoders, host processes and kept units
+        self._pipeline = Pipeline(self, self._stage, prefix=self._prefix, compiled=compiled)  # how its calls run
         self.host_processes = host_processes
         """Processes a call's host stage runs in where it has media items (`load(host_processes=...)`; 0: this
         process); a model that keeps decoded units (`keep_decoded`) decodes here, in the process that keeps them."""
@@ -383,8 +359,8 @@ class Model:
     def close(self) -> None:
         """Stops the media decoders (started on the first media item) and the host processes (started by the first
         call that uses them); the model stays usable."""
-        self._refuse_reentry("close")
-        with self._lock:
+        self._pipeline.refuse_reentry("close")
+        with self._pipeline.lock:
             self._stage.close()
 
     def __enter__(self) -> Model:
@@ -431,7 +407,7 @@ class Model:
         scalar = Scalar.parse(outputs_scalar, "outputs_scalar")
         job.errors = check_errors(errors)
         steps = check_progress(progress, progress_steps)
-        return embeddings(job, self._run(job, progress, steps), scalar, arena)
+        return embeddings(job, self._pipeline.run(job, progress, steps), scalar, arena)
 
     def encode_stream(
         self,
@@ -469,9 +445,9 @@ class Model:
                     raise kind(f"calls[{k}]: {error}") from error
 
         def answers() -> Generator[Any, None, None]:
-            with contextlib.closing(self._runs(jobs(), None, 0)) as runs:
+            with contextlib.closing(self._pipeline.runs(jobs(), None, 0)) as runs:
                 for done in runs:
-                    self._warn_run(done, 2)
+                    self._pipeline.warn(done, 2)
                     yield embeddings(done.job, done.answers, scalar, None)
 
         return answers()
@@ -522,7 +498,7 @@ class Model:
         width = self.config.late_interaction.width
         per_item: list[Tensor] = [torch.zeros(0, width)] * n
         valid = np.zeros(n, dtype=bool)
-        for prepared, answer in self._run(job, progress, steps):
+        for prepared, answer in self._pipeline.run(job, progress, steps):
             for item, vectors in zip(prepared.members.tolist(), answer.split(prepared.counts.tolist()), strict=True):
                 per_item[item] = vectors
             valid[prepared.members] = True
@@ -574,7 +550,7 @@ class Model:
         cut = [bytes(t[len(t) - room :]) if len(t) > room else bytes(t) for t in items]
         job = Job("choose", [Modality.Text] * n, [t + b"\0" for t in cut], None, cut=sum(len(t) > room for t in items))
         data = np.zeros(int(offsets[-1]), dtype=np.float32)
-        for prepared, logits in self._run(job, progress, steps):
+        for prepared, logits in self._pipeline.run(job, progress, steps):
             for item, row in zip(prepared.members.tolist(), logits, strict=True):
                 a, b = int(offsets[item]), int(offsets[item + 1])
                 chosen = row[torch.from_numpy(legal[a:b].astype(np.int64))]
@@ -593,245 +569,6 @@ class Model:
                     f"modalities[{i}]: {m} items are out of this run (its batch.{m}.{slice_field} is zero)"
                 )
         return mods, items
-
-    # ---- the work ------------------------------------------------------------------------------------
-
-    def _run(self, job: Job, progress: ProgressCallback | None, steps: int) -> list[tuple[Prepared, Any]]:
-        """Every batch of the call through the device: answers (batch, readout) pairs once all are done."""
-        with contextlib.closing(self._runs(iter([job]), progress, steps)) as runs:
-            done = next(runs)
-        self._warn_run(done, 3)
-        return done.answers
-
-    def _refuse_reentry(self, what: str) -> None:
-        """A clear error, not a hang, for a call made while this thread's own call holds the model: from inside
-        the loop over an `encode_stream`, or from a `progress` callback."""
-        if self._holder == threading.get_ident():
-            raise RuntimeError(
-                f"Model: {what} while this thread's own call or encode_stream is still running on the model (a "
-                "model serves one call at a time); finish or close the stream first, or use a second model"
-            )
-
-    def _warn_run(self, done: Run, stacklevel: int) -> None:
-        """The warnings of a finished call: its media that could not be decoded, its items cut to fit a row."""
-        verb = VERB_NAMES[done.job.verb]
-        counted = f"the valid mask {verb} answers and Model.notices"
-        warn_skipped(self.notices, done.skipped, done.job.modalities, counted, None, stacklevel + 1)
-        advice = (
-            f"a model serves at its run's batch.max_columns_per_row ({self.columns} positions a row, its prefix "
-            f"included); train with a larger batch.max_columns_per_row to {verb} longer items whole. Counted in "
-            "Model.notices"
-        )
-        warn_truncated(self.notices, done.truncated, len(done.job.modalities), verb, advice, stacklevel + 1)
-
-    def _runs(self, jobs: Iterator[Job], progress: ProgressCallback | None, steps: int) -> Generator[Run, None, None]:
-        """Every batch of every call of `jobs` through the device, one pipeline for them all: each call's
-        `Run` is answered once its last batch has landed, while the next call's first batches are prepared
-        (and launched) behind it, so the device does not wait for a call's start between two calls. `jobs` is
-        pulled on the preparing thread; what it raises comes after the calls before it. Holds the model's
-        lock until closed."""
-        self._refuse_reentry("a call")
-        with self._lock:
-            self._holder = threading.get_ident()
-            handoff: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
-            stop = threading.Event()
-            host = threading.Thread(
-                target=self._preparer_main, args=(jobs, handoff, stop), name="uform-serve-host", daemon=True
-            )
-            was_training = self.network.training
-            self.network.eval()
-            host.start()
-            try:
-                pending: collections.deque[Run] = collections.deque()  # calls not yet answered, oldest first
-                # One batch's readout stays in flight while the next batch is launched, so the device never
-                # idles through a readback and the next launch (the trainer's deferred steps, for serving).
-                landing: tuple[Run, tuple[Prepared, Tensor, Any]] | None = None
-                run: Run | None = None
-                failure: BaseException | None = None
-                while True:
-                    message = handoff.get()
-                    kind = message[0]
-                    if kind == "end":
-                        break
-                    if kind == "error":
-                        failure = message[1]  # raised once the calls finished before it are answered
-                        break
-                    if kind == "job":
-                        job = message[1]
-                        run = Run(job, sorted(report_points(len(job.modalities), steps)), truncated=job.cut)
-                        pending.append(run)
-                        continue
-                    assert run is not None  # every other message follows its call's "job"
-                    if kind == "done":
-                        run.complete = True
-                        if landing is not None and handoff.empty():  # nothing to launch behind it: land it now
-                            landing[0].answers.append(landed(landing[1]))
-                            landing = None
-                    elif kind == "skipped":
-                        if run.job.errors == "raise":  # the first broken item of the call: its window is the first
-                            item, reason = min(message[1])
-                            failure = MediaError(reason, item=item)
-                            break
-                        run.skipped.extend(message[1])
-                        run.done += len(message[1])
-                    elif kind == "batch":
-                        prepared = message[1]
-                        launched = (prepared, *self._device(run.job, prepared))
-                        if landing is not None:
-                            landing[0].answers.append(landed(landing[1]))
-                        landing = (run, launched)
-                        run.truncated += prepared.truncated
-                        run.skipped.extend(prepared.failed)
-                        run.done += len(prepared.members)
-                    if progress is not None and kind in ("batch", "skipped"):
-                        self._progress(run, progress)
-                    while pending and pending[0].complete and (landing is None or landing[0] is not pending[0]):
-                        yield self._answered(pending.popleft(), progress)
-                if landing is not None:
-                    landing[0].answers.append(landed(landing[1]))
-                while pending and pending[0].complete:
-                    yield self._answered(pending.popleft(), progress)
-                if failure is not None:
-                    raise failure
-            finally:
-                stop.set()
-                while host.is_alive():  # let a host thread blocked on a full hand-off see the stop
-                    with contextlib.suppress(queue.Empty):
-                        handoff.get(timeout=0.05)
-                host.join()
-                self._stage.release_leases()  # the batches of a failed call that were never launched
-                self.network.train(was_training)
-                self._holder = None
-
-    @staticmethod
-    def _progress(run: Run, progress: ProgressCallback) -> None:
-        """Reports `run`'s items done at its next report point(s); False from the callback stops the call."""
-        total = len(run.job.modalities)
-        if run.done < total and run.at < len(run.points) and run.done >= run.points[run.at]:
-            while run.at < len(run.points) and run.points[run.at] <= run.done:
-                run.at += 1
-            if progress(run.done, total) is False:
-                raise Stopped(f"{VERB_NAMES[run.job.verb]} stopped at {run.done} of {total} items")
-
-    @staticmethod
-    def _answered(run: Run, progress: ProgressCallback | None) -> Run:
-        """`run`, its last batch landed: the callback's last report first."""
-        total = len(run.job.modalities)
-        if progress is not None and progress(total, total) is False:
-            raise Stopped(f"{VERB_NAMES[run.job.verb]} stopped at {total} of {total} items")
-        return run
-
-    def _preparer_main(self, jobs: Iterator[Job], handoff: queue.Queue, stop: threading.Event) -> None:
-        """The preparing thread: each call of `jobs` as ("job", job), its batches, ("done",); ("end",) after
-        the last; ("error", error) for what it raised."""
-        try:
-            for job in jobs:
-                handoff.put(("job", job))
-                batches = self._stage.batches(job, self._setting(), stop)
-                with contextlib.closing(batches) as messages:  # closed here: its decoding thread joins
-                    for message in messages:
-                        if stop.is_set():
-                            return
-                        handoff.put(message)
-                handoff.put(("done",))
-                if stop.is_set():
-                    return
-            handoff.put(("end",))
-        except BaseException as error:  # handed to the caller's thread, which raises it
-            handoff.put(("error", error))
-
-    def _setting(self) -> StageSetting:
-        """How the host stage runs a call, as this model's attributes stand now."""
-        shape = Packing(
-            config=self._serving,
-            columns=self.columns,
-            prefix=self._prefix,
-            segments=self.segments,
-            packing=self.packing,
-            fixed=self.compiled,
-            flex=self.attention == "flex",
-            window=self.window,
-        )
-        return StageSetting(
-            shape=shape,
-            batch=self.config.batch,
-            media=self.media,
-            device=self.device,
-            host_processes=self.host_processes,
-            keep_decoded=self.keep_decoded,
-            jpeg_decoder=self.jpeg_decoder,
-        )
-
-    def _device(self, job: Job, prepared: Prepared) -> tuple[Tensor, Any]:
-        """One batch's forward and readout, launched: answers the readout's host tensor and the CUDA event after
-        which it holds the answer (None on the CPU, where it is ready); `landed` waits for it."""
-        device = self.device
-        release = prepared.release  # where its tensors view a host process's area (`serve_stage`)
-        cuda = device.type == "cuda"
-        try:
-            inputs = self._inputs(prepared)
-        finally:
-            if release is not None and cuda:  # the area is free once the copies out of it are done
-                assert self._copy_stream is not None
-                release(copies_done(self._copy_stream))
-        try:
-            return self._launch(job, prepared, inputs)
-        finally:
-            if release is not None and not cuda:  # the forward read the area's views, and is done
-                release(None)
-
-    def _launch(self, job: Job, prepared: Prepared, inputs: DeviceBatch) -> tuple[Tensor, Any]:
-        """`_device`'s forward and readout, launched, on the batch's device inputs."""
-        device = self.device
-        network = self.network
-        # From page-locked memory: a copy from pageable memory would wait for the forward launched before it,
-        # so the host could not prepare the next launch meanwhile (measured: 24 ms a text batch on the H200,
-        # 15 ms of kernels).
-        picks = prepared.picks.to(device, non_blocking=True)
-        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            if job.verb == "encode":
-                pooled = self._pooled_fn(inputs)  # [S, D] f32
-                out = F.normalize(pooled[picks, : job.width].float(), dim=-1)  # [n, width]
-            else:
-                states = self._states_fn(inputs)  # [R, C, D]
-                flat = states.reshape(-1, states.shape[-1])
-                at = flat[picks]
-                if job.verb == "tokens":
-                    assert network.token_head is not None
-                    out = network.token_head(at).float()  # [T, W]
-                else:
-                    out = network.text_head(at).float()  # [n, 256]
-        if device.type != "cuda":
-            return out, None
-        host = to_host(out)
-        event = torch.cuda.Event(blocking=True)  # waited for by sleeping, not by spinning a core
-        event.record(torch.cuda.current_stream(device))
-        return host, event
-
-    def _inputs(self, prepared: Prepared) -> DeviceBatch:
-        """A prepared batch's host tensors on the device (`model.inputs.to_device`, as the trainer's step);
-        the media units' counts dynamic where the forward is compiled; a batch of images of one size gathered into
-        dense attention on the flex path (kind "gathered"). H200, 4,096 256² JPEGs a call (BENCHMARKS.md, "Issue 12,
-        twenty-second day"): faster than FlexAttention in eight same-call pairs of eight, by 1-9%."""
-        dtype = torch.bfloat16 if self.bf16 else torch.float32
-        rotary = self.network.rotary
-        return to_device(
-            prepared.tensors,
-            self.device,
-            rotary,
-            attention=self.attention,
-            dtype=dtype,
-            dynamic=self.compiled,
-            copy_stream=self._copy_stream,
-            gathered=True,
-        )
-
-    def _pooled_forward(self, batch: DeviceBatch) -> Tensor:
-        states = self.network.states(batch)
-        return self.network.pooled(states, batch.segments, batch.counts).float()
-
-    def _states_forward(self, batch: DeviceBatch) -> Tensor:
-        return self.network.states(batch)
 
 
 _PRIVATE = object()

@@ -60,7 +60,7 @@ class Prepared:
 
 @dataclass
 class Run:
-    """One call in a pipeline of calls (`Model._runs`): its batches' readouts as they land."""
+    """One call in a pipeline of calls (`serve_pipeline.Pipeline.runs`): its batches' readouts as they land."""
 
     job: Job
     points: list[int]  # where its progress reports
@@ -73,7 +73,7 @@ class Run:
 
 
 def landed(launched: tuple[Prepared, Tensor, Any]) -> tuple[Prepared, Tensor]:
-    """A launched batch's (prepared, readout) once its device work is done (`Model._device`: the readout's host
+    """A launched batch's (prepared, readout) once its device work is done (`Pipeline._device`: the readout's host
     tensor and the CUDA event after which it holds the answer); its inputs' memory goes back to the host
     allocator's cache then, for the batches after it."""
     prepared, host, event = launched
