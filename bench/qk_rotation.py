@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import write_json  # sibling scripts
 
 from uform.model.embed import AxialRotary
-from uform.model.qk_rotation import _launch
+from uform.model.qk_rotation import launch_backward
 
 GEOMETRIES = {"image-text": (30, 2048, 8), "reference text": (64, 1024, 8), "24 x 1024": (32, 1024, 16)}
 """name: (R, C, H), head width 64."""
@@ -76,10 +76,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         moved = 2 * (dq.numel() + dk.numel() + dv.numel()) * dq.element_size() + 2 * cos.numel() * cos.element_size()
         first = None
         for tokens, each in shapes:
-            out = _launch(*given, tokens, each)
+            out = launch_backward(*given, tokens, each)
             same = first is None or torch.equal(out, first)
             first = out if first is None else first
-            us = timed(lambda g=given, t=tokens, e=each: _launch(*g, t, e), args.repeats)
+            us = timed(lambda g=given, t=tokens, e=each: launch_backward(*g, t, e), args.repeats)
             row = {"geometry": name, "tokens": tokens, "heads_each": each, "us": us, "tb_s": moved / us / 1e6}
             row["same_bits"] = same
             result["rows"].append(row)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from uform.model.embed import AxialRotary
-from uform.model.qk_rotation import _launch, rotary_qkv_backward, rotate_qkv, unrotate_reference
+from uform.model.qk_rotation import launch_backward, rotary_qkv_backward, rotate_qkv, unrotate_reference
 
 R, C, H, K = 3, 40, 4, 16
 
@@ -99,4 +99,4 @@ def test_cuda_kernel_matches_the_reference(dtype: torch.dtype, rows: int, column
     torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 2**-7, atol=1e-5)
     assert torch.equal(got[:, :, 2], dv)
     for tokens, heads_each in ((32, 1), (64, 4), (128, 8)):  # other program shapes (bench/qk_rotation.py): same bits
-        assert torch.equal(_launch(dq, dk, dv, cos, sin, tokens, heads_each), got)
+        assert torch.equal(launch_backward(dq, dk, dv, cos, sin, tokens, heads_each), got)

@@ -30,7 +30,7 @@ try:  # Triton ships with CUDA builds of PyTorch; the CPU build has none
 except ImportError:  # pragma: no cover - exercised by the CPU build
     triton = None
 
-__all__ = ["rotary_qkv_backward", "rotate_qkv", "unrotate_reference"]
+__all__ = ["launch_backward", "rotary_qkv_backward", "rotate_qkv", "unrotate_reference"]
 
 _TOKENS = 32
 """Tokens a program of the kernel handles: [32, F] tiles."""
@@ -70,11 +70,14 @@ def rotary_qkv_backward(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Te
     [R, C, 1, F]: dq and dk rotated back, dv as it is."""
     if not _usable_kernel(dq, dk, dv, cos, sin):
         return torch.stack((unrotate_reference(dq, cos, sin), unrotate_reference(dk, cos, sin), dv), dim=2)
-    return _launch(dq, dk, dv, cos, sin, _TOKENS, _HEADS)
+    return launch_backward(dq, dk, dv, cos, sin, _TOKENS, _HEADS)
 
 
-def _launch(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor, tokens_each: int, heads_each: int) -> Tensor:
-    """The kernel over programs of `tokens_each` tokens x `heads_each` heads (bench/qk_rotation.py sweeps both)."""
+def launch_backward(
+    dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor, tokens_each: int, heads_each: int
+) -> Tensor:
+    """`rotary_qkv_backward`'s Triton kernel (CUDA tensors it takes) over programs of `tokens_each` tokens x
+    `heads_each` heads; the answer is the same for every program shape (bench/qk_rotation.py times them)."""
     rows, columns, heads, width = dq.shape
     out = dq.new_empty((rows, columns, 3, heads, width))
     tokens = rows * columns
