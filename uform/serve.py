@@ -265,7 +265,7 @@ class Model:
         """(rows, columns) a batch packs into: `rows` x `columns` positions, in wider rows where the forward's
         attention is FlexAttention's (`packing_rows`); the dense path's mask grows as a row's width squared."""
         self._stage = HostStage()  # its decoders, host processes and kept units
-        self._pipeline = Pipeline(self, self._stage, prefix=self._prefix, compiled=compiled)  # how its calls run
+        self._pipeline = Pipeline(self, self._stage, prefix=self._prefix)  # how its calls run
         self.host_processes = host_processes
         """Processes a call's host stage runs in where it has media items (`load(host_processes=...)`; 0: this
         process); a model that keeps decoded units (`keep_decoded`) decodes here, in the process that keeps them."""

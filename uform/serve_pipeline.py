@@ -70,7 +70,7 @@ class Served(Protocol):
 class Pipeline:
     """One serving model's calls through the host stage and the device, one call (or stream of calls) at a time."""
 
-    def __init__(self, served: Served, stage: HostStage, *, prefix: int, compiled: bool) -> None:
+    def __init__(self, served: Served, stage: HostStage, *, prefix: int) -> None:
         self.served = served
         self._stage = stage
         self._prefix = prefix  # a text item's prefix positions
@@ -88,7 +88,7 @@ class Pipeline:
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # batches cross on it
         self._pooled_fn: Callable[..., Tensor] = self._pooled_forward
         self._states_fn: Callable[..., Tensor] = self._states_forward
-        if compiled:
+        if served.compiled:  # as the model is built: a later change of `compiled` moves only the packing
             self._pooled_fn = torch.compile(self._pooled_forward, dynamic=False)
             self._states_fn = torch.compile(self._states_forward, dynamic=False)
 
