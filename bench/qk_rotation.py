@@ -1,4 +1,4 @@
-"""The rotary backward kernel alone (`model.qk_rotation`), over its programs' shapes (issue 12, goals 1 and 4).
+"""The rotary kernels alone (`model.qk_rotation`), over their programs' shapes (issue 12, goals 1 and 4).
 
 Shape legend: R rows, C columns, H heads, K head width (64), F = K / 2.
 
@@ -8,9 +8,10 @@ step geometries (the image-text step's 30 x 2048 rows at hidden 512, the referen
 the 24 x 1024 step's 32 x 1024 at 1024), each program shape of `--tokens` x `--heads-each` (tokens x heads a
 program handles; the rotary code read once for its heads) timed by CUDA events around `--repeats` calls back to
 back (the median of seven rounds), with the bytes moved per second (reads of dq, dk, dv and the rotary code once,
-writes of the gradient) and whether it answered every bit as the first shape did. Writes bench-qk-rotation.json
-under $OUT (or the current folder). CUDA only. Usage:
-  python bench/qk_rotation.py [--tokens 32,64,128 --heads-each 1,2,4,8 --repeats 20]
+writes of the gradient) and whether it answered every bit as the first shape did. The forward kernel (the op the
+scaled dot-product attention paths take) the same way, from the projection's contiguous [R, C, 3, H, K] to rotated
+q and k (`--passes forward`). Writes bench-qk-rotation.json under $OUT (or the current folder). CUDA only. Usage:
+  python bench/qk_rotation.py [--tokens 32,64,128 --heads-each 1,2,4,8 --repeats 20 --passes backward,forward]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import write_json  # sibling scripts
 
 from uform.model.embed import AxialRotary
-from uform.model.qk_rotation import launch_backward
+from uform.model.qk_rotation import launch_backward, launch_forward
 
 GEOMETRIES = {"image-text": (30, 2048, 8), "reference text": (64, 1024, 8), "24 x 1024": (32, 1024, 16)}
 """name: (R, C, H), head width 64."""
@@ -41,6 +42,13 @@ def inputs(rows: int, columns: int, heads: int) -> tuple[torch.Tensor, ...]:
     dk = torch.randn(rows, heads, columns, 64, device=cuda, dtype=torch.bfloat16).transpose(1, 2)
     dv = torch.randn(rows, columns, 3, heads, 64, device=cuda, dtype=torch.bfloat16)[:, :, 2]
     return dq, dk, dv, cos, sin
+
+
+def forward_inputs(rows: int, columns: int, heads: int) -> tuple[torch.Tensor, ...]:
+    """The projection's qkv [R, C, 3, H, K] and (cos, sin), bf16, as a block's forward hands them over."""
+    cuda = torch.device("cuda")
+    cos, sin = (t.to(cuda, torch.bfloat16) for t in AxialRotary(64)(torch.randint(0, 300, (rows, columns, 3))))
+    return torch.randn(rows, columns, 3, heads, 64, device=cuda, dtype=torch.bfloat16), cos, sin
 
 
 def timed(run: Any, repeats: int) -> float:
@@ -65,25 +73,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tokens", default="32,64,128", help="comma-separated tokens a program")
     parser.add_argument("--heads-each", default="1,2,4,8", help="comma-separated heads a program")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--passes", default="backward,forward", help="comma-separated: backward, forward")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     shapes = [(int(t), int(h)) for t in args.tokens.split(",") for h in args.heads_each.split(",")]
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": []}
-    for name, (rows, columns, heads) in GEOMETRIES.items():
-        given = inputs(rows, columns, heads)
-        dq, dk, dv, cos, _ = given
-        moved = 2 * (dq.numel() + dk.numel() + dv.numel()) * dq.element_size() + 2 * cos.numel() * cos.element_size()
-        first = None
-        for tokens, each in shapes:
-            out = launch_backward(*given, tokens, each)
-            same = first is None or torch.equal(out, first)
-            first = out if first is None else first
-            us = timed(lambda g=given, t=tokens, e=each: launch_backward(*g, t, e), args.repeats)
-            row = {"geometry": name, "tokens": tokens, "heads_each": each, "us": us, "tb_s": moved / us / 1e6}
-            row["same_bits"] = same
-            result["rows"].append(row)
-            print(f"{name:15s} tokens {tokens:4d} heads {each}: {us:7.1f} µs {row['tb_s']:5.2f} TB/s same {same}")
+    kernels = {"backward": launch_backward, "forward": launch_forward}
+    for kernel_pass in args.passes.split(","):
+        launch = kernels[kernel_pass]
+        for name, (rows, columns, heads) in GEOMETRIES.items():
+            given = inputs(rows, columns, heads) if kernel_pass == "backward" else forward_inputs(rows, columns, heads)
+            cos = given[-2]
+            code = 2 * cos.numel() * cos.element_size()
+            if kernel_pass == "backward":  # dq, dk, dv read; the gradient written
+                moved = 2 * sum(t.numel() for t in given[:3]) * given[0].element_size() + code
+            else:  # q and k read out of qkv; rotated q and k written
+                moved = 4 * (given[0].numel() // 3) * given[0].element_size() + code
+            first: Any = None
+            for tokens, each in shapes:
+                out = launch(*given, tokens, each)
+                out = torch.cat([o.reshape(-1) for o in out]) if isinstance(out, tuple) else out
+                same = first is None or torch.equal(out, first)
+                first = out if first is None else first
+                us = timed(lambda g=given, t=tokens, e=each, f=launch: f(*g, t, e), args.repeats)
+                row = {"pass": kernel_pass, "geometry": name, "tokens": tokens, "heads_each": each, "us": us}
+                row.update({"tb_s": moved / us / 1e6, "same_bits": same})
+                result["rows"].append(row)
+                print(
+                    f"{kernel_pass:8s} {name:15s} tokens {tokens:4d} heads {each}: {us:7.1f} µs "
+                    f"{row['tb_s']:5.2f} TB/s same {same}"
+                )
     print(write_json("bench-qk-rotation.json", result))
     return result
 

@@ -52,7 +52,9 @@ class Block(nn.Module):
         # views: the rotation and its backward then read and write whole rows of qkv (and its gradient)
         # instead of transposing them (H200 profile, reference geometry: the rotation's backward and the
         # re-stacking of the head-major gradients cost 5.4 ms of a 50 ms step).
-        q, k, v = rotate_qkv(qkv, cos, sin)  # each [R, C, H, K]
+        # Scaled dot-product attention (uniform, gathered) takes rotated q and k from an op of their own, which
+        # inductor hands over without copying them (`qk_rotation`); FlexAttention takes inductor's fused rotation.
+        q, k, v = rotate_qkv(qkv, cos, sin, opaque=mask.kind in ("uniform", "gathered"))  # each [R, C, H, K]
         a = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)  # [R, H, C, K]
         a = a.transpose(1, 2).reshape(rows, columns, hidden)  # [R, C, D]
         x = x + self.out(a)
