@@ -219,6 +219,22 @@ def rotate_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, opaque: bool = False) -> t
 if triton is not None:
 
     @triton.jit
+    def _program_tokens(
+        cos, sin, tokens, columns, c_row, c_column, c_frequency, HALF: tl.constexpr, TOKENS: tl.constexpr
+    ):  # pragma: no cover - runs on CUDA only
+        """A program's tokens, the same for both kernels: flat ids t [T], whether each is inside [T, 1], their row
+        r and column c [T], the frequencies' offsets f [1, F] and the tokens' rotary code (cos, sin) [T, F] in
+        float32, read once for all the heads the program takes."""
+        t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)  # [T] flat token ids
+        inside = (t < tokens)[:, None]  # [T, 1]
+        r, c = t // columns, t % columns
+        f = tl.arange(0, HALF)[None, :]  # [1, F]
+        code = (r * c_row + c * c_column)[:, None] + f * c_frequency  # [T, F]
+        co = tl.load(cos + code, mask=inside, other=0.0).to(tl.float32)
+        si = tl.load(sin + code, mask=inside, other=0.0).to(tl.float32)
+        return t, inside, r, c, f, co, si
+
+    @triton.jit
     def _kernel(
         dq,
         dk,
@@ -245,13 +261,9 @@ if triton is not None:
         TOKENS: tl.constexpr,
         HEADS: tl.constexpr,
     ):  # pragma: no cover - runs on CUDA only
-        t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)  # [T] flat token ids
-        inside = (t < tokens)[:, None]  # [T, 1]
-        r, c = t // columns, t % columns
-        f = tl.arange(0, HALF)[None, :]  # [1, F]
-        code = (r * c_row + c * c_column)[:, None] + f * c_frequency  # [T, F]
-        co = tl.load(cos + code, mask=inside, other=0.0).to(tl.float32)
-        si = tl.load(sin + code, mask=inside, other=0.0).to(tl.float32)
+        t, inside, r, c, f, co, si = _program_tokens(
+            cos, sin, tokens, columns, c_row, c_column, c_frequency, HALF, TOKENS
+        )
         width = 2 * HALF
         slot = heads * width
         for j in tl.static_range(HEADS):
@@ -293,13 +305,9 @@ if triton is not None:
         TOKENS: tl.constexpr,
         HEADS: tl.constexpr,
     ):  # pragma: no cover - runs on CUDA only
-        t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)  # [T] flat token ids
-        inside = (t < tokens)[:, None]  # [T, 1]
-        r, c = t // columns, t % columns
-        f = tl.arange(0, HALF)[None, :]  # [1, F]
-        code = (r * c_row + c * c_column)[:, None] + f * c_frequency  # [T, F]
-        co = tl.load(cos + code, mask=inside, other=0.0).to(tl.float32)
-        si = tl.load(sin + code, mask=inside, other=0.0).to(tl.float32)
+        t, inside, r, c, f, co, si = _program_tokens(
+            cos, sin, tokens, columns, c_row, c_column, c_frequency, HALF, TOKENS
+        )
         width = 2 * HALF
         for j in tl.static_range(HEADS):
             head = tl.program_id(1) * HEADS + j
