@@ -1,9 +1,11 @@
 """The MLP's paths (`uform.model.mlp`) on the CPU: `FusedMLP`'s hand-written backward against autograd's (gradcheck
 in float64, through the ops' torch fallbacks that stand where cuBLASLt is missing), the gates that keep every other
-step on the separate kernels, and the cuBLASLt binding's answer without a GPU. tests/test_cuda.py holds the
+step on the separate kernels, the cuBLASLt binding's answer without a GPU, and how a plan is chosen by timing. tests/test_cuda.py holds the
 epilogues themselves to the separate kernels on a GPU."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -67,3 +69,27 @@ def test_the_cpu_step_keeps_the_separate_kernels_even_when_fused_is_asked() -> N
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with_autocast = block.down(F.gelu(block.up(h), approximate="tanh"))  # type: ignore[operator]
         assert torch.equal(mlp(block.up, block.down, h, True), with_autocast)  # type: ignore[arg-type]
+
+
+def test_a_plan_is_chosen_by_median_over_interleaved_rounds() -> None:
+    """`cublaslt._fastest`: every option timed once a round, in turn, the least median kept. With the device's
+    clocks still rising as timing begins (a fake timer: the first calls slow, then steady), timing each option once
+    in a row crowns the slower one; the rounds find the faster, and ties keep the first."""
+    true = {"separate": 1.00, "fused": 1.05}
+
+    def cold_timer() -> tuple[Any, list[str]]:
+        calls: list[str] = []
+
+        def timer(option: str) -> float:
+            calls.append(option)
+            return true[option] + max(0.0, 0.5 - 0.25 * (len(calls) - 1))  # +0.5, +0.25, then steady
+
+        return timer, calls
+
+    timer, _ = cold_timer()
+    single = {option: timer(option) for option in true}  # each once, in a row: how a plan was chosen before
+    assert min(single, key=single.__getitem__) == "fused"
+    timer, calls = cold_timer()
+    assert cublaslt._fastest(["separate", "fused"], timer) == "separate"
+    assert calls == ["separate", "fused"] * 3
+    assert cublaslt._fastest(["a", "b"], lambda option: 1.0) == "a"

@@ -20,15 +20,19 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import statistics
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["available", "linear_dgelu", "linear_gelu_aux"]
+
+_Option = TypeVar("_Option")
 
 _CUDA_R_32F = 0
 _CUDA_R_16BF = 14
@@ -42,6 +46,7 @@ _WORKSPACE_BYTES = 32 << 20  # what PyTorch gives cuBLASLt on Hopper
 _ALIGN = 16  # bytes: every pointer and leading dimension the kernels vectorise over
 _CANDIDATES = 8  # the heuristic's algorithms timed for a shape
 _TIMED_CALLS = 10
+_ROUNDS = 3  # of timing every option once, a plan's choice the median's (`_fastest`)
 
 
 class _Heuristic(ctypes.Structure):
@@ -115,9 +120,11 @@ class _Library:
         """The plan of D [m, n] = op(A) [m, k] @ B [k, n] (column-major, every operand bf16, contiguous), or None
         where torch's separate kernels are faster. Chosen once per shape: `launch(plan)` (None: the separate
         kernels) runs the call's own product each way, and the fastest of the heuristic's candidates and the
-        separate kernels is kept, as cuBLASLt's documentation advises for its top results and inductor does for
-        its GEMMs. (H200: for the down projection's DGELU at hidden 1024 the heuristic's one candidate took
-        0.79 ms where the GEMM and GELU's backward took 0.57; at hidden 512 its second candidate beat its first.)
+        separate kernels (the least median over three rounds that each time every one in turn, `_fastest`) is
+        kept, as cuBLASLt's documentation advises for its top results and inductor does for its GEMMs. (H200: for
+        the down projection's DGELU at hidden 1024 the heuristic's one candidate took 0.79 ms where the GEMM and
+        GELU's backward took 0.57 on the fifteenth day, 0.62 against 0.66 on the twenty-fifth; at hidden 512 its
+        second candidate beat its first.)
         Like `torch.backends.cudnn.benchmark`, a timed choice can differ between processes in the last bits of
         what it computes (CUDA steps already do: the embedding's backward adds atomically); under
         `torch.use_deterministic_algorithms(True)` the separate kernels run instead."""
@@ -130,8 +137,8 @@ class _Library:
                 if not candidates or torch.cuda.is_current_stream_capturing():
                     self.plans[key] = candidates[0] if candidates else None
                 else:
-                    timed = [(_milliseconds(functools.partial(launch, p)), p) for p in [None, *candidates]]
-                    self.plans[key] = min(timed, key=lambda t: t[0])[1]
+                    options: list[_Plan | None] = [None, *candidates]
+                    self.plans[key] = _fastest(options, lambda p: _milliseconds(functools.partial(launch, p)))
             return self.plans[key]
 
     def _candidates(self, device: int, epilogue: int, transa: int, m: int, n: int, k: int) -> list[_Plan]:
@@ -179,6 +186,20 @@ class _Library:
                 workspace.data_ptr(), _WORKSPACE_BYTES, stream,
             )  # fmt: skip
         _check(status, "cublasLtMatmul")
+
+
+def _fastest(options: list[_Option], time: Callable[[_Option], float], rounds: int = _ROUNDS) -> _Option:
+    """The option of least median `time` over `rounds` rounds, each round timing every option once in turn (ties:
+    the earlier option). Timed one after another once each, the first option took whatever the device's clocks
+    were doing as the timing began: on the H200 the down projection's DGELU at hidden 1024 and its two separate
+    kernels are 6% apart (616-622 against 661 µs, BENCHMARKS.md "Issue 12, twenty-fifth day"), and steps had taken
+    either."""
+    times: list[list[float]] = [[] for _ in options]
+    for _ in range(rounds):
+        for spent, option in zip(times, options, strict=True):
+            spent.append(time(option))
+    medians = [statistics.median(spent) for spent in times]
+    return options[medians.index(min(medians))]
 
 
 def _milliseconds(call: Callable[[], None]) -> float:
