@@ -192,8 +192,8 @@ def _fastest(options: list[_Option], time: Callable[[_Option], float], rounds: i
     """The option of least median `time` over `rounds` rounds, each round timing every option once in turn (ties:
     the earlier option). Timed one after another once each, the first option took whatever the device's clocks
     were doing as the timing began: on the H200 the down projection's DGELU at hidden 1024 and its two separate
-    kernels are 6% apart (616-622 against 661 µs, BENCHMARKS.md "Issue 12, twenty-fifth day"), and steps had taken
-    either."""
+    kernels are 6% apart (616-622 against 661 µs, BENCHMARKS.md "Issue 12, twenty-fifth day"), yet a step's profile
+    there had taken the separate kernels."""
     times: list[list[float]] = [[] for _ in options]
     for _ in range(rounds):
         for spent, option in zip(times, options, strict=True):
