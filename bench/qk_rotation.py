@@ -34,21 +34,35 @@ GEOMETRIES = {"image-text": (30, 2048, 8), "reference text": (64, 1024, 8), "24 
 """name: (R, C, H), head width 64."""
 
 
-def inputs(rows: int, columns: int, heads: int) -> tuple[torch.Tensor, ...]:
-    """dq, dk, dv and (cos, sin) bf16 on the strides a block's backward hands over."""
+def rotary_code(rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [R, C, 1, F] bf16 on the device, for random positions."""
+    cos, sin = AxialRotary(64)(torch.randint(0, 300, (rows, columns, 3)))
+    return cos.to("cuda", torch.bfloat16), sin.to("cuda", torch.bfloat16)
+
+
+def backward_inputs(rows: int, columns: int, heads: int) -> tuple[tuple[torch.Tensor, ...], int]:
+    """dq, dk, dv and (cos, sin) bf16 on the strides a block's backward hands over, and the bytes the kernel moves
+    (dq, dk, dv read; the gradient written; the code read)."""
     cuda = torch.device("cuda")
-    cos, sin = (t.to(cuda, torch.bfloat16) for t in AxialRotary(64)(torch.randint(0, 300, (rows, columns, 3))))
     dq = torch.randn(rows, heads, columns, 64, device=cuda, dtype=torch.bfloat16).transpose(1, 2)
     dk = torch.randn(rows, heads, columns, 64, device=cuda, dtype=torch.bfloat16).transpose(1, 2)
     dv = torch.randn(rows, columns, 3, heads, 64, device=cuda, dtype=torch.bfloat16)[:, :, 2]
-    return dq, dk, dv, cos, sin
+    cos, sin = rotary_code(rows, columns)
+    moved = 2 * 3 * dq.numel() * dq.element_size() + 2 * cos.numel() * cos.element_size()
+    return (dq, dk, dv, cos, sin), moved
 
 
-def forward_inputs(rows: int, columns: int, heads: int) -> tuple[torch.Tensor, ...]:
-    """The projection's qkv [R, C, 3, H, K] and (cos, sin), bf16, as a block's forward hands them over."""
-    cuda = torch.device("cuda")
-    cos, sin = (t.to(cuda, torch.bfloat16) for t in AxialRotary(64)(torch.randint(0, 300, (rows, columns, 3))))
-    return torch.randn(rows, columns, 3, heads, 64, device=cuda, dtype=torch.bfloat16), cos, sin
+def forward_inputs(rows: int, columns: int, heads: int) -> tuple[tuple[torch.Tensor, ...], int]:
+    """The projection's qkv [R, C, 3, H, K] and (cos, sin), bf16, as a block's forward hands them over, and the
+    bytes the kernel moves (q and k read out of qkv; rotated q and k written; the code read)."""
+    qkv = torch.randn(rows, columns, 3, heads, 64, device="cuda", dtype=torch.bfloat16)
+    cos, sin = rotary_code(rows, columns)
+    moved = 4 * (qkv.numel() // 3) * qkv.element_size() + 2 * cos.numel() * cos.element_size()
+    return (qkv, cos, sin), moved
+
+
+PASSES = {"backward": (launch_backward, backward_inputs), "forward": (launch_forward, forward_inputs)}
+"""pass: (the kernel's launch, its inputs at a geometry)."""
 
 
 def timed(run: Any, repeats: int) -> float:
@@ -79,17 +93,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error("needs a CUDA device")
     shapes = [(int(t), int(h)) for t in args.tokens.split(",") for h in args.heads_each.split(",")]
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": []}
-    kernels = {"backward": launch_backward, "forward": launch_forward}
     for kernel_pass in args.passes.split(","):
-        launch = kernels[kernel_pass]
+        launch, make = PASSES[kernel_pass]
         for name, (rows, columns, heads) in GEOMETRIES.items():
-            given = inputs(rows, columns, heads) if kernel_pass == "backward" else forward_inputs(rows, columns, heads)
-            cos = given[-2]
-            code = 2 * cos.numel() * cos.element_size()
-            if kernel_pass == "backward":  # dq, dk, dv read; the gradient written
-                moved = 2 * sum(t.numel() for t in given[:3]) * given[0].element_size() + code
-            else:  # q and k read out of qkv; rotated q and k written
-                moved = 4 * (given[0].numel() // 3) * given[0].element_size() + code
+            given, moved = make(rows, columns, heads)
             first: Any = None
             for tokens, each in shapes:
                 out = launch(*given, tokens, each)

@@ -55,16 +55,6 @@ _HEADS = 4
 image-text step's shape, 129 against 138 at the reference text step's, 133 both at 24 x 1024."""
 
 
-def unrotate_reference(g: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """The transposed rotation of g [R, C, H, K] (cos, sin broadcast over heads), in at least float32, rounded to
-    g's dtype."""
-    wide = torch.promote_types(g.dtype, torch.float32)
-    half = g.shape[-1] // 2
-    g1, g2 = g[..., :half].to(wide), g[..., half:].to(wide)
-    c, s = cos.to(wide), sin.to(wide)
-    return torch.cat((g1 * c + g2 * s, g2 * c - g1 * s), dim=-1).to(g.dtype)
-
-
 def rotate_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """The rotation of x [R, C, H, K] (cos, sin broadcast over heads), in at least float32, rounded once to x's
     dtype (as inductor's fused kernel computes the plain rotation)."""
@@ -75,17 +65,23 @@ def rotate_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
-def _usable_kernel(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor) -> bool:
-    tensors = (dq, dk, dv, cos, sin)
+def unrotate_reference(g: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The transposed rotation of g [R, C, H, K]: the rotation by the opposite angle, the same bits as writing it
+    out (a product with -sin is the negated product, and subtracting it adds)."""
+    return rotate_reference(g, cos, -sin)
+
+
+def _usable_kernel(heads: tuple[Tensor, ...], cos: Tensor, sin: Tensor) -> bool:
+    """Whether the kernels take these per-head tensors [R, C, H, K] (q and k, or dq, dk and dv) and code."""
+    first = heads[0]
     return (
         triton is not None
-        and all(t.is_cuda for t in tensors)
-        and dq.dtype == dk.dtype == dv.dtype
+        and all(t.is_cuda for t in (*heads, cos, sin))
+        and all(t.dtype == first.dtype and t.stride(-1) == 1 for t in heads)
         and cos.dtype == sin.dtype
-        and all(t.stride(-1) == 1 for t in (dq, dk, dv))
         and cos.stride() == sin.stride()
-        and dq.shape[-1] % 2 == 0
-        and (dq.shape[-1] // 2) & (dq.shape[-1] // 2 - 1) == 0  # a power of two: a tile's width
+        and first.shape[-1] % 2 == 0
+        and (first.shape[-1] // 2) & (first.shape[-1] // 2 - 1) == 0  # a power of two: a tile's width
     )
 
 
@@ -93,7 +89,7 @@ def _usable_kernel(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor)
 def rotary_qkv_backward(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """The projection's gradient [R, C, 3, H, K] (contiguous) from dq, dk, dv [R, C, H, K] and (cos, sin)
     [R, C, 1, F]: dq and dk rotated back, dv as it is."""
-    if not _usable_kernel(dq, dk, dv, cos, sin):
+    if not _usable_kernel((dq, dk, dv), cos, sin):
         return torch.stack((unrotate_reference(dq, cos, sin), unrotate_reference(dk, cos, sin), dv), dim=2)
     return launch_backward(dq, dk, dv, cos, sin, _TOKENS, _HEADS)
 
@@ -141,7 +137,7 @@ def rotary_qk_forward(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Te
     """Rotated q and k, each [R, C, H, K] contiguous, from the projection's qkv [R, C, 3, H, K] and (cos, sin)
     [R, C, 1, F] in qkv's dtype; float32 arithmetic, one rounding."""
     q, k, _ = qkv.unbind(2)
-    if not _usable_kernel(q, k, q, cos, sin):
+    if not _usable_kernel((q, k), cos, sin):
         return rotate_reference(q, cos, sin), rotate_reference(k, cos, sin)
     return launch_forward(qkv, cos, sin, _TOKENS, _HEADS)
 
