@@ -1,4 +1,5 @@
-"""One device's replica of a run: its network, optimizer and step counter, and the pipeline of its steps.
+"""One device's replica of a run: its network, optimizer and step counts (`ledger.StepLedger`), and the pipeline
+of its steps.
 
 A step goes: prepare the host arrays (the replica's `Stage`, given by the runtime: decode the media, then
 `data/batch.py`: pack, corrupt, pair; on the replica's host threads or in preparer processes) -> copy them to the
@@ -20,7 +21,6 @@ import dataclasses
 import json
 import os
 import threading
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,13 +39,14 @@ from ..model import cublaslt
 from ..model.attention import compiled_flex_available, flex_block
 from ..model.inputs import DeviceBatch, to_device, to_host
 from ..model.network import Losses, Network
-from ..notices import NonFiniteWarning, Notices, ScheduleWarning
+from ..notices import Notices, ScheduleWarning
 from ..runtime.world import GradientReducer, MeshError, World, WorldAborted, reduction_order, wait_event
 from .agreement import compare_runs
 from .capacity import warn_step_capacity
 from .checked_step import CheckedStep, check_step
 from .checkpoint import write_checkpoint
 from .init_from import StartingWeights, load_starting_weights
+from .ledger import StepLedger
 from .memory import check_memory
 from .optim import LATE, Optimizer, build_optimizer, learning_rate, nonfinite, rate_overflows, reach
 from .run_schema import restore_moments, run_metadata, run_tensors, stored_weights
@@ -129,24 +130,17 @@ class Replica:
         self.closed = False
         self._reducer: GradientReducer | None = None
         self.optimizer: Optimizer
-        self._step_count = 0
-        """Updates applied, across resumes (`steps_taken`); where the device decides a skip, as far as read."""
         self._calls = 0
         """The number of the last step whose device stage ran, applied or skipped (the draws' key)."""
-        self._nonfinite_total = 0
-        """Steps skipped as non-finite, across resumes (as far as read)."""
-        self._skips: list[int] = []
-        """The numbers of the skipped steps no step's stats have reported yet."""
-        self._pending: deque[tuple[int, torch.Tensor, Any]] = deque()
-        """CUDA: (step, host flag, event) of the steps whose skip only the device knows yet, oldest first."""
         self._torn = ""
         """Why an update failed part-way (then every later step and save refuses)."""
-        self._counting = threading.Lock()
         self._dropped = 0
         self._skipped = 0
         self.notices = Notices()
         """The run's warnings (skipped media, items cut or dropped for room, steps past the schedule, steps
         skipped as non-finite), each kind shown once and counted: `notices.counts()`."""
+        self._ledger = StepLedger(self.notices)
+        """Steps applied and skipped, across resumes, and the skips only the device knows yet."""
         self.host_processes = host_processes
         """Preparer processes that prepare the steps (`uform.runtime.preparers`); 0: the prepare stage runs on this process's threads."""
         # Two stages: the prepare stage packs and corrupts step n + 1 while the device stage runs step n, so the
@@ -168,7 +162,6 @@ class Replica:
         self._lock = threading.Lock()
         self._next_step = 1
         self._reported = 0  # the last step whose stats were read (the skips reported are those after it)
-        self._resolving = threading.Lock()
         cuda = self.device.type == "cuda"
         self.attention = "flex" if compiled_flex_available(self.device) else "dense"
         self.mlp = "cublaslt" if cuda and cublaslt.available(self.device) else "separate"
@@ -257,7 +250,7 @@ class Replica:
         if self.init_from is not None:  # a rank started from other weights would train another run
             record["init_from"] = self.init_from.digest
         try:
-            compare_runs(world, json.dumps(record, sort_keys=True), self._step_count)
+            compare_runs(world, json.dumps(record, sort_keys=True), self._ledger.applied)
         except BaseException:
             self.close()
             raise
@@ -269,9 +262,8 @@ class Replica:
         # read_stored_run checked the names, dtypes and shapes against this network, read_run_tensors the digest.
         self.network.load_state_dict(stored_weights(tensors), strict=True)
         restore_moments(self.network, self.optimizer, tensors, fused=self.device.type == "cuda")
-        self._step_count = stored.step
-        self._nonfinite_total = stored.nonfinite
-        self._calls = self._reported = self._step_count + self._nonfinite_total
+        self._ledger.restore(stored.step, stored.nonfinite)
+        self._calls = self._reported = stored.step + stored.nonfinite
         self._next_step = self._calls + 1
         self._dropped = stored.dropped
         self._skipped = stored.skipped
@@ -338,7 +330,7 @@ class Replica:
         def copy() -> Weights:
             self._resolve(None)
             tensors = {k: v.detach().to("cpu", copy=True) for k, v in self.network.state_dict().items()}
-            return Weights(self.config, self._step_count, tensors)
+            return Weights(self.config, self._ledger.applied, tensors)
 
         copied = self._queue.submit(copy)
         answered: Future = Future()
@@ -390,12 +382,12 @@ class Replica:
     def steps_taken(self) -> int:
         """Optimizer steps applied so far, across resumes (a step skipped as non-finite is not one)."""
         self._resolve(None)
-        return self._step_count
+        return self._ledger.applied
 
     @property
     def steps_read(self) -> int:
         """Optimizer steps applied as far as read, without waiting for the device work of queued steps."""
-        return self._step_count
+        return self._ledger.applied
 
     def close(self) -> None:
         """Waits for queued calls and stops the replica's threads and processes. Later steps and saves are
@@ -516,7 +508,7 @@ class Replica:
         skip = self._update(rate, loss, unreached)
         self._calls = step
         if isinstance(skip, bool):
-            self._record(step, skip, rate)
+            self._ledger.record(step, skip, rate)
         self._dropped += batch.dropped
         self._skipped += batch.skipped
 
@@ -545,17 +537,10 @@ class Replica:
             event = torch.cuda.Event(blocking=True)
             event.record(torch.cuda.current_stream(self.device))
         if "skip" in host_copies:
-            with self._counting:
-                self._pending.append((step, host_copies["skip"], event))
+            self._ledger.defer(step, host_copies["skip"], event)
 
         def finish() -> torch.Tensor | None:
-            if event is not None and world is not None:
-                try:  # in a world, a peer that died leaves this event unfinished: a wait with a deadline
-                    wait_event(event, world, f"step {step}'s device work")
-                except WorldAborted as error:
-                    raise _broken(world, error, step) from error
-            elif event is not None:
-                event.synchronize()
+            self._wait(step, event, "device work")
             self._resolve(step)
             if checked.stats is not None:
                 stats = checked.stats
@@ -570,7 +555,7 @@ class Replica:
                 stats.truncated = batch.truncated
                 stats.dropped = dropped
                 stats.skipped = skipped
-                stats.nonfinite = self._reported_skips(since, step)
+                stats.nonfinite = self._ledger.reported(since, step)
             if checked.arena is None:
                 return None
             return checked.arena.land(host_copies["arena"], torch.from_numpy(batch.layout.slot >= 0), checked.scalar)
@@ -637,54 +622,22 @@ class Replica:
         finally:
             optimizer.zero_grad(set_to_none=True)
 
-    def _record(self, step: int, skipped: bool, rate: float) -> None:
-        """Counts step `step` as applied or skipped (and warns, once, of a skip)."""
-        with self._counting:
-            if skipped:
-                self._nonfinite_total += 1
-                self._skips.append(step)
-            else:
-                self._step_count += 1
-        if not skipped:
-            return
-        if rate_overflows(rate):
-            why = f"its learning rate {rate:g} would carry AdamW's update out of float32"
-        else:
-            why = "its loss or gradients were not finite somewhere in the world"
-        self.notices.warn(
-            "non-finite",
-            f"uform: step {step} was skipped on every process: {why}. The weights, the optimizer's moments and "
-            "steps_taken are as before it; every such step is counted in TrainerStepStats.nonfinite (this "
-            "warning is shown once). Look for a huge loss weight, relation weight, inverse temperature or "
-            "learning rate.",
-            NonFiniteWarning,
-        )
-
     def _resolve(self, upto: int | None) -> None:
-        """Counts the steps up to `upto` (None: every one) whose skip only the device knew, in order, waiting
-        for their device work (CUDA)."""
-        with self._resolving:
-            while True:
-                with self._counting:
-                    if not self._pending or (upto is not None and self._pending[0][0] > upto):
-                        return
-                    step, flag, event = self._pending.popleft()
-                world = self.world if self.world is not None and self.world.size > 1 else None
-                if event is not None and world is not None:
-                    try:
-                        wait_event(event, world, f"step {step}'s update")
-                    except WorldAborted as error:
-                        raise _broken(world, error, step) from error
-                elif event is not None:  # (None: the CPU, whose flag was final when written)
-                    event.synchronize()
-                self._record(step, bool(flag.item()), 0.0)
+        """Counts the steps up to `upto` (None: every one) whose skip only the device knew, waiting for their
+        device work (`StepLedger.resolve`)."""
+        self._ledger.resolve(upto, lambda step, event: self._wait(step, event, "update"))
 
-    def _reported_skips(self, since: int, step: int) -> int:
-        """The skipped steps in (since, step], taken off the list (each is reported once)."""
-        with self._counting:
-            mine = [s for s in self._skips if since < s <= step]
-            self._skips = [s for s in self._skips if not since < s <= step]
-        return len(mine)
+    def _wait(self, step: int, event: Any, what: str) -> None:
+        """Waits for step `step`'s device work up to `event` (None: the CPU, done when written). In a world a peer
+        that died leaves the event unfinished, so the wait has the world's deadline and then breaks the world."""
+        world = self.world if self.world is not None and self.world.size > 1 else None
+        if event is not None and world is not None:
+            try:
+                wait_event(event, world, f"step {step}'s {what}")
+            except WorldAborted as error:
+                raise _broken(world, error, step) from error
+        elif event is not None:
+            event.synchronize()
 
     def _run_save(self, config: TrainerSaveConfig, data: str | None = None) -> None:
         if self.world is not None and self.world.aborted:
@@ -707,7 +660,7 @@ class Replica:
                 "embeddings). The last checkpoint written is the one to resume from"
             )
         tensors = run_tensors(self.network, self.optimizer)
-        counters = (self._step_count, self._dropped, self._skipped, self._nonfinite_total)
+        counters = (self._ledger.applied, self._dropped, self._skipped, self._ledger.nonfinite)
         metadata = run_metadata(self.config, *counters, data=data)
         write_checkpoint(config.path, tensors, metadata, config.progress, config.progress_steps or 10)
 
